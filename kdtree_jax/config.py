@@ -1,0 +1,289 @@
+"""Model configuration: a frozen dataclass built from a Hugging Face config.json or a preset.
+
+Every rope / eps / routing field is read from the file; nothing is a module-level constant.
+Supported files: Kimi K2 / DeepSeek-V3 (`model_type` "kimi_k2" or "deepseek_v3") and the
+K2.5 / K2.6 wrapper (`model_type` "kimi_k25", text model under `text_config`, weights
+prefixed `language_model.`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
+WRAPPER_MODEL_TYPES = ("kimi_k25",)
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+  """YaRN rope scaling, exactly the fields of HF `rope_scaling` (type "yarn")."""
+
+  factor: float
+  original_max_position_embeddings: int
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float | None = None  # None when the file leaves it out (HF semantics differ from 0)
+  mscale_all_dim: float | None = None
+
+  @property
+  def cos_sin_factor(self) -> float:
+    """HF `attention_factor`: multiplies cos and sin (1.0 for every Kimi config)."""
+    if self.mscale and self.mscale_all_dim:
+      return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+    return yarn_mscale(self.factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Kimi K2 / DeepSeek-V3 decoder shape. Letters: D hidden, H heads, R kv_lora_rank, P rope dim."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  moe_intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  q_lora_rank: int | None
+  kv_lora_rank: int
+  qk_nope_head_dim: int
+  qk_rope_head_dim: int
+  v_head_dim: int
+  n_routed_experts: int
+  num_experts_per_tok: int
+  n_shared_experts: int
+  n_group: int
+  topk_group: int
+  norm_topk_prob: bool
+  routed_scaling_factor: float
+  first_k_dense_replace: int
+  rms_norm_eps: float
+  rope_theta: float
+  rope_scaling: YarnScaling | None
+  max_position_embeddings: int
+  bos_token_id: int | None = None
+  eos_token_id: int | None = None
+  pad_token_id: int | None = None
+  # q_a_layernorm / kv_a_layernorm eps: HF and DeepSeek's reference build these with a fixed
+  # 1e-6, not rms_norm_eps (config.json has no field for it).
+  lora_norm_eps: float = 1e-6
+  # Where the text model's weights live in the checkpoint ("" for K2, "language_model." for K2.5/6).
+  weight_prefix: str = ""
+
+  def __post_init__(self):
+    if self.first_k_dense_replace > self.num_hidden_layers:
+      raise ValueError(f"{self.first_k_dense_replace=} exceeds {self.num_hidden_layers=}")
+    if self.n_routed_experts % self.n_group:
+      raise ValueError(f"{self.n_routed_experts=} is not divisible by {self.n_group=}")
+    if not 1 <= self.topk_group <= self.n_group:
+      raise ValueError(f"{self.topk_group=} must be in [1, {self.n_group=}]")
+    if self.num_experts_per_tok > self.n_routed_experts:
+      raise ValueError(f"{self.num_experts_per_tok=} exceeds {self.n_routed_experts=}")
+    if self.qk_rope_head_dim % 2:
+      raise ValueError(f"{self.qk_rope_head_dim=} must be even (rope rotates pairs)")
+
+  # ---- derived shapes -------------------------------------------------------------------
+  @property
+  def qk_head_dim(self) -> int:
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+  @property
+  def cache_dim(self) -> int:
+    """Width of one latent cache row: normalized c_kv (R) + rotated k_pe (P); 576 for K2."""
+    return self.kv_lora_rank + self.qk_rope_head_dim
+
+  @property
+  def num_dense_layers(self) -> int:
+    return self.first_k_dense_replace
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.num_hidden_layers - self.first_k_dense_replace
+
+  @property
+  def softmax_scale(self) -> float:
+    """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (as HF and DeepSeek)."""
+    scale = self.qk_head_dim ** -0.5
+    ys = self.rope_scaling
+    if ys is not None and ys.mscale_all_dim:
+      m = yarn_mscale(ys.factor, ys.mscale_all_dim)
+      scale *= m * m
+    return scale
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """DeepSeek's `yarn_get_mscale`: 0.1 * mscale * ln(factor) + 1 for factor > 1, else 1."""
+  if factor <= 1:
+    return 1.0
+  return 0.1 * mscale * math.log(factor) + 1.0
+
+
+# ---- Hugging Face config.json -----------------------------------------------------------
+_REQUIRED = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok",
+    "rms_norm_eps", "max_position_embeddings",
+)
+
+
+def _opt_float(v) -> float | None:
+  return None if v is None else float(v)
+
+
+def _parse_rope(d: dict[str, Any]) -> tuple[float, YarnScaling | None]:
+  """Reads rope_theta and rope_scaling (transformers v4 names) or rope_parameters (v5 names)."""
+  params = d.get("rope_parameters") or {}
+  scaling = d.get("rope_scaling") or (params if params.get("rope_type") not in (None, "default") else None)
+  theta = d.get("rope_theta", params.get("rope_theta"))
+  if theta is None:
+    raise ValueError("config.json has no rope_theta (nor rope_parameters.rope_theta)")
+  if not scaling:
+    return float(theta), None
+  kind = scaling.get("type", scaling.get("rope_type"))
+  if kind != "yarn":
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; only 'yarn' (DeepSeek/Kimi) is implemented")
+  for key in ("factor", "original_max_position_embeddings"):
+    if key not in scaling:
+      raise ValueError(f"rope_scaling is missing {key!r}: {scaling}")
+  ys = YarnScaling(
+      factor=float(scaling["factor"]),
+      original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+      beta_fast=float(scaling.get("beta_fast", 32.0)),
+      beta_slow=float(scaling.get("beta_slow", 1.0)),
+      mscale=_opt_float(scaling.get("mscale")),
+      mscale_all_dim=_opt_float(scaling.get("mscale_all_dim")),
+  )
+  return float(theta), ys
+
+
+def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
+  """Builds a ModelConfig from the parsed contents of a Hugging Face config.json."""
+  model_type = raw.get("model_type")
+  prefix = ""
+  d = raw
+  if model_type in WRAPPER_MODEL_TYPES:
+    if "text_config" not in raw:
+      raise ValueError(f"model_type {model_type!r} needs a 'text_config' section")
+    d = raw["text_config"]
+    prefix = "language_model."
+    model_type = d.get("model_type", "deepseek_v3")
+  if model_type not in SUPPORTED_MODEL_TYPES:
+    raise ValueError(
+        f"unsupported model_type {raw.get('model_type')!r}; expected one of "
+        f"{SUPPORTED_MODEL_TYPES + WRAPPER_MODEL_TYPES}")
+  missing = [k for k in _REQUIRED if k not in d]
+  if missing:
+    raise ValueError(f"config.json is missing required fields: {missing}")
+  if d.get("tie_word_embeddings", False):
+    raise ValueError("tie_word_embeddings=True is not a Kimi/DeepSeek-V3 layout (untied lm_head expected)")
+  if d.get("scoring_func", "sigmoid") != "sigmoid":
+    raise ValueError(f"scoring_func {d['scoring_func']!r} unsupported; Kimi/DeepSeek-V3 use 'sigmoid'")
+  if d.get("topk_method", "noaux_tc") != "noaux_tc":
+    raise ValueError(f"topk_method {d['topk_method']!r} unsupported; expected 'noaux_tc'")
+  theta, ys = _parse_rope(d)
+  eos = d.get("eos_token_id", raw.get("eos_token_id"))
+  if isinstance(eos, list):
+    eos = eos[0]
+  return ModelConfig(
+      vocab_size=int(d["vocab_size"]),
+      hidden_size=int(d["hidden_size"]),
+      intermediate_size=int(d["intermediate_size"]),
+      moe_intermediate_size=int(d["moe_intermediate_size"]),
+      num_hidden_layers=int(d["num_hidden_layers"]),
+      num_attention_heads=int(d["num_attention_heads"]),
+      q_lora_rank=None if d.get("q_lora_rank") is None else int(d["q_lora_rank"]),
+      kv_lora_rank=int(d["kv_lora_rank"]),
+      qk_nope_head_dim=int(d["qk_nope_head_dim"]),
+      qk_rope_head_dim=int(d["qk_rope_head_dim"]),
+      v_head_dim=int(d["v_head_dim"]),
+      n_routed_experts=int(d["n_routed_experts"]),
+      num_experts_per_tok=int(d["num_experts_per_tok"]),
+      n_shared_experts=int(d.get("n_shared_experts") or 0),
+      n_group=int(d.get("n_group") or 1),
+      topk_group=int(d.get("topk_group") or 1),
+      norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+      routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+      first_k_dense_replace=int(d.get("first_k_dense_replace", 0)),
+      rms_norm_eps=float(d["rms_norm_eps"]),
+      rope_theta=theta,
+      rope_scaling=ys,
+      max_position_embeddings=int(d["max_position_embeddings"]),
+      bos_token_id=d.get("bos_token_id", raw.get("bos_token_id")),
+      eos_token_id=eos,
+      pad_token_id=d.get("pad_token_id", raw.get("pad_token_id")),
+      weight_prefix=prefix,
+  )
+
+
+def load_hf_config(path: str) -> ModelConfig:
+  """Reads `config.json` from a checkpoint directory (or the file itself)."""
+  fname = os.path.join(path, "config.json") if os.path.isdir(path) else path
+  if not os.path.exists(fname):
+    raise FileNotFoundError(f"no config.json at {fname}")
+  with open(fname) as f:
+    return config_from_hf_dict(json.load(f))
+
+
+def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
+  """The DeepSeek-V3 style config.json for `cfg` (used to write small test checkpoints)."""
+  ys = cfg.rope_scaling
+  return {
+      "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+      "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+      "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+      "num_key_value_heads": cfg.num_attention_heads, "q_lora_rank": cfg.q_lora_rank,
+      "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+      "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim,
+      "n_routed_experts": cfg.n_routed_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+      "n_shared_experts": cfg.n_shared_experts, "n_group": cfg.n_group, "topk_group": cfg.topk_group,
+      "norm_topk_prob": cfg.norm_topk_prob, "routed_scaling_factor": cfg.routed_scaling_factor,
+      "first_k_dense_replace": cfg.first_k_dense_replace, "moe_layer_freq": 1,
+      "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rms_norm_eps": cfg.rms_norm_eps,
+      "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
+      "rope_scaling": None if ys is None else {
+          "type": "yarn", **{k: v for k, v in dataclasses.asdict(ys).items() if v is not None}},
+      "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
+      "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+      "pad_token_id": cfg.pad_token_id,
+  }
+
+
+# ---- presets ----------------------------------------------------------------------------
+def kimi_k2_6() -> ModelConfig:
+  """Kimi K2.6 text model (K2.5 `text_config` values; read the real config.json when you have it)."""
+  return ModelConfig(
+      vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+      num_hidden_layers=61, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512,
+      qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384,
+      num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True,
+      routed_scaling_factor=2.827, first_k_dense_replace=1, rms_norm_eps=1e-5, rope_theta=50000.0,
+      rope_scaling=YarnScaling(factor=64.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                               beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+      max_position_embeddings=262144, bos_token_id=163584, eos_token_id=163585,
+      pad_token_id=163839, weight_prefix="language_model.")
+
+
+def tiny(**overrides) -> ModelConfig:
+  """A few-layer model of the K2 architecture for tests and CPU demos (byte vocabulary)."""
+  base = dict(
+      vocab_size=264, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+      num_hidden_layers=3, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32,
+      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+      num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, norm_topk_prob=True,
+      routed_scaling_factor=2.5, first_k_dense_replace=1, rms_norm_eps=1e-6, rope_theta=50000.0,
+      rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=32, beta_fast=32.0,
+                               beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+      max_position_embeddings=512, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+  base.update(overrides)
+  return ModelConfig(**base)
+
+
+PRESETS = {"kimi_k2_6": kimi_k2_6, "tiny": tiny}

@@ -1,0 +1,1 @@
+"""Decoding: sampling, the speculative step (draft -> tree -> verify -> accept -> commit), the loop."""

@@ -1,0 +1,153 @@
+"""Generation: prefill, then speculative steps in a `lax.while_loop` on the device.
+
+`generate` validates inputs on the host, runs prefill and the whole loop as one jitted program
+(one dispatch; no host round trip between steps), and returns tokens and acceptance statistics.
+"""
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdtree_jax.api import check_tokens
+from kdtree_jax.cache import LatentCache
+from kdtree_jax.decoding import sampling
+from kdtree_jax.decoding.spec_config import SpecConfig
+from kdtree_jax.decoding.state import DecodeState
+from kdtree_jax.decoding.step import speculative_step
+from kdtree_jax.draft import model as draft_model
+from kdtree_jax.model import transformer
+
+
+def out_size(spec: SpecConfig) -> int:
+  """Output buffer: max_new + W slots for emitted tokens, + W write-off slots for finished rows."""
+  return spec.max_new_tokens + 2 * spec.commit_width
+
+
+def init_state(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts_bs, lengths_b, key,
+               max_len: int, cache_dtype=jnp.float32) -> DecodeState:
+  """Prefills the target (and the draft context) and picks the first token."""
+  b, s = prompts_bs.shape
+  tap_layers = () if spec.mode == "ar" else tuple(dcfg.target_layer_ids)
+  cache = LatentCache.zeros(tcfg, b, max_len + spec.verify_width, cache_dtype)
+  logits, cache, taps = transformer.prefill(tcfg, tparams, cache, prompts_bs, tap_layers)
+  cache = cache.replace(lengths=lengths_b)
+  key, sub = jax.random.split(key)
+  last = jnp.take_along_axis(logits, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
+  bonus = sampling.choose(last, sub, spec.sampling)
+  draft_cache, pending = None, None
+  if spec.mode != "ar":
+    draft_cache = draft_model.init_draft_cache(dcfg, b, max_len + spec.commit_width,
+                                               dtype=cache_dtype)
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    draft_cache = draft_model.materialize_context(dparams, dcfg, draft_cache, taps, positions,
+                                                  lengths_b)
+    pending = jnp.zeros((b, spec.commit_width, taps.shape[-1]), taps.dtype)
+  out = jnp.zeros((b, out_size(spec)), jnp.int32).at[:, 0].set(bonus)
+  done = (lengths_b >= max_len) | (spec.max_new_tokens <= 1)
+  if tcfg.eos_token_id is not None:
+    done = done | (bonus == tcfg.eos_token_id)
+  return DecodeState(
+      cache=cache, draft_cache=draft_cache, bonus=bonus, pending_taps=pending,
+      pending_count=jnp.zeros((b,), jnp.int32), out=out, n_out=jnp.ones((b,), jnp.int32),
+      done=done, key=key, steps=jnp.zeros((), jnp.int32),
+      accepted=jnp.zeros((spec.max_new_tokens, b), jnp.int32))
+
+
+def run_loop(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: DecodeState) -> DecodeState:
+  """Steps until every row is done (or max_new_tokens steps): a device-side while loop."""
+  def cond(st):
+    return jnp.any(~st.done) & (st.steps < spec.max_new_tokens)
+
+  def body(st):
+    return speculative_step(tcfg, tparams, dcfg, dparams, spec, st)
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "max_len", "cache_dtype"))
+def generate_device(tparams, dparams, prompts_bs, lengths_b, key, *, tcfg, dcfg, spec, max_len,
+                    cache_dtype=jnp.float32):
+  """Prefill + the whole decode loop as one XLA program."""
+  state = init_state(tcfg, tparams, dcfg, dparams, spec, prompts_bs, lengths_b, key, max_len,
+                     cache_dtype)
+  return run_loop(tcfg, tparams, dcfg, dparams, spec, state)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  """Host-side result: per-row generated ids, tokens committed per step, timing."""
+
+  tokens: list[list[int]]
+  accepted_per_step: list[list[int]]
+  steps: int
+  seconds: float
+
+  @property
+  def mean_accept_len(self) -> float:
+    acc = [a for row in self.accepted_per_step for a in row]
+    return float(np.mean(acc)) if acc else 0.0
+
+  @property
+  def tokens_per_s(self) -> float:
+    return sum(len(t) for t in self.tokens) / self.seconds if self.seconds else 0.0
+
+
+def validate(tcfg, dcfg, spec: SpecConfig, prompts: list[list[int]], max_len: int):
+  """Host-side checks with messages that say what to change."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("empty prompt: every row needs at least one token")
+  longest = max(len(p) for p in prompts)
+  if longest > max_len:
+    raise ValueError(f"prompt length {longest} exceeds {max_len=}; raise --config.max_len")
+  for p in prompts:
+    check_tokens(np.asarray(p), tcfg.vocab_size)
+  if spec.mode != "ar":
+    if dcfg is None:
+      raise ValueError(f"mode {spec.mode!r} needs a draft model")
+    check_draft_fits_target(dcfg, tcfg)
+    if spec.block_size != dcfg.block_size:
+      raise ValueError(f"{spec.block_size=} differs from the draft's block_size {dcfg.block_size}")
+    if spec.mode == "ddtree":
+      max_nodes = sum(min(spec.budget, tcfg.vocab_size) ** d for d in range(1, spec.depth + 1))
+      if spec.budget > max_nodes:
+        raise ValueError(f"{spec.budget=} exceeds the {max_nodes} prefixes a depth-{spec.depth} "
+                         "tree can hold")
+
+
+def check_draft_fits_target(dcfg, tcfg):
+  """The draft shares the target's embedding/lm_head and reads its hidden states at taps."""
+  if dcfg.hidden_size != tcfg.hidden_size:
+    raise ValueError(f"draft hidden_size {dcfg.hidden_size} != target hidden_size "
+                     f"{tcfg.hidden_size}: DFlash shares the target's embedding and lm_head")
+  bad = [i for i in dcfg.target_layer_ids if not 0 <= i < tcfg.num_hidden_layers]
+  if bad:
+    raise ValueError(f"draft target_layer_ids {bad} do not exist in a "
+                     f"{tcfg.num_hidden_layers}-layer target")
+  if dcfg.mask_token_id is None or not 0 <= dcfg.mask_token_id < tcfg.vocab_size:
+    raise ValueError(f"draft mask_token_id {dcfg.mask_token_id} is not a target token id "
+                     f"(vocab {tcfg.vocab_size})")
+
+
+def generate(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts: list[list[int]],
+             max_len: int, seed: int = 0, cache_dtype=jnp.float32) -> GenerationResult:
+  """Decodes a batch of (ragged) prompts. Tokens are exactly the target's (lossless)."""
+  validate(tcfg, dcfg, spec, prompts, max_len)
+  b, s = len(prompts), max(len(p) for p in prompts)
+  padded = np.zeros((b, s), np.int32)
+  for i, p in enumerate(prompts):
+    padded[i, :len(p)] = p
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  t0 = time.perf_counter()
+  state = generate_device(tparams, dparams, jnp.asarray(padded), jnp.asarray(lengths),
+                          jax.random.key(seed), tcfg=tcfg, dcfg=dcfg, spec=spec, max_len=max_len,
+                          cache_dtype=cache_dtype)
+  out, n_out, acc, steps = jax.device_get((state.out, state.n_out, state.accepted, state.steps))
+  seconds = time.perf_counter() - t0
+  tokens = [list(map(int, out[i, :min(n_out[i], spec.max_new_tokens)])) for i in range(b)]
+  accepted = [[int(a) for a in acc[:steps, i] if a > 0] for i in range(b)]
+  return GenerationResult(tokens=tokens, accepted_per_step=accepted, steps=int(steps),
+                          seconds=seconds)

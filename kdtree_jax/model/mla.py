@@ -1,0 +1,86 @@
+"""Multi-head latent attention (MLA): naive causal prefill and absorbed tree/decode attention.
+
+Letters: B batch, S/N tokens, H heads, D hidden, R kv_lora_rank (latent), P rope dim,
+Dn qk_nope dim, Dv value dim, C = R + P latent cache width, L cache rows.
+Weights: q_a [D, Rq], q_b [Rq, H, Dn+P] (or q [D, H, Dn+P]), kv_a [D, R+P], kv_b [R, H, Dn+Dv],
+o [H, Dv, D].
+"""
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.model.norm import rms_norm
+from kdtree_jax.model.rope import apply_rope, cos_sin
+
+
+def project_q(p, cfg: ModelConfig, x_bsd):
+  """Queries [B, S, H, Dn + P] (plain q projection or the q LoRA path)."""
+  if cfg.q_lora_rank is None:
+    return jnp.einsum("bsd,dhk->bshk", x_bsd, p["q"])
+  c_q = rms_norm(x_bsd @ p["q_a"], p["q_a_norm"], cfg.lora_norm_eps)
+  return jnp.einsum("bsr,rhk->bshk", c_q, p["q_b"])
+
+
+def latent_rows(p, cfg: ModelConfig, x_bsd, cos, sin):
+  """Cache rows [B, S, C]: normalized c_kv (R) followed by the rotated shared rope key (P)."""
+  a = x_bsd @ p["kv_a"]
+  c_kv = rms_norm(a[..., :cfg.kv_lora_rank], p["kv_a_norm"], cfg.lora_norm_eps)
+  k_pe = apply_rope(a[..., cfg.kv_lora_rank:], cos, sin)
+  return jnp.concatenate([c_kv, k_pe], axis=-1)
+
+
+def split_q(cfg: ModelConfig, q_bshk, cos, sin):
+  """(q_nope [B,S,H,Dn], rotated q_pe [B,S,H,P])."""
+  q_nope = q_bshk[..., :cfg.qk_nope_head_dim]
+  q_pe = apply_rope(q_bshk[..., cfg.qk_nope_head_dim:], cos[:, :, None, :], sin[:, :, None, :])
+  return q_nope, q_pe
+
+
+def prefill_attention(p, cfg: ModelConfig, x_bsd, positions_bs):
+  """Naive causal MLA over the prompt itself (HF formulation). Returns (out [B,S,D], rows [B,S,C])."""
+  cos, sin = cos_sin(cfg, positions_bs)
+  q_nope, q_pe = split_q(cfg, project_q(p, cfg, x_bsd), cos, sin)
+  rows = latent_rows(p, cfg, x_bsd, cos, sin)
+  c_kv, k_pe = rows[..., :cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank:]
+  kv = jnp.einsum("bsr,rhk->bshk", c_kv, p["kv_b"])
+  k_nope, v = kv[..., :cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim:]
+  s = (jnp.einsum("bqhk,bshk->bhqs", q_nope, k_nope)
+       + jnp.einsum("bqhp,bsp->bhqs", q_pe, k_pe)).astype(jnp.float32) * cfg.softmax_scale
+  n = x_bsd.shape[1]
+  causal = jnp.tril(jnp.ones((n, n), bool))
+  s = jnp.where(causal, s, -jnp.inf)
+  probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+  o = jnp.einsum("bhqs,bshv->bqhv", probs, v)
+  return jnp.einsum("bqhv,hvd->bqd", o, p["o"]), rows
+
+
+def absorbed_attention(p, cfg: ModelConfig, x_bnd, positions_bn, layer_cache_blc, lengths_b,
+                       tree_mask_bnn, *, backend="auto"):
+  """N new tokens at arbitrary positions against the dense latent cache (absorbed MLA).
+
+  The N tokens' own rows are written at [len, len + N) of the cache; every committed row
+  (< len) is visible, the new rows under `tree_mask` (node i sees node j).
+  Returns (out [B, N, D], updated layer cache [B, L, C]).
+  """
+  cos, sin = cos_sin(cfg, positions_bn)
+  q_nope, q_pe = split_q(cfg, project_q(p, cfg, x_bnd), cos, sin)
+  rows = latent_rows(p, cfg, x_bnd, cos, sin).astype(layer_cache_blc.dtype)
+  layer_cache_blc = write_rows(layer_cache_blc, rows, lengths_b)
+  w_uk = p["kv_b"][..., :cfg.qk_nope_head_dim]  # [R, H, Dn]
+  w_uv = p["kv_b"][..., cfg.qk_nope_head_dim:]  # [R, H, Dv]
+  q_abs = jnp.einsum("bnhk,rhk->bnhr", q_nope, w_uk)
+  q = jnp.concatenate([q_abs, q_pe], axis=-1).astype(layer_cache_blc.dtype)
+  u = pallas_kernels.tree_verify_attention(
+      q, layer_cache_blc, lengths_b, tree_mask_bnn, scale=cfg.softmax_scale, backend=backend,
+      value_dim=cfg.kv_lora_rank)
+  o = jnp.einsum("bnhr,rhv->bnhv", u.astype(x_bnd.dtype), w_uv)
+  return jnp.einsum("bnhv,hvd->bnd", o, p["o"]), layer_cache_blc
+
+
+def write_rows(cache_blc, rows_bnc, start_b):
+  """Writes rows_bnc at [start, start + N) of each batch row (in place under donation)."""
+  def one(c, r, s):
+    return jax.lax.dynamic_update_slice(c, r, (s, 0))
+  return jax.vmap(one)(cache_blc, rows_bnc, start_b)

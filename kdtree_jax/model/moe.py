@@ -1,0 +1,65 @@
+"""Sigmoid-routed, group-limited, dropless MoE (DeepSeek-V3 `noaux_tc`, Kimi K2).
+
+Letters: T tokens, D hidden, E routed experts, F expert width, K experts per token, G groups.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.model.mlp import swiglu
+
+
+def route(p, cfg: ModelConfig, x_td):
+  """Returns (expert ids [T, K] int32, weights [T, K] f32).
+
+  Scores are sigmoid(x @ W_g) in f32; `bias` (e_score_correction_bias) shifts them for SELECTION
+  only; the weights are the unbiased scores, optionally normalised, times routed_scaling_factor.
+  """
+  logits = jnp.dot(x_td.astype(jnp.float32), p["router"].astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+  scores = jax.nn.sigmoid(logits)
+  choice = scores + p["bias"].astype(jnp.float32)
+  if cfg.n_group > 1:
+    choice = _limit_groups(choice, cfg.n_group, cfg.topk_group)
+  _, idx = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+  w = jnp.take_along_axis(scores, idx, axis=-1)
+  if cfg.norm_topk_prob:
+    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+  return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
+
+
+def _limit_groups(choice_te, n_group, topk_group):
+  """Keeps the topk_group groups with the largest sum of their top-2 scores; others -> -inf."""
+  t, e = choice_te.shape
+  grouped = choice_te.reshape(t, n_group, e // n_group)
+  group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+  _, keep = jax.lax.top_k(group_score, topk_group)
+  keep_mask = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], keep].set(True)
+  return jnp.where(keep_mask[:, :, None], grouped, -jnp.inf).reshape(t, e)
+
+
+def routed_experts(p, x_td, idx_tk, w_tk):
+  """Dropless grouped matmul: sort (token, slot) pairs by expert, ragged_dot, weighted scatter-add."""
+  t, k = idx_tk.shape
+  e = p["gate"].shape[0]
+  flat = idx_tk.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  token_of = order // k
+  xs = x_td[token_of]
+  sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+  h = jax.nn.silu(jax.lax.ragged_dot(xs, p["gate"], sizes)) * jax.lax.ragged_dot(xs, p["up"], sizes)
+  y = jax.lax.ragged_dot(h, p["down"], sizes)
+  y = y.astype(jnp.float32) * w_tk.reshape(-1)[order][:, None]
+  return jnp.zeros((t, x_td.shape[-1]), jnp.float32).at[token_of].add(y)
+
+
+def moe(p, cfg: ModelConfig, x):
+  """MoE block on x [..., D]: routed experts + shared experts."""
+  shape = x.shape
+  x_td = x.reshape(-1, shape[-1])
+  idx, w = route(p, cfg, x_td)
+  y = routed_experts(p, x_td, idx, w)
+  if "shared" in p:
+    y = y + swiglu(p["shared"], x_td).astype(jnp.float32)
+  return y.astype(x.dtype).reshape(shape)

@@ -1,0 +1,84 @@
+"""The decoder: embedding -> layers (MLA + dense MLP / MoE) -> final norm -> untied lm_head.
+
+Two entry points share the layers:
+  * `prefill`: a causal prompt from position 0 (naive MLA), writing cache rows [0, S);
+  * `decode`: N new tokens at arbitrary positions with an N x N visibility mask, absorbed MLA
+    against the dense latent cache (the tree-verify path), writing rows [len, len + N).
+Both can return the hidden states after chosen layers (`taps`, the DFlash draft's input).
+"""
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from kdtree_jax.cache import LatentCache
+from kdtree_jax.config import ModelConfig
+from kdtree_jax.model import mla
+from kdtree_jax.model.mlp import swiglu
+from kdtree_jax.model.moe import moe
+from kdtree_jax.model.norm import rms_norm
+
+
+def _ffn(lp, cfg: ModelConfig, x):
+  return swiglu(lp["mlp"], x) if "mlp" in lp else moe(lp["moe"], cfg, x)
+
+
+def _head(params, cfg: ModelConfig, x):
+  x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+  return jnp.dot(x, params["lm_head"]).astype(jnp.float32)
+
+
+def _concat_taps(taps: dict, tap_layers: Sequence[int]):
+  if not tap_layers:
+    return None
+  return jnp.concatenate([taps[i] for i in tap_layers], axis=-1)
+
+
+def prefill(cfg: ModelConfig, params, cache: LatentCache | None, tokens_bs,
+            tap_layers: Sequence[int] = ()):
+  """Causal forward of prompts from position 0. Returns (logits [B,S,V] f32, cache, taps).
+
+  Right-padded prompts are fine: row b's valid tokens only see earlier tokens. Cache rows
+  [0, S) are written; `cache.lengths` is left for the caller to set to the prompt lengths.
+  taps: [B, S, len(tap_layers) * D], hidden states after each listed layer (0-based).
+  """
+  b, s = tokens_bs.shape
+  positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  x = params["embed"][tokens_bs]
+  taps = {}
+  latent = None if cache is None else cache.latent
+  for i, lp in enumerate(params["layers"]):
+    h, rows = mla.prefill_attention(lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps),
+                                    positions)
+    x = x + h
+    x = x + _ffn(lp, cfg, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
+    if latent is not None:
+      latent = latent.at[i, :, :s].set(rows.astype(latent.dtype))
+    if i in tap_layers:
+      taps[i] = x
+  if cache is not None:
+    cache = cache.replace(latent=latent)
+  return _head(params, cfg, x), cache, _concat_taps(taps, tap_layers)
+
+
+def decode(cfg: ModelConfig, params, cache: LatentCache, tokens_bn, positions_bn, tree_mask_bnn,
+           tap_layers: Sequence[int] = (), *, attn_backend="auto"):
+  """N new tokens against the cache (absorbed MLA). Returns (logits [B,N,V] f32, cache, taps).
+
+  The tokens' latent rows are written at [len, len + N); `cache.lengths` is NOT advanced:
+  the caller commits (see `cache.compact_rows`) or simply advances lengths for a chain.
+  """
+  x = params["embed"][tokens_bn]
+  taps = {}
+  latent = cache.latent
+  for i, lp in enumerate(params["layers"]):
+    h, layer_cache = mla.absorbed_attention(
+        lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions_bn, latent[i],
+        cache.lengths, tree_mask_bnn, backend=attn_backend)
+    latent = latent.at[i].set(layer_cache)
+    x = x + h
+    x = x + _ffn(lp, cfg, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
+    if i in tap_layers:
+      taps[i] = x
+  return _head(params, cfg, x), cache.replace(latent=latent), _concat_taps(taps, tap_layers)

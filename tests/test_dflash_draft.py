@@ -1,0 +1,265 @@
+"""DFlash draft: numpy reference on HF-layout weights, cache/train agreement, checkpoints, errors."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from kdtree_jax import draft
+from kdtree_jax.draft import checkpoint, config as dconfig, model
+
+SLIDING_CFG = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=3)
+
+
+def rand_params(cfg, seed=0):
+  """Init params, then perturb every tensor so norms and projections are non-trivial."""
+  p = model.init_draft_params(jax.random.PRNGKey(seed), cfg, cfg.hidden_size, cfg.n_taps)
+  leaves, tree_def = jax.tree.flatten(p)
+  rng = np.random.default_rng(seed)
+  new = [jnp.asarray(x + rng.normal(size=x.shape).astype(np.float32) * 0.3) for x in leaves]
+  return jax.tree.unflatten(tree_def, new)
+
+
+def np_rms(x, w, eps):
+  return w * x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+
+
+def np_rope(x_the, pos_t, theta):
+  """Pairs (i, i + E/2) rotated by pos * theta^(-2i/E), written element-wise."""
+  out = x_the.copy()
+  half = x_the.shape[-1] // 2
+  for i in range(half):
+    ang = pos_t[:, None] * theta ** (-2.0 * i / x_the.shape[-1])
+    a, b = x_the[..., i], x_the[..., i + half]
+    out[..., i] = a * np.cos(ang) - b * np.sin(ang)
+    out[..., i + half] = b * np.cos(ang) + a * np.sin(ang)
+  return out
+
+
+def np_draft(W, cfg, taps_tf, ctx_pos, tokens_s, start, embed, head):
+  """One row: z-lab DFlashDraftModel forward (keys = [ctx ; block]), f64, per-head loops."""
+  eps, E = cfg.rms_norm_eps, cfg.head_dim
+  H, G = cfg.num_attention_heads, cfg.num_key_value_heads
+  c = np_rms(taps_tf @ W["fc.weight"].T, W["hidden_norm.weight"], eps)
+  x = embed[tokens_s]
+  S = len(tokens_s)
+  qpos = start + np.arange(S)
+  kpos = np.concatenate([ctx_pos, qpos])
+  for i in range(cfg.num_hidden_layers):
+    w = lambda n: W[f"layers.{i}.{n}.weight"]
+    h = np_rms(x, w("input_layernorm"), eps)
+    q = np_rope(np_rms((h @ w("self_attn.q_proj").T).reshape(S, H, E), w("self_attn.q_norm"), eps), qpos, cfg.rope_theta)
+    src = np.concatenate([c, h])
+    k = (src @ w("self_attn.k_proj").T).reshape(len(src), G, E)
+    k = np_rope(np_rms(k, w("self_attn.k_norm"), eps), kpos, cfg.rope_theta)
+    v = (src @ w("self_attn.v_proj").T).reshape(len(src), G, E)
+    o = np.zeros((S, H, E))
+    for s in range(S):
+      vis = np.ones(len(src), bool)
+      blk = np.arange(len(src)) >= len(c)
+      if cfg.causal(i):
+        vis &= ~blk | (kpos <= qpos[s])
+      if cfg.window(i):
+        vis &= qpos[s] - kpos < cfg.window(i)
+      for hh in range(H):
+        g = hh // (H // G)
+        sc = k[:, g] @ q[s, hh] / np.sqrt(E)
+        sc = np.where(vis, sc, -np.inf)
+        p = np.exp(sc - sc.max())
+        o[s, hh] = (p / p.sum()) @ v[:, g]
+    x = x + o.reshape(S, H * E) @ w("self_attn.o_proj").T
+    h = np_rms(x, w("post_attention_layernorm"), eps)
+    gate = h @ w("mlp.gate_proj").T
+    x = x + ((gate / (1 + np.exp(-gate))) * (h @ w("mlp.up_proj").T)) @ w("mlp.down_proj").T
+  return np_rms(x, W["norm.weight"], eps) @ head
+
+
+def setup(cfg, tmp_path, seed=0):
+  """Random params saved to disk; HF weights (f64), embed [V, D], head [D, V]."""
+  params = rand_params(cfg, seed)
+  checkpoint.save_dflash_checkpoint(str(tmp_path), cfg, params)
+  W = {k: v.astype(np.float64) for k, v in load_file(os.path.join(tmp_path, "model.safetensors")).items()}
+  rng = np.random.default_rng(seed + 1)
+  embed = rng.normal(size=(cfg.vocab_size, cfg.hidden_size)).astype(np.float32)
+  head = rng.normal(size=(cfg.hidden_size, cfg.vocab_size)).astype(np.float32) * 0.3
+  return params, W, embed, head
+
+
+def close(got, ref, rel=1e-5):
+  """max |got - ref| <= rel * max |ref|."""
+  err = np.abs(np.asarray(got, np.float64) - ref).max()
+  assert err <= rel * np.abs(ref).max(), (err, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("overrides", [{}, SLIDING_CFG])
+def test_block_matches_numpy(tmp_path, overrides):
+  cfg = draft.DraftConfig.tiny(**overrides)
+  params, W, embed, head = setup(cfg, tmp_path)
+  rng = np.random.default_rng(2)
+  B, T, S = 2, 4, cfg.block_size
+  taps = rng.normal(size=(B, 3 * T, cfg.n_taps * cfg.hidden_size)).astype(np.float32)
+  cache = model.init_draft_cache(cfg, B, 4 * T, jnp.float32)
+  valid = np.array([[4, 2], [3, 4], [0, 1]])  # committed per step, per row
+  done = np.zeros(B, int)
+  for step in range(3):  # chunks of T rows; rows past num_valid are garbage
+    chunk = np.stack([taps[b, done[b]:done[b] + T] if done[b] + T <= 3 * T else
+                      np.zeros_like(taps[b, :T]) for b in range(B)])
+    pos = done[:, None] + np.arange(T)
+    cache = jax.jit(model.materialize_context, static_argnums=1)(
+        params, cfg, cache, jnp.asarray(chunk), jnp.asarray(pos), jnp.asarray(valid[step]))
+    done += valid[step]
+  np.testing.assert_array_equal(np.asarray(cache.ctx_len), done)
+  tokens = np.asarray(model.make_block(cfg, jnp.array([5, 9])))
+  np.testing.assert_array_equal(tokens, [[5, 63, 63, 63], [9, 63, 63, 63]])
+  logits = jax.jit(model.draft_block, static_argnums=1)(
+      params, cfg, cache, jnp.asarray(tokens), jnp.asarray(done), jnp.asarray(embed), jnp.asarray(head))
+  assert logits.shape == (B, S, cfg.vocab_size) and logits.dtype == jnp.float32
+  for b in range(B):
+    n = done[b]
+    ref = np_draft(W, cfg, taps[b, :n].astype(np.float64), np.arange(n), tokens[b], n,
+                   embed.astype(np.float64), head.astype(np.float64))
+    close(logits[b], ref)
+
+
+@pytest.mark.parametrize("overrides", [{}, SLIDING_CFG])
+def test_train_forward_matches_inference(tmp_path, overrides):
+  cfg = draft.DraftConfig.tiny(**overrides)
+  params, _, embed, head = setup(cfg, tmp_path, seed=3)
+  rng = np.random.default_rng(4)
+  B, Sc, K = 2, 10, cfg.block_size
+  taps = rng.normal(size=(B, Sc, cfg.n_taps * cfg.hidden_size)).astype(np.float32)
+  anchors = np.array([[1, 4, 8], [0, 5, 9]], np.int32)
+  blocks = rng.integers(0, cfg.vocab_size, size=(B, 3, K)).astype(np.int32)
+  train = jax.jit(model.draft_train_forward, static_argnums=1)(
+      params, cfg, jnp.asarray(taps), jnp.asarray(anchors), jnp.asarray(blocks),
+      jnp.asarray(embed), jnp.asarray(head))
+  assert train.shape == (B, 3, K, cfg.vocab_size)
+  mat = jax.jit(model.materialize_context, static_argnums=1)
+  blk = jax.jit(model.draft_block, static_argnums=1)
+  for a in range(3):
+    cache = model.init_draft_cache(cfg, B, Sc + K, jnp.float32)
+    pos = np.broadcast_to(np.arange(Sc), (B, Sc))
+    cache = mat(params, cfg, cache, jnp.asarray(taps), jnp.asarray(pos), jnp.asarray(anchors[:, a]))
+    inf = blk(params, cfg, cache, jnp.asarray(blocks[:, a]), jnp.asarray(anchors[:, a]),
+              jnp.asarray(embed), jnp.asarray(head))
+    close(train[:, a], np.asarray(inf, np.float64), rel=1e-5)
+
+
+def test_sliding_window_and_causal_masking(tmp_path):
+  cfg = draft.DraftConfig.tiny(layer_types=("sliding_attention",) * 2, sliding_window=3)
+  params, _, embed, head = setup(cfg, tmp_path, seed=5)
+  rng = np.random.default_rng(6)
+  Sc, start, W = 10, 8, 3
+  taps = rng.normal(size=(1, Sc, cfg.n_taps * cfg.hidden_size)).astype(np.float32)
+  tokens = np.array([[3, 63, 63, 63]], np.int32)
+
+  def run(taps, tokens):
+    cache = model.init_draft_cache(cfg, 1, Sc + 4, jnp.float32)
+    cache = model.materialize_context(params, cfg, cache, jnp.asarray(taps),
+                                      jnp.arange(Sc)[None], jnp.array([start]))
+    return np.asarray(model.draft_block(params, cfg, cache, jnp.asarray(tokens), jnp.array([start]),
+                                        jnp.asarray(embed), jnp.asarray(head)))
+
+  base = run(taps, tokens)
+  far, near = taps.copy(), taps.copy()
+  far[0, start - W] += 1.0  # start - (start - W) = W: outside every layer's window for query 0
+  near[0, start - W + 1] += 1.0
+  np.testing.assert_array_equal(run(far, tokens)[0, 0], base[0, 0])
+  assert np.abs(run(near, tokens)[0, 0] - base[0, 0]).max() > 1e-4
+  later = tokens.copy()
+  later[0, 2] = 7  # causal in sliding layers: positions 0, 1 unaffected
+  out = run(taps, later)
+  np.testing.assert_array_equal(out[0, :2], base[0, :2])
+  assert np.abs(out[0, 2:] - base[0, 2:]).max() > 1e-4
+  past = taps.copy()
+  past[0, start] += 5.0  # rows >= ctx_len are invisible
+  np.testing.assert_array_equal(run(past, tokens), base)
+
+
+def test_checkpoint_round_trip_and_sharded(tmp_path):
+  cfg = draft.DraftConfig.tiny(**SLIDING_CFG, is_causal=False)
+  params = rand_params(cfg, 7)
+  checkpoint.save_dflash_checkpoint(str(tmp_path / "a"), cfg, params)
+  cfg2, params2 = draft.load_dflash_checkpoint(str(tmp_path / "a"))
+  assert cfg2 == cfg
+  jax.tree.map(np.testing.assert_array_equal, params2, params)
+  # SpecForge-style: sharded with an index, `model.` prefix, extra embed/lm_head tensors.
+  tensors = load_file(str(tmp_path / "a" / "model.safetensors"))
+  names = sorted(tensors)
+  shard = tmp_path / "b"
+  shard.mkdir()
+  parts = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+  weight_map = {}
+  for fn, part in parts.items():
+    save_file({"model." + n: tensors[n] for n in part}, str(shard / fn))
+    weight_map.update({"model." + n: fn for n in part})
+  save_file({"embed_tokens.weight": np.zeros((cfg.vocab_size, cfg.hidden_size), np.float32)},
+            str(shard / "extra.safetensors"))
+  weight_map["embed_tokens.weight"] = "extra.safetensors"
+  (shard / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+  (shard / "config.json").write_text((tmp_path / "a" / "config.json").read_text())
+  _, params3 = draft.load_dflash_checkpoint(str(shard), dtype=jnp.bfloat16)
+  assert params3["layers"]["q_proj"].dtype == jnp.bfloat16
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x, np.float32), y, rtol=1e-2),
+               params3, params)
+
+
+def test_checkpoint_errors(tmp_path):
+  cfg = draft.DraftConfig.tiny()
+  checkpoint.save_dflash_checkpoint(str(tmp_path), cfg, rand_params(cfg))
+  path = str(tmp_path / "model.safetensors")
+  tensors = load_file(path)
+  bad = dict(tensors)
+  bad.pop("layers.1.mlp.up_proj.weight")
+  save_file(bad, path)
+  with pytest.raises(KeyError, match="layers.1.mlp.up_proj.weight"):
+    draft.load_dflash_checkpoint(str(tmp_path))
+  bad = dict(tensors)
+  bad["layers.0.mlp.down_proj.weight"] = bad["layers.0.mlp.down_proj.weight"].T.copy()
+  save_file(bad, path)
+  with pytest.raises(ValueError, match=r"layers.0.mlp.down_proj.weight: expected shape \(32, 48\)"):
+    draft.load_dflash_checkpoint(str(tmp_path))
+
+
+def test_config_formats_and_errors():
+  zlab = {
+      "architectures": ["DFlashDraftModel"], "hidden_size": 4096, "num_hidden_layers": 5,
+      "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+      "intermediate_size": 12288, "rms_norm_eps": 1e-6, "vocab_size": 151936,
+      "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}, "num_target_layers": 36,
+      "dflash_config": {"block_size": 16, "mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+  }
+  c = draft.DraftConfig.from_hf_dict(zlab)
+  assert (c.block_size, c.mask_token_id, c.rope_theta, c.n_taps) == (16, 151669, 1e6, 5)
+  assert c.layer_types == ("full_attention",) * 5 and not c.causal(0)
+  specforge = dict(zlab, rope_theta=1e7, block_size=8, dflash_config={"mask_token_id": 5},
+                   layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048)
+  specforge.pop("rope_parameters")
+  c = draft.DraftConfig.from_hf_dict(specforge)
+  assert c.target_layer_ids == draft.build_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+  assert (c.block_size, c.rope_theta, c.window(0), c.window(4), c.causal(0)) == (8, 1e7, 2048, None, True)
+  assert draft.DraftConfig.from_hf_dict(c.to_hf_dict()) == c
+  with pytest.raises(ValueError, match="chunked_attention"):
+    draft.DraftConfig.from_hf_dict(dict(specforge, layer_types=["chunked_attention"] * 5))
+  with pytest.raises(ValueError, match="yarn"):
+    draft.DraftConfig.from_hf_dict(dict(zlab, rope_scaling={"rope_type": "yarn", "factor": 4}))
+  with pytest.raises(ValueError, match="DFlash2"):
+    draft.DraftConfig.from_hf_dict(dict(zlab, architectures=["DFlash2DraftModel"]))
+
+
+def test_hidden_size_mismatch():
+  cfg = draft.DraftConfig.tiny()
+  with pytest.raises(ValueError, match="target hidden size 48"):
+    model.init_draft_params(jax.random.PRNGKey(0), cfg, 48, cfg.n_taps)
+  params = rand_params(cfg)
+  cache = model.init_draft_cache(cfg, 1, 8, jnp.float32)
+  with pytest.raises(ValueError, match="target hidden size 16"):
+    model.draft_block(params, cfg, cache, jnp.zeros((1, 4), jnp.int32), jnp.zeros((1,), jnp.int32),
+                      jnp.zeros((64, 16)), jnp.zeros((16, 64)))
+  with pytest.raises(ValueError, match="taps last dim"):
+    model.materialize_context(params, cfg, cache, jnp.zeros((1, 4, 33)), jnp.zeros((1, 4), jnp.int32),
+                              jnp.ones((1,), jnp.int32))
