@@ -80,6 +80,9 @@ def top_specs(cfg: ModelConfig) -> dict:
           ("lm_head",): ("lm_head.weight",) + _linear((v, d))}
 
 
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64", "F8_E4M3")
+
+
 class _Reader:
   """Reads one logical weight by name, dequantising FP8 / INT4 storage to f32 numpy."""
 
@@ -93,6 +96,9 @@ class _Reader:
 
   def read(self, name, want_shape):
     if name in self.ckpt:
+      if self.ckpt.dtype(name) not in FLOAT_DTYPES:
+        raise ValueError(f"weight {name!r} is stored as {self.ckpt.dtype(name)}; expected one of "
+                         f"{FLOAT_DTYPES}")
       w = self.ckpt.get(name)
       self.used.add(name)
       if self.ckpt.dtype(name) == "F8_E4M3":
