@@ -286,4 +286,12 @@ def tiny(**overrides) -> ModelConfig:
   return ModelConfig(**base)
 
 
-PRESETS = {"kimi_k2_6": kimi_k2_6, "tiny": tiny}
+def bench_k26(layers: int = 4) -> ModelConfig:
+  """One GPU's share of K2.6 under 8-way TP/EP (8 heads, 48 experts, V/8, F/8), `layers` deep."""
+  full = kimi_k2_6()
+  return full.replace(num_hidden_layers=layers, num_attention_heads=8, n_routed_experts=48,
+                      vocab_size=full.vocab_size // 8, intermediate_size=full.intermediate_size // 8,
+                      weight_prefix="")
+
+
+PRESETS = {"kimi_k2_6": kimi_k2_6, "tiny": tiny, "bench_k26": bench_k26}

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kdtree_jax import sharding
 from kdtree_jax.api import check_tokens
 from kdtree_jax.cache import LatentCache
 from kdtree_jax.decoding import sampling
@@ -50,11 +51,11 @@ def init_state(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts_bs, lengt
   done = (lengths_b >= max_len) | (spec.max_new_tokens <= 1)
   if tcfg.eos_token_id is not None:
     done = done | (bonus == tcfg.eos_token_id)
-  return DecodeState(
+  return sharding.constrain_state(DecodeState(
       cache=cache, draft_cache=draft_cache, bonus=bonus, pending_taps=pending,
       pending_count=jnp.zeros((b,), jnp.int32), out=out, n_out=jnp.ones((b,), jnp.int32),
       done=done, key=key, steps=jnp.zeros((), jnp.int32),
-      accepted=jnp.zeros((spec.max_new_tokens, b), jnp.int32))
+      accepted=jnp.zeros((spec.max_new_tokens, b), jnp.int32)))
 
 
 def run_loop(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: DecodeState) -> DecodeState:
@@ -63,7 +64,7 @@ def run_loop(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: DecodeState)
     return jnp.any(~st.done) & (st.steps < spec.max_new_tokens)
 
   def body(st):
-    return speculative_step(tcfg, tparams, dcfg, dparams, spec, st)
+    return sharding.constrain_state(speculative_step(tcfg, tparams, dcfg, dparams, spec, st))
 
   return jax.lax.while_loop(cond, body, state)
 
@@ -74,7 +75,7 @@ def generate_device(tparams, dparams, prompts_bs, lengths_b, key, *, tcfg, dcfg,
   """Prefill + the whole decode loop as one XLA program."""
   state = init_state(tcfg, tparams, dcfg, dparams, spec, prompts_bs, lengths_b, key, max_len,
                      cache_dtype)
-  return run_loop(tcfg, tparams, dcfg, dparams, spec, state)
+  return sharding.constrain_state(run_loop(tcfg, tparams, dcfg, dparams, spec, state))
 
 
 @dataclasses.dataclass
@@ -133,19 +134,28 @@ def check_draft_fits_target(dcfg, tcfg):
 
 
 def generate(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts: list[list[int]],
-             max_len: int, seed: int = 0, cache_dtype=jnp.float32) -> GenerationResult:
-  """Decodes a batch of (ragged) prompts. Tokens are exactly the target's (lossless)."""
+             max_len: int, seed: int = 0, cache_dtype=jnp.float32, mesh=None) -> GenerationResult:
+  """Decodes a batch of (ragged) prompts. Tokens are exactly the target's (lossless).
+
+  mesh: run sharded over it (params are placed by the rules unless already; caches and the
+  decode state are created sharded inside the program).
+  """
   validate(tcfg, dcfg, spec, prompts, max_len)
   b, s = len(prompts), max(len(p) for p in prompts)
   padded = np.zeros((b, s), np.int32)
   for i, p in enumerate(prompts):
     padded[i, :len(p)] = p
   lengths = np.array([len(p) for p in prompts], np.int32)
+  if mesh is not None:
+    tparams = sharding.shard(tparams, sharding.param_shardings(tparams, mesh))
+    if dparams is not None:
+      dparams = sharding.shard(dparams, sharding.param_shardings(dparams, mesh))
   t0 = time.perf_counter()
-  state = generate_device(tparams, dparams, jnp.asarray(padded), jnp.asarray(lengths),
-                          jax.random.key(seed), tcfg=tcfg, dcfg=dcfg, spec=spec, max_len=max_len,
-                          cache_dtype=cache_dtype)
-  out, n_out, acc, steps = jax.device_get((state.out, state.n_out, state.accepted, state.steps))
+  with sharding.use_mesh(mesh):
+    state = generate_device(tparams, dparams, jnp.asarray(padded), jnp.asarray(lengths),
+                            jax.random.key(seed), tcfg=tcfg, dcfg=dcfg, spec=spec,
+                            max_len=max_len, cache_dtype=cache_dtype)
+  out, n_out, acc, steps = sharding.to_host((state.out, state.n_out, state.accepted, state.steps))
   seconds = time.perf_counter() - t0
   tokens = [list(map(int, out[i, :min(n_out[i], spec.max_new_tokens)])) for i in range(b)]
   accepted = [[int(a) for a in acc[:steps, i] if a > 0] for i in range(b)]

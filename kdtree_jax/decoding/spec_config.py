@@ -17,6 +17,9 @@ class SpecConfig:
   max_new_tokens: int = 128
   sampling: SamplingConfig = SamplingConfig()
   attn_backend: str = "auto"
+  # Benchmarks with random weights only: the target "agrees" with the draft along the first-child
+  # spine for `forced_accept` nodes (a fixed acceptance pattern). -1 = real acceptance.
+  forced_accept: int = -1
 
   def __post_init__(self):
     if self.mode not in MODES:

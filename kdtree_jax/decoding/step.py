@@ -69,6 +69,9 @@ def accept_phase(spec: SpecConfig, tree: Tree, logits_bnv, key, room_b):
   `room_b` caps a (the cache's free committed rows minus one), so commit never overflows.
   """
   choice = sampling.choose(logits_bnv, key, spec.sampling)  # [B, N]
+  if spec.forced_accept >= 0 and spec.mode != "ar":
+    choice = _first_child_tokens(tree, choice)
+    room_b = jnp.minimum(room_b, spec.forced_accept)
   if spec.mode == "ar":  # root only: nothing to walk
     return jnp.zeros_like(choice), jnp.zeros_like(choice[:, 0]), choice[:, 0]
   walk = jax.vmap(lambda p, t, c: ddtree.accept_walk(p, t, c, max_depth=spec.depth))
@@ -77,6 +80,16 @@ def accept_phase(spec: SpecConfig, tree: Tree, logits_bnv, key, room_b):
   last = jnp.take_along_axis(path, a[:, None], axis=1)
   nxt = jnp.take_along_axis(choice, last, axis=1)[:, 0]
   return jnp.maximum(path, 0), a, nxt
+
+
+def _first_child_tokens(tree: Tree, choice_bn):
+  """Benchmark stand-in for the target's choice: each node's first (lowest-index) child's token."""
+  n = choice_bn.shape[1]
+  child_parent = tree.parents[:, 1:]  # [B, N-1]: parent of tree index k + 1
+  is_child = child_parent[:, None, :] == jnp.arange(n)[None, :, None]  # [B, N, N-1]
+  first = jnp.argmax(is_child, axis=-1)
+  tok = jnp.take_along_axis(tree.node_tokens, first, axis=1)
+  return jnp.where(jnp.any(is_child, axis=-1), tok, choice_bn)
 
 
 def commit_phase(spec: SpecConfig, eos_id, state: DecodeState, cache, draft_cache, tree: Tree,
@@ -120,14 +133,17 @@ def speculative_step(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: Deco
   key, sub = jax.random.split(state.key)
   tap_layers = () if spec.mode == "ar" else tuple(dcfg.target_layer_ids)
   b = state.bonus.shape[0]
-  if spec.mode == "ar":
-    draft_cache, draft_logits = None, None
-  else:
-    draft_cache, draft_logits = draft_phase(dcfg, dparams, tparams, spec, state)
-  tree = tree_phase(spec, draft_logits, b)
-  logits, cache, taps = verify_phase(tcfg, tparams, spec, state, tree, tap_layers)
-  capacity = cache.latent.shape[2] - spec.verify_width
-  room = jnp.maximum(capacity - cache.lengths - 1, 0)
-  path, a, nxt = accept_phase(spec, tree, logits, sub, room)
-  return commit_phase(spec, tcfg.eos_token_id, state, cache, draft_cache, tree, taps, path, a,
-                      nxt, key)
+  draft_cache, draft_logits = None, None
+  if spec.mode != "ar":
+    with jax.named_scope("draft"):
+      draft_cache, draft_logits = draft_phase(dcfg, dparams, tparams, spec, state)
+  with jax.named_scope("tree"):
+    tree = tree_phase(spec, draft_logits, b)
+  with jax.named_scope("verify"):
+    logits, cache, taps = verify_phase(tcfg, tparams, spec, state, tree, tap_layers)
+  with jax.named_scope("accept"):
+    room = jnp.maximum(state.cache.max_len - spec.verify_width - cache.lengths - 1, 0)
+    path, a, nxt = accept_phase(spec, tree, logits, sub, room)
+  with jax.named_scope("commit"):
+    return commit_phase(spec, tcfg.eos_token_id, state, cache, draft_cache, tree, taps, path, a,
+                        nxt, key)
