@@ -27,7 +27,7 @@ def bench_state(tcfg, dcfg, spec, batch, ctx, dtype=jnp.bfloat16, seed=0,
   The cache has room for `steps` more full commits, so rows stay live through a timed loop.
   """
   k = jax.random.split(jax.random.key(seed), 4)
-  rows = ctx + spec.verify_width + spec.commit_width * steps
+  rows = -(-(ctx + spec.verify_width + spec.commit_width * steps) // 64) * 64
   latent = jax.random.normal(k[0], (tcfg.num_hidden_layers, batch, rows, tcfg.cache_dim), dtype)
   cache = LatentCache(latent=latent, lengths=jnp.full((batch,), ctx, jnp.int32))
   draft_cache, pending = None, None
@@ -199,11 +199,12 @@ def format_table(rows: list[PhaseRow]) -> str:
   return "\n".join(lines)
 
 
-def _while_steps(tcfg, tparams, dcfg, dparams, spec, n):
-  """n steps in a lax.while_loop with a device-side condition, as the generate loop runs them."""
-  def run(st):
+def while_steps_fn(tcfg, dcfg, spec):
+  """jit(tparams, dparams, state, n): n steps in a lax.while_loop with a device-side condition,
+  as the generate loop runs them. Params are arguments (never captured as constants)."""
+  def run(tp, dp, st, n):
     return jax.lax.while_loop(lambda s: s.steps < n, lambda s: step.speculative_step(
-        tcfg, tparams, dcfg, dparams, spec, s), st)
+        tcfg, tp, dcfg, dp, spec, s), st)
   return jax.jit(run)
 
 
@@ -216,31 +217,42 @@ def device_busy_us(fn, *args):
   return 1e3 * sorted(ts)[len(ts) // 2]
 
 
-def loop_host_gap_us(tcfg, tparams, dcfg, dparams, spec, state, steps=(8, 40)):
+def loop_host_gap_us(tcfg, tparams, dcfg, dparams, spec, state, steps=(8, 40), loop_fn=None):
   """Per-step wall time inside the device loop vs the step's own GPU kernel time.
 
   loop_us: slope of loop wall time over two step counts (dispatch amortised away);
   kernel_us: kernels of one fused step (CUPTI); gap_us = loop_us - kernel_us is the per-step
   time the GPU idles inside the loop (while-loop predicate round trips, launch gaps).
   """
+  loop_fn = loop_fn or while_steps_fn(tcfg, dcfg, spec)
   st = state.replace(steps=jnp.zeros((), jnp.int32))
-  t = {n: roofline.wall_time_s(_while_steps(tcfg, tparams, dcfg, dparams, spec, n), st, reps=5)
+  t = {n: roofline.wall_time_s(loop_fn, tparams, dparams, st, jnp.int32(n), reps=5)
        for n in steps}
   loop_us = 1e6 * (t[steps[1]] - t[steps[0]]) / (steps[1] - steps[0])
-  one = jax.jit(lambda s: step.speculative_step(tcfg, tparams, dcfg, dparams, spec, s))
-  kernel_us = device_busy_us(one, st)
+  one = jax.jit(lambda tp, dp, s: step.speculative_step(tcfg, tp, dcfg, dp, spec, s))
+  kernel_us = device_busy_us(one, tparams, dparams, st)
   return dict(loop_us=loop_us, kernel_us=kernel_us,
               gap_us=None if kernel_us is None else loop_us - kernel_us,
               loop_total_s={n: t[n] for n in steps})
 
 
+def at_context(state: DecodeState, spec, ctx: int) -> DecodeState:
+  """The same (max-size) bench state with committed length `ctx` (data, not shape)."""
+  b = state.bonus.shape[0]
+  st = state.replace(cache=state.cache.replace(lengths=jnp.full((b,), ctx, jnp.int32)))
+  if state.draft_cache is not None:
+    st = st.replace(draft_cache=state.draft_cache.replace(
+        ctx_len=jnp.full((b,), ctx - spec.commit_width, jnp.int32)))
+  return st
+
+
 def trace_loop(tcfg, tparams, dcfg, dparams, spec, state, logdir, n_steps=8):
   """A jax.profiler trace of the fused loop (named scopes per phase) for Perfetto/TensorBoard."""
-  fn = jax.jit(lambda st: jax.lax.fori_loop(0, n_steps, lambda i, s: step.speculative_step(
-      tcfg, tparams, dcfg, dparams, spec, s), st))
-  jax.block_until_ready(fn(state))
+  fn = while_steps_fn(tcfg, dcfg, spec)
+  st = state.replace(steps=jnp.zeros((), jnp.int32))
+  jax.block_until_ready(fn(tparams, dparams, st, jnp.int32(n_steps)))
   with jax.profiler.trace(logdir):
-    jax.block_until_ready(fn(state))
+    jax.block_until_ready(fn(tparams, dparams, st, jnp.int32(n_steps)))
   return logdir
 
 

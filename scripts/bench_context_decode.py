@@ -30,6 +30,7 @@ _BUDGET = flags.DEFINE_integer("budget", None, "DDTree budget (default: config).
 _GEN = flags.DEFINE_integer("gen", 32, "Steps per timed loop.")
 _BATCH = flags.DEFINE_integer("batch", 1, "Batch size.")
 _PROFILE_CTX = flags.DEFINE_integer("profile_ctx", 0, "Also print the phase table here (0: no).")
+_PROFILE_MODES = flags.DEFINE_list("profile_modes", ["ddtree"], "Modes of the phase table.")
 _TRACE = flags.DEFINE_string("trace_dir", None, "Write a jax.profiler trace of the fused loop.")
 _JSON = flags.DEFINE_string("json_out", None, "JSON lines output.")
 _PLOT = flags.DEFINE_string("plot_out", None, "Throughput vs context plot (PNG).")
@@ -41,15 +42,27 @@ def _spec(c, mode, gen):
                     attn_backend=c.attn_backend, forced_accept=c.forced_accept)
 
 
-def bench_one(tcfg, tp, dcfg, dp, spec, ctx, dtype):
-  state = profiling.bench_state(tcfg, dcfg, spec, _BATCH.value, ctx, dtype, steps=_GEN.value + 8)
-  gap = profiling.loop_host_gap_us(tcfg, tp, dcfg, dp, spec, state, steps=(4, 4 + _GEN.value))
+def bench_mode(tcfg, tp, dcfg, dp, spec, ctxs, dtype):
+  """One compiled loop per mode; the context is data (lengths) in a cache sized for max(ctxs)."""
+  big = profiling.bench_state(tcfg, dcfg, spec, _BATCH.value, max(ctxs), dtype,
+                              steps=_GEN.value + 8)
+  loop_fn = profiling.while_steps_fn(tcfg, dcfg, spec)
   tokens_per_step = 1 if spec.mode == "ar" else min(spec.forced_accept, spec.depth) + 1
-  ms = gap["loop_us"] / 1e3
-  return dict(mode=spec.mode, budget=spec.budget, ctx=ctx, batch=_BATCH.value, ms_per_step=ms,
-              accepted_per_step=tokens_per_step,
-              tokens_per_s=1e3 * tokens_per_step * _BATCH.value / ms,
-              kernel_us=gap["kernel_us"], host_gap_us=gap["gap_us"])
+  rows = []
+  for ctx in ctxs:
+    st = profiling.at_context(big, spec, ctx)
+    gap = profiling.loop_host_gap_us(tcfg, tp, dcfg, dp, spec, st, steps=(4, 4 + _GEN.value),
+                                     loop_fn=loop_fn)
+    ms = gap["loop_us"] / 1e3
+    rows.append(dict(mode=spec.mode, budget=spec.budget, ctx=ctx, batch=_BATCH.value,
+                     ms_per_step=ms, accepted_per_step=tokens_per_step,
+                     tokens_per_s=1e3 * tokens_per_step * _BATCH.value / ms,
+                     kernel_us=gap["kernel_us"], host_gap_us=gap["gap_us"],
+                     layers=tcfg.num_hidden_layers))
+    r = rows[-1]
+    print(f"ctx={ctx:>7} {spec.mode:>6}: {ms:8.3f} ms/step {r['tokens_per_s']:9.1f} tok/s  "
+          f"kernels/step={r['kernel_us']} us gap/step={r['host_gap_us']} us", flush=True)
+  return rows
 
 
 def plot(rows, path):
@@ -81,7 +94,7 @@ def main(_):
   if _PROFILE_CTX.value:
     ceil = roofline.measure_ceilings(small=jax.default_backend() == "cpu")
     print(f"ceilings: copy {ceil['copy_tbps']:.2f} TB/s, matmul {ceil['mm_tflops']:.0f} TFLOP/s")
-    for mode in _MODE.value:
+    for mode in _PROFILE_MODES.value:
       spec = _spec(c, mode, _GEN.value)
       state = profiling.bench_state(tcfg, dcfg, spec, _BATCH.value, _PROFILE_CTX.value, dtype)
       prow = profiling.profile_step(tcfg, tp, dcfg, dp, spec, state, ceil)
@@ -90,14 +103,12 @@ def main(_):
       if out:
         out.write(json.dumps(dict(kind="phases", mode=mode, ctx=_PROFILE_CTX.value, ceil=ceil,
                                   rows=profiling.as_dicts(prow))) + "\n")
-      if _TRACE.value and mode == _MODE.value[-1]:
+      if _TRACE.value and mode == _PROFILE_MODES.value[-1]:
         profiling.trace_loop(tcfg, tp, dcfg, dp, spec, state, _TRACE.value)
-  for ctx in map(int, _CTX.value):
-    for mode in _MODE.value:
-      r = bench_one(tcfg, tp, dcfg, dp, _spec(c, mode, _GEN.value), ctx, dtype)
+  ctxs = [int(x) for x in _CTX.value]
+  for mode in _MODE.value:
+    for r in bench_mode(tcfg, tp, dcfg, dp, _spec(c, mode, _GEN.value), ctxs, dtype):
       rows.append(r)
-      print(f"ctx={ctx:>7} {mode:>6}: {r['ms_per_step']:8.3f} ms/step "
-            f"{r['tokens_per_s']:9.1f} tok/s  gap/step={r['host_gap_us']} us", flush=True)
       if out:
         out.write(json.dumps(dict(kind="throughput", **r)) + "\n")
         out.flush()

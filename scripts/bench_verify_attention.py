@@ -26,7 +26,6 @@ flags.DEFINE_list("N", ["1", "16", "64"], "tree nodes")
 flags.DEFINE_list("H", ["8", "16", "64", "128"], "heads")
 flags.DEFINE_list("B", ["1", "4"], "batch sizes")
 flags.DEFINE_integer("reps", 30, "timed repetitions (median reported)")
-flags.DEFINE_integer("unroll", 10, "calls per timed jitted program (amortizes dispatch)")
 flags.DEFINE_string("json_out", "", "JSON lines output")
 flags.DEFINE_string("plot_out", "", "plot of % roofline vs L")
 flags.DEFINE_string("tunings", "", "extra kernel variants: ';'-separated k=v,k=v (e.g. shared_p=0)")
@@ -48,18 +47,16 @@ def xla_baseline(q, cache, lengths, tree_mask, *, scale):
   return (o / den).astype(q.dtype)
 
 
-def wall_time_us(fn, sets, reps, unroll):
-  """Median over reps of (wall time of one jitted program of `unroll` calls) / unroll."""
-  def prog(*all_sets):
-    return [fn(*all_sets[i % len(all_sets)]) for i in range(unroll)]
-  jprog = jax.jit(prog)
-  jax.block_until_ready(jprog(*sets))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(jprog(*sets))
-    times.append((time.perf_counter() - t0) / unroll * 1e6)
-  return statistics.median(times)
+def device_time_us(fn, sets, reps):
+  """Median over reps of the CUPTI-summed kernel time of one call (all kernels it launches).
+
+  One jitted program calls fn once per input set (distinct sets, so XLA cannot CSE the calls;
+  rotating sets keeps data that fits in L2 from being re-read from L2); time / len(sets).
+  """
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=import-outside-toplevel
+  prog = jax.jit(lambda *all_sets: [fn(*s) for s in all_sets])
+  _, ts = profiler.measure(prog, iterations=max(2, reps))(*sets)
+  return statistics.median(ts) * 1e3 / len(sets)
 
 
 def measure_copy_tbps():
@@ -138,11 +135,11 @@ def bench_shape(b, n, h, l, ceil, scale=1.0 / math.sqrt(C)):
     err = float(jnp.linalg.norm((out - ref).astype(jnp.float32)) /
                 jnp.linalg.norm(ref.astype(jnp.float32)))
     ok = bool(np.isfinite(err) and err <= 1e-2)
-    us = wall_time_us(fn, sets, FLAGS.reps, FLAGS.unroll) if ok else float("nan")
+    us = device_time_us(fn, sets, FLAGS.reps) if ok else float("nan")
     rows.append(dict(impl="pallas", variant=name, tuning=t.__dict__, rel_err=err, us=us))
   if not FLAGS.skip_xla:
     fx = lambda q, c, le, m: xla_baseline(q, c, le, m, scale=scale)
-    us = wall_time_us(fx, sets, max(3, FLAGS.reps // (5 if big else 1)), 2 if big else FLAGS.unroll)
+    us = device_time_us(fx, sets[:1] if big else sets, max(3, FLAGS.reps // (5 if big else 1)))
     rows.append(dict(impl="xla", variant="einsum", tuning=None, rel_err=None, us=us))
   for r in rows:
     r.update(B=b, N=n, H=h, L=l, bytes=byts, flops=flops, floor_us=floor_us, nsets=nsets,

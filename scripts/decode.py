@@ -3,6 +3,7 @@
   python scripts/decode.py                                   # the shipped trained pair
   python scripts/decode.py --config configs/tiny.py --mode chain --prompt "import os"
   python scripts/decode.py --config.max_new_tokens=64 --json_out /tmp/out.json
+  python scripts/decode.py --mesh tensor=2,expert=4     # sharded over 8 devices
 """
 
 import json
@@ -14,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from kdtree_jax import sharding  # noqa: E402
 from kdtree_jax.decoding.loop import generate  # noqa: E402
 from kdtree_jax.decoding.sampling import SamplingConfig  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
@@ -31,6 +33,8 @@ _TOP_K = flags.DEFINE_integer("top_k", None, "Top-k sampling (0 = off).")
 _SEED = flags.DEFINE_integer("seed", None, "Sampling seed.")
 _DTYPE = flags.DEFINE_enum("dtype", None, list(DTYPES), "Parameter and cache dtype.")
 _JSON = flags.DEFINE_string("json_out", None, "Write a JSON summary here.")
+_MESH = flags.DEFINE_string("mesh", None, "Device mesh 'AXIS=N,...' over data/expert/tensor "
+                            "(e.g. tensor=8, expert=8, tensor=2,expert=4); '' = one device.")
 
 
 def _override(c):
@@ -46,7 +50,10 @@ def _override(c):
 def main(argv):
   del argv
   c = _override(_CONFIG.value)
-  models = load_models(c)
+  sharding.maybe_initialize_distributed()
+  mesh_spec = _MESH.value if _MESH.value is not None else c.get("mesh", "")
+  mesh = sharding.make_mesh(mesh_spec) if mesh_spec else None
+  models = load_models(c, mesh)
   block = models.dcfg.block_size if models.dcfg is not None else 2
   spec = SpecConfig(mode=c.mode, budget=c.budget, block_size=block,
                     max_new_tokens=c.max_new_tokens, attn_backend=c.attn_backend,
@@ -55,9 +62,9 @@ def main(argv):
   cache_dtype = DTYPES[c.dtype]
   # First call compiles; the timed call reuses the program (same shapes and statics).
   generate(models.tcfg, models.tparams, models.dcfg, models.dparams, spec, [prompt_ids],
-           max_len=c.max_len, seed=c.seed, cache_dtype=cache_dtype)
+           max_len=c.max_len, seed=c.seed, cache_dtype=cache_dtype, mesh=mesh)
   res = generate(models.tcfg, models.tparams, models.dcfg, models.dparams, spec, [prompt_ids],
-                 max_len=c.max_len, seed=c.seed, cache_dtype=cache_dtype)
+                 max_len=c.max_len, seed=c.seed, cache_dtype=cache_dtype, mesh=mesh)
   text = models.tokenizer.decode(res.tokens[0])
   steps = len(res.accepted_per_step[0])
   print(c.prompt + text)

@@ -6,8 +6,10 @@ Letters: T tokens, D hidden, E routed experts, F expert width, K experts per tok
 import jax
 import jax.numpy as jnp
 
+from kdtree_jax import sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.mlp import swiglu
+from kdtree_jax.model.moe_parallel import routed_experts_ep
 
 
 def route(p, cfg: ModelConfig, x_td):
@@ -55,11 +57,12 @@ def routed_experts(p, x_td, idx_tk, w_tk):
 
 
 def moe(p, cfg: ModelConfig, x):
-  """MoE block on x [..., D]: routed experts + shared experts."""
+  """MoE block on x [..., D]: routed experts (expert-parallel under `sharding.use_mesh`) + shared."""
   shape = x.shape
   x_td = x.reshape(-1, shape[-1])
   idx, w = route(p, cfg, x_td)
-  y = routed_experts(p, x_td, idx, w)
+  mesh = sharding.current_mesh()
+  y = routed_experts(p, x_td, idx, w) if mesh is None else routed_experts_ep(p, x_td, idx, w, mesh)
   if "shared" in p:
     y = y + swiglu(p["shared"], x_td).astype(jnp.float32)
   return y.astype(x.dtype).reshape(shape)

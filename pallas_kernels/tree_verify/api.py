@@ -1,7 +1,6 @@
 """Public entry point: dispatches to the Mosaic GPU kernel, its interpret mode, or the XLA reference."""
 
 import jax
-import jax.numpy as jnp
 
 from pallas_kernels.tree_verify.reference import tree_verify_attention_reference
 
@@ -20,6 +19,13 @@ def _check_shapes(q, cache, lengths, tree_mask):
     raise ValueError(f"{tree_mask.shape=} must be ({b}, {n}, {n})")
 
 
+def kernel_supports(q, value_dim=None) -> bool:
+  """Whether the Mosaic GPU kernel handles this latent / value width (K2: 576 / 512)."""
+  c = q.shape[-1]
+  r = value_dim if value_dim is not None else c - 64
+  return c % 64 == 0 and r % 128 == 0 and r // 2 <= 256
+
+
 def tree_verify_attention(q, cache, lengths, tree_mask, *, scale, backend="auto", value_dim=None,
                           return_lse=False, tuning=None):
   """Absorbed-MLA attention of N tree nodes against a dense cache.
@@ -33,7 +39,7 @@ def tree_verify_attention(q, cache, lengths, tree_mask, *, scale, backend="auto"
   if backend not in BACKENDS:
     raise ValueError(f"{backend=} must be one of {BACKENDS}")
   if backend == "auto":
-    backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+    backend = "pallas" if jax.default_backend() == "gpu" and kernel_supports(q, value_dim) else "xla"
   if backend == "xla":
     out, lse = tree_verify_attention_reference(q, cache, lengths, tree_mask, scale=scale,
                                                value_dim=value_dim)

@@ -52,12 +52,13 @@ def _split_range(length, s_idx, t: Tuning):
 
 def _tile_start(tile, t: Tuning, l):
   """First cache row of KV tile `tile`, clamped so the TMA box stays inside [0, L)."""
-  return jnp.minimum(tile * t.block_kv, l - t.block_kv)
+  return pl.multiple_of(jnp.minimum(tile * t.block_kv, l - t.block_kv), 8)
 
 
 def _memory_wg(q_ref, kv_ref, q_smem, kv_smem, q_bar, kv_bar, free_bar, *, b, m_idx, lo, hi, t, l):
   """TMA producer: the Q tile once, then the split's KV tiles through the SMEM ring."""
-  plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(m_idx * BLOCK_M, BLOCK_M)], q_smem, q_bar)
+  rows = pl.ds(pl.multiple_of(m_idx * BLOCK_M, BLOCK_M), BLOCK_M)
+  plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
 
   @pl.loop(0, hi - lo)
   def _load(i):
@@ -210,7 +211,7 @@ def _compute_wg(c, w):
   if w == 0:
     c.lse_smem[...] = lse2
   plgpu.commit_smem()
-  rows = pl.ds(c.m_idx * BLOCK_M, BLOCK_M)
+  rows = pl.ds(pl.multiple_of(c.m_idx * BLOCK_M, BLOCK_M), BLOCK_M)
   plgpu.copy_smem_to_gmem(o_smem, c.o_ref.at[c.b, c.s_idx, rows, pl.ds(w * r2, r2)])
   if w == 0:
     plgpu.copy_smem_to_gmem(c.lse_smem, c.lse_ref.at[c.b, c.s_idx, rows])
@@ -329,7 +330,8 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
   r = value_dim if value_dim is not None else c - 64
   t = tuning if tuning is not None else default_tuning(b, n, h, l)
   mp = -(-(n * h) // BLOCK_M) * BLOCK_M
-  kv = cache if l >= t.block_kv else jnp.pad(cache, ((0, 0), (0, t.block_kv - l), (0, 0)))
+  l_pad = max(t.block_kv, -(-l // 8) * 8)  # TMA row starts must be multiples of 8 (SMEM tiling)
+  kv = cache if l == l_pad else jnp.pad(cache, ((0, 0), (0, l_pad - l), (0, 0)))
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, l)
   o_p, lse_p = prefix_partials(_rows(q, mp), kv, lengths, scale=scale, tuning=t, value_dim=r,
                                interpret=interpret)

@@ -1,0 +1,75 @@
+"""INT4 routed experts kept packed in device memory; dequantised inside the expert matmul.
+
+Layout (ours, for x @ W with W [E, in, out]): `packed` uint8 [E, in/2, out] holds two signed
+nibbles along `in` (low nibble = even row, value + 8), `scale` bf16 [E, in/G, out] per group of
+G = 32 rows. 4.5 bits per weight instead of 16: K2.6's routed experts take ~520 GB, not 2 TB.
+HF compressed-tensors stores `weight_packed` int32 [out, in/8] (low nibble first, value - 8)
+with `weight_scale` bf16 [out, in/32]; `from_hf` converts one expert.
+"""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@flax.struct.dataclass
+class Int4Weight:
+  """Packed int4 expert stack: packed uint8 [E, in/2, out], scale [E, in/G, out]."""
+
+  packed: jax.Array
+  scale: jax.Array
+
+  @property
+  def shape(self):
+    e, half, out = self.packed.shape
+    return (e, 2 * half, out)
+
+  @property
+  def group(self) -> int:
+    return self.shape[1] // self.scale.shape[1]
+
+
+def quantize(w_eio, group=32) -> Int4Weight:
+  """Symmetric per-group int4 of a float [E, in, out] stack (numpy; for tests and conversion)."""
+  w = np.asarray(w_eio, np.float32)
+  e, din, dout = w.shape
+  g = w.reshape(e, din // group, group, dout)
+  scale = np.abs(g).max(axis=2) / 7.0
+  safe = np.where(scale > 0, scale, 1.0)
+  q = np.clip(np.round(g / safe[:, :, None, :]), -8, 7).astype(np.int8).reshape(e, din, dout)
+  return pack(q, scale)
+
+
+def pack(q_eio, scale) -> Int4Weight:
+  """int values in [-8, 7] [E, in, out] + scale [E, in/G, out] -> Int4Weight."""
+  u = (np.asarray(q_eio).astype(np.int16) + 8).astype(np.uint8)
+  packed = u[:, 0::2, :] | (u[:, 1::2, :] << 4)
+  return Int4Weight(jnp.asarray(packed), jnp.asarray(scale, jnp.bfloat16))
+
+
+def from_hf(weight_packed, weight_scale, shape) -> tuple[np.ndarray, np.ndarray]:
+  """One HF expert matrix (int32 [out, in/8], bf16 [out, in/G]) -> (int8 q [in, out], scale [in/G, out])."""
+  out_dim, in_dim = int(shape[0]), int(shape[1])
+  words = np.asarray(weight_packed).view(np.uint32)
+  nib = np.stack([(words >> (4 * k)) & 0xF for k in range(8)], axis=-1).reshape(out_dim, -1)
+  q = nib[:, :in_dim].astype(np.int8) - 8
+  return q.T, np.asarray(weight_scale, np.float32).T
+
+
+def dequantize(w: Int4Weight, dtype=jnp.bfloat16):
+  """[E, in, out] in dtype (XLA fuses this into the consuming matmul where it can)."""
+  p = w.packed
+  lo = (p & 0xF).astype(jnp.int8) - 8
+  hi = (p >> 4).astype(jnp.int8) - 8
+  e, half, out = p.shape
+  q = jnp.stack([lo, hi], axis=2).reshape(e, 2 * half, out)
+  s = jnp.repeat(w.scale.astype(dtype), w.group, axis=1)
+  return q.astype(dtype) * s
+
+
+def expert_matmul(x_md, w, group_sizes):
+  """ragged_dot over an expert stack that is either a dense array or an Int4Weight."""
+  if isinstance(w, Int4Weight):
+    w = dequantize(w, x_md.dtype)
+  return jax.lax.ragged_dot(x_md, w, group_sizes)

@@ -1,0 +1,41 @@
+"""Per-kernel CUPTI times of one tree_verify_attention call (where the time goes), GPU only.
+
+  python scripts/profile_verify_kernel.py --shapes 1x1x8x16384,1x16x8x46000,1x64x64x46000
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import pallas_kernels  # noqa: E402
+
+_SHAPES = flags.DEFINE_list("shapes", ["1x1x8x16384", "1x16x8x46000", "1x64x64x46000"],
+                            "BxNxHxL shapes.")
+
+
+def main(_):
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=import-outside-toplevel
+  for shape in _SHAPES.value:
+    b, n, h, l = map(int, shape.split("x"))
+    k = jax.random.split(jax.random.key(0), 2)
+    q = jax.random.normal(k[0], (b, n, h, 576), jnp.bfloat16)
+    cache = jax.random.normal(k[1], (b, l + n, 576), jnp.bfloat16)
+    lengths = jnp.full((b,), l, jnp.int32)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
+    fn = jax.jit(lambda q, c, ln, m: pallas_kernels.tree_verify_attention(
+        q, c, ln, m, scale=0.1, backend="pallas"))
+    jax.block_until_ready(fn(q, cache, lengths, mask))
+    _, per_kernel = profiler.measure(fn, aggregate=False)(q, cache, lengths, mask)
+    total = sum(t for _, t in per_kernel)
+    print(f"\n{shape}: {1e3 * total:.1f} us in {len(per_kernel)} kernels")
+    for name, t in per_kernel:
+      print(f"  {1e3 * t:8.1f} us  {name[:100]}")
+
+
+if __name__ == "__main__":
+  app.run(main)

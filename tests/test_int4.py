@@ -1,0 +1,49 @@
+"""INT4-resident routed experts equal the dequantised bf16 experts (bf16 tolerance)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdtree_jax import config as C
+from kdtree_jax.checkpoint import quant
+from kdtree_jax.model import int4
+from kdtree_jax.model.moe import moe
+from kdtree_jax.model.params import init_params
+
+
+def test_pack_dequantize_round_trip():
+  rng = np.random.default_rng(0)
+  q = rng.integers(-8, 8, (3, 64, 5)).astype(np.int8)
+  scale = rng.uniform(0.5, 2.0, (3, 2, 5)).astype(np.float32)
+  w = int4.pack(q, scale)
+  want = q.astype(np.float32) * np.repeat(np.asarray(jnp.asarray(scale, jnp.bfloat16),
+                                                     np.float32), 32, axis=1)
+  np.testing.assert_array_equal(np.asarray(int4.dequantize(w, jnp.float32)), want)
+  assert w.shape == (3, 64, 5) and w.group == 32
+
+
+def test_from_hf_matches_compressed_tensors_unpacking():
+  rng = np.random.default_rng(1)
+  q = rng.integers(-8, 8, (6, 64)).astype(np.int8)  # HF [out, in]
+  packed = quant.pack_int4(q)
+  scale = rng.uniform(0.5, 2.0, (6, 2)).astype(np.float32)
+  q_ours, s_ours = int4.from_hf(packed, scale, (6, 64))
+  np.testing.assert_array_equal(q_ours, q.T)
+  np.testing.assert_array_equal(s_ours, scale.T)
+  want = quant.dequant_int4(packed, scale, (6, 64), 32).T
+  got = int4.dequantize(int4.pack(q_ours[None], s_ours[None]), jnp.float32)[0]
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-2)  # scale rounded to bf16
+
+
+def test_int4_moe_equals_dequantised_bf16_moe():
+  cfg = C.tiny(hidden_size=64, moe_intermediate_size=64, n_routed_experts=8)
+  p = init_params(jax.random.key(0), cfg, jnp.float32, std=0.1)["layers"][1]["moe"]
+  packed = dict(p, **{k: int4.quantize(p[k]) for k in ("gate", "up", "down")})
+  dense = dict(p, **{k: int4.dequantize(packed[k], jnp.bfloat16) for k in ("gate", "up", "down")})
+  dense = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 and a.ndim > 1
+                       else a, dense)
+  packed = dict(packed, router=dense["router"], shared=dense["shared"])
+  x = jax.random.normal(jax.random.key(1), (40, cfg.hidden_size), jnp.bfloat16)
+  y_int4 = moe(packed, cfg, x).astype(jnp.float32)
+  y_bf16 = moe(dense, cfg, x).astype(jnp.float32)
+  assert float(jnp.linalg.norm(y_int4 - y_bf16) / jnp.linalg.norm(y_bf16)) < 1e-2
