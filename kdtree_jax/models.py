@@ -49,7 +49,8 @@ def load_target(c, dtype, mesh=None):
     raise ValueError(f"unknown target preset {c.preset!r}; choose from {list(model_config.PRESETS)}")
   kw = {"layers": c.layers} if "layers" in c else {}
   cfg = model_config.PRESETS[c.preset](**kw)
-  return cfg, _init(lambda key: init_params(key, cfg, dtype, std=0.02), mesh, jax.random.key(c.seed))
+  init = lambda key: init_params(key, cfg, dtype, std=0.02)
+  return cfg, _init(init, mesh, jax.random.key(c.seed))
 
 
 def load_draft(c, tcfg, dtype, mesh=None):

@@ -30,7 +30,7 @@ RULES = {
     "heads": MODEL,          # tensor-parallel attention (target MLA and draft q / o)
     "kv_heads": MODEL,       # draft k / v projections and draft cache
     "mlp": MODEL,            # dense MLP, shared experts, draft MLP: F split
-    "embed_in": MODEL,       # D contracted by q_a / kv_a / draft fc (row-parallel, psum of [T, out])
+    "embed_in": MODEL,       # D contracted by q_a / kv_a / draft fc (row-parallel: psum [T, out])
     "route": MODEL,          # router columns and bias: exact logits, all-gathered for top-k
     "experts": ("expert",),  # routed experts (expert-parallel MoE, moe_parallel.py)
     "expert_mlp": ("tensor",),
@@ -65,6 +65,10 @@ PARAM_AXES = {
     "layers/moe/gate": ("experts", "embed", "expert_mlp"),
     "layers/moe/up": ("experts", "embed", "expert_mlp"),
     "layers/moe/down": ("experts", "expert_mlp", "embed"),
+    # INT4 routed experts (model/int4.py Int4Weight): packed [E, in/2, out], scale [E, in/G, out].
+    **{f"layers/moe/{m}/{leaf}": ("experts", "embed", "expert_mlp")
+       for m in ("gate", "up") for leaf in ("packed", "scale")},
+    **{f"layers/moe/down/{leaf}": ("experts", "expert_mlp", "embed") for leaf in ("packed", "scale")},
     "fc": ("embed_in", "embed"), "hidden_norm": ("norm",), "norm": ("norm",),
     **{f"layers/{k}": ("layers",) + v for k, v in _DRAFT_LAYER.items()},
 }
@@ -94,7 +98,8 @@ def parse_mesh(spec: str) -> dict[str, int]:
     if name in seen:
       raise ValueError(f"mesh axis {name!r} given twice in {spec!r}")
     if not value.strip().isdigit() or int(value) < 1:
-      raise ValueError(f"mesh axis {name!r} needs a positive integer size, got {value!r} in {spec!r}")
+      raise ValueError(f"mesh axis {name!r} needs a positive integer size, got {value!r} "
+                       f"in {spec!r}")
     seen.add(name)
     sizes[name] = int(value)
   if not seen:
@@ -215,7 +220,8 @@ def init_sharded(init_fn, mesh, *args):
 def loader_put(mesh, dtype):
   """A `put(path, np_array)` for `load_hf_checkpoint`: each host places only its shards."""
   def put(path, w):
-    w = np.asarray(w, np.float32 if path[-1] == "bias" else jnp.dtype(dtype))
+    if path[-1] not in ("packed", "scale"):  # INT4 leaves keep their storage dtype
+      w = np.asarray(w, np.float32 if path[-1] == "bias" else jnp.dtype(dtype))
     sh = NamedSharding(mesh, spec(param_axes(path), w.shape, mesh))
     return jax.make_array_from_callback(w.shape, sh, lambda idx: w[idx])
   return put

@@ -103,6 +103,7 @@ def main(_):
       if out:
         out.write(json.dumps(dict(kind="phases", mode=mode, ctx=_PROFILE_CTX.value, ceil=ceil,
                                   rows=profiling.as_dicts(prow))) + "\n")
+        out.flush()
       if _TRACE.value and mode == _PROFILE_MODES.value[-1]:
         profiling.trace_loop(tcfg, tp, dcfg, dp, spec, state, _TRACE.value)
   ctxs = [int(x) for x in _CTX.value]

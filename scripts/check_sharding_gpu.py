@@ -122,7 +122,8 @@ def main(argv):
   for r in rows:
     res = (str(r["same"]) if "same" in r else r.get("error") or
            f"{r['ms_per_step']:.2f} ms/step ({r['steps']} steps)")
-    print(f"{r['check']:>12} | {r['mode']:>6} | {r['mesh']:>10} | {r.get('backend', '-'):>7} | {res}")
+    print(f"{r['check']:>12} | {r['mode']:>6} | {r['mesh']:>10} | {r.get('backend', '-'):>7} | "
+          f"{res}")
   os.makedirs(_OUT.value, exist_ok=True)
   with open(os.path.join(_OUT.value, "check_sharding.json"), "w") as f:
     json.dump({"devices": [str(d) for d in jax.devices()], "rows": rows}, f, indent=1)

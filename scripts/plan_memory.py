@@ -62,7 +62,9 @@ class _Section(dict):
 def abstract_models(c, dtype):
   """(tcfg, dcfg, target params, draft params), the params as ShapeDtypeStructs."""
   box = {}
-  draft = c.draft if (c.draft.preset or c.draft.checkpoint) else _Section(c.draft, preset=_DRAFT.value)
+  draft = c.draft
+  if not (draft.preset or draft.checkpoint):
+    draft = _Section(draft, preset=_DRAFT.value)
 
   def build():
     box["tcfg"], tp = models.load_target(c.target, dtype)

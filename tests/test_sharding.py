@@ -97,9 +97,10 @@ def test_decode_script_with_mesh_matches_one_device(tmp_path):
          os.path.join(ROOT, "configs", "tiny.py"), "--mode", "ar", "--max_new_tokens", "8",
          "--config.max_len", "64", "--mesh", "tensor=2,expert=4", "--json_out", str(out)]
   subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ), capture_output=True)
-  spec = importlib.util.spec_from_file_location("tiny_cfg", os.path.join(ROOT, "configs", "tiny.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  cfg_file = os.path.join(ROOT, "configs", "tiny.py")
+  loader = importlib.util.spec_from_file_location("tiny_cfg", cfg_file)
+  mod = importlib.util.module_from_spec(loader)
+  loader.loader.exec_module(mod)
   c = mod.get_config()
   m = load_models(c)
   s = SpecConfig(mode="ar", block_size=m.dcfg.block_size, max_new_tokens=8)
@@ -171,7 +172,8 @@ def test_ep_moe_matches_single_device(mesh_spec):
   idx, w = moe_lib.route(p, cfg, x)
   want = moe_lib.routed_experts(p, x, idx, w)
   mesh = sharding.make_mesh(mesh_spec)
-  ps = sharding.shard(p, sharding.param_shardings({"layers": [{"moe": p}]}, mesh)["layers"][0]["moe"])
+  shardings = sharding.param_shardings({"layers": [{"moe": p}]}, mesh)["layers"][0]["moe"]
+  ps = sharding.shard(p, shardings)
   with sharding.use_mesh(mesh):
     got = jax.jit(lambda p, x, i, w: routed_experts_ep(p, x, i, w, sharding.current_mesh()))(
         ps, x, idx, w)

@@ -17,6 +17,7 @@ import numpy as np
 from kdtree_jax.checkpoint import quant
 from kdtree_jax.checkpoint.safetensors_io import CheckpointDir
 from kdtree_jax.config import ModelConfig, config_from_hf_dict
+from kdtree_jax.model import int4
 from kdtree_jax.model.params import param_shapes
 
 # Tensors that exist in real checkpoints but are not part of the text model.
@@ -94,6 +95,19 @@ class _Reader:
     base = name[:-len(".weight")] if name.endswith(".weight") else None
     return name in self.ckpt or (base is not None and base + ".weight_packed" in self.ckpt)
 
+  def is_int4(self, name):
+    return name.endswith(".weight") and name[:-len(".weight")] + ".weight_packed" in self.ckpt
+
+  def read_int4(self, name, want_shape):
+    """A packed INT4 matrix kept quantised -> (int8 q [in, out], scale [in/G, out])."""
+    base = name[:-len(".weight")]
+    parts = [base + s for s in (".weight_packed", ".weight_scale", ".weight_shape")]
+    packed, scale, shape = (self.ckpt.get(n) for n in parts)
+    if tuple(int(x) for x in shape) != tuple(want_shape):
+      raise ValueError(f"weight {base!r} has weight_shape {tuple(shape)}, expected {want_shape}")
+    self.used.update(parts)
+    return int4.from_hf(packed, scale, shape)
+
   def read(self, name, want_shape):
     if name in self.ckpt:
       if self.ckpt.dtype(name) not in FLOAT_DTYPES:
@@ -143,12 +157,24 @@ def _empty_tree(cfg):
   return {"embed": None, "final_norm": None, "lm_head": None, "layers": layers}
 
 
+def default_put(dtype):
+  """Places one tensor: routing bias f32, INT4 `packed`/`scale` as stored, the rest in dtype."""
+  def put(path, w):
+    if path[-1] == "bias":
+      return jnp.asarray(w, jnp.float32)
+    if path[-1] in ("packed", "scale"):
+      return jnp.asarray(w)
+    return jnp.asarray(w, dtype)
+  return put
+
+
 def load_hf_checkpoint(path: str, dtype=jnp.float32, put: Callable | None = None,
-                       progress: bool = False):
+                       progress: bool = False, int4_experts: bool = False):
   """Loads a HF checkpoint directory -> (ModelConfig, params pytree).
 
   dtype: the dtype of every weight except the routing bias (kept f32). put(path, np.ndarray)
-  places one tensor (default `jnp.asarray(..., dtype)`).
+  places one tensor (default `default_put(dtype)`). int4_experts: keep INT4-packed routed
+  experts packed on device (`model.int4.Int4Weight`) instead of dequantising them.
   """
   with open(os.path.join(path, "config.json")) as f:
     raw = json.load(f)
@@ -156,7 +182,7 @@ def load_hf_checkpoint(path: str, dtype=jnp.float32, put: Callable | None = None
   qc = quant.check_quant_config((raw.get("text_config") or raw).get("quantization_config")
                                 or raw.get("quantization_config"))
   reader = _Reader(CheckpointDir(path), qc)
-  put = put or (lambda p, w: jnp.asarray(w, jnp.float32 if p[-1] == "bias" else dtype))
+  put = put or default_put(dtype)
   specs = dict(top_specs(cfg))
   for i in range(cfg.num_hidden_layers):
     specs.update({("layers", i) + k: v for k, v in layer_specs(cfg, i).items()})
@@ -166,7 +192,16 @@ def load_hf_checkpoint(path: str, dtype=jnp.float32, put: Callable | None = None
   params = _empty_tree(cfg)
   experts: dict = {}
   for k, (pidx, (name, shape, tf)) in enumerate(specs.items()):
-    w = tf(reader.read(cfg.weight_prefix + name, shape))
+    full = cfg.weight_prefix + name
+    if isinstance(pidx[-1], int) and int4_experts and reader.is_int4(full):
+      experts.setdefault(pidx[:-1], []).append(reader.read_int4(full, shape))
+      if len(experts[pidx[:-1]]) == cfg.n_routed_experts:
+        qs, ss = zip(*experts.pop(pidx[:-1]))
+        packed, scale = int4.pack_numpy(np.stack(qs), np.stack(ss))
+        _set(params, pidx[:-1], int4.Int4Weight(put(pidx[:-1] + ("packed",), packed),
+                                                put(pidx[:-1] + ("scale",), scale)))
+      continue
+    w = tf(reader.read(full, shape))
     if isinstance(pidx[-1], int):  # one routed expert: stack per (layer, matrix)
       experts.setdefault(pidx[:-1], []).append(w)
       if len(experts[pidx[:-1]]) == cfg.n_routed_experts:

@@ -10,6 +10,7 @@ with `weight_scale` bf16 [out, in/32]; `from_hf` converts one expert.
 import flax.struct
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 
@@ -41,11 +42,17 @@ def quantize(w_eio, group=32) -> Int4Weight:
   return pack(q, scale)
 
 
-def pack(q_eio, scale) -> Int4Weight:
-  """int values in [-8, 7] [E, in, out] + scale [E, in/G, out] -> Int4Weight."""
+def pack_numpy(q_eio, scale) -> tuple[np.ndarray, np.ndarray]:
+  """int values in [-8, 7] [E, in, out] + scale [E, in/G, out] -> (packed uint8, bf16 scale)."""
   u = (np.asarray(q_eio).astype(np.int16) + 8).astype(np.uint8)
   packed = u[:, 0::2, :] | (u[:, 1::2, :] << 4)
-  return Int4Weight(jnp.asarray(packed), jnp.asarray(scale, jnp.bfloat16))
+  return packed, np.asarray(scale, np.float32).astype(ml_dtypes.bfloat16)
+
+
+def pack(q_eio, scale) -> Int4Weight:
+  """int values in [-8, 7] [E, in, out] + scale [E, in/G, out] -> Int4Weight on device."""
+  packed, s = pack_numpy(q_eio, scale)
+  return Int4Weight(jnp.asarray(packed), jnp.asarray(s))
 
 
 def from_hf(weight_packed, weight_scale, shape) -> tuple[np.ndarray, np.ndarray]:
@@ -66,10 +73,3 @@ def dequantize(w: Int4Weight, dtype=jnp.bfloat16):
   q = jnp.stack([lo, hi], axis=2).reshape(e, 2 * half, out)
   s = jnp.repeat(w.scale.astype(dtype), w.group, axis=1)
   return q.astype(dtype) * s
-
-
-def expert_matmul(x_md, w, group_sizes):
-  """ragged_dot over an expert stack that is either a dense array or an Int4Weight."""
-  if isinstance(w, Int4Weight):
-    w = dequantize(w, x_md.dtype)
-  return jax.lax.ragged_dot(x_md, w, group_sizes)

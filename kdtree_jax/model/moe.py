@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from kdtree_jax import sharding
 from kdtree_jax.config import ModelConfig
+from kdtree_jax.model.experts import expert_ffn
 from kdtree_jax.model.mlp import swiglu
 from kdtree_jax.model.moe_parallel import routed_experts_ep
 
@@ -42,22 +43,12 @@ def _limit_groups(choice_te, n_group, topk_group):
 
 
 def routed_experts(p, x_td, idx_tk, w_tk):
-  """Dropless grouped matmul: sort (token, slot) pairs by expert, ragged_dot, weighted scatter-add."""
-  t, k = idx_tk.shape
-  e = p["gate"].shape[0]
-  flat = idx_tk.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  token_of = order // k
-  xs = x_td[token_of]
-  sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-  h = jax.nn.silu(jax.lax.ragged_dot(xs, p["gate"], sizes)) * jax.lax.ragged_dot(xs, p["up"], sizes)
-  y = jax.lax.ragged_dot(h, p["down"], sizes)
-  y = y.astype(jnp.float32) * w_tk.reshape(-1)[order][:, None]
-  return jnp.zeros((t, x_td.shape[-1]), jnp.float32).at[token_of].add(y)
+  """All routed experts on one device."""
+  return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"])
 
 
 def moe(p, cfg: ModelConfig, x):
-  """MoE block on x [..., D]: routed experts (expert-parallel under `sharding.use_mesh`) + shared."""
+  """MoE block on x [..., D]: routed experts (expert-parallel under a mesh) + shared experts."""
   shape = x.shape
   x_td = x.reshape(-1, shape[-1])
   idx, w = route(p, cfg, x_td)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kdtree_jax import sharding
+from kdtree_jax.model.experts import expert_ffn
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -30,23 +31,6 @@ def _shard_index(axes, mesh):
   return idx
 
 
-def local_experts(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0):
-  """This shard's experts [e0, e0 + E_l) on the pairs routed to them; others contribute 0."""
-  t, k = idx_tk.shape
-  e_l = gate_edf.shape[0]
-  local = idx_tk.reshape(-1) - e0
-  mine = (local >= 0) & (local < e_l)
-  sort_key = jnp.where(mine, local, e_l)
-  order = jnp.argsort(sort_key, stable=True)
-  token_of = order // k
-  sizes = jnp.bincount(sort_key, length=e_l + 1)[:e_l].astype(jnp.int32)
-  xs = x_td[token_of]
-  h = jax.nn.silu(jax.lax.ragged_dot(xs, gate_edf, sizes)) * jax.lax.ragged_dot(xs, up_edf, sizes)
-  y = jax.lax.ragged_dot(h, down_efd, sizes).astype(jnp.float32)
-  y = jnp.where(mine[order][:, None], y * w_tk.reshape(-1)[order][:, None], 0.0)
-  return jnp.zeros((t, x_td.shape[-1]), jnp.float32).at[token_of].add(y)
-
-
 def routed_experts_ep(p, x_td, idx_tk, w_tk, mesh):
   """`moe.routed_experts` with gate/up/down sharded by the rules over `mesh` -> [T, D] f32."""
   in_spec = sharding.spec(sharding.PARAM_AXES["layers/moe/gate"], p["gate"].shape, mesh)
@@ -56,11 +40,11 @@ def routed_experts_ep(p, x_td, idx_tk, w_tk, mesh):
 
   def body(x, idx, w, gate, up, down):
     e0 = _shard_index(e_axes, mesh) * gate.shape[0]
-    y = local_experts(x, idx, w, gate, up, down, e0)
+    y = expert_ffn(x, idx, w, gate, up, down, e0)
     return jax.lax.psum(y, e_axes + f_axes) if e_axes + f_axes else y
 
   if math.prod(mesh.shape[a] for a in e_axes + f_axes) == 1:
-    return local_experts(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], 0)
+    return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], 0)
   fn = jax.shard_map(body, mesh=mesh, in_specs=(tok_spec,) * 3 + (in_spec, in_spec, down_spec),
                      out_specs=tok_spec)
   return fn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"])
