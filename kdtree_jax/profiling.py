@@ -44,7 +44,8 @@ def bench_state(tcfg, dcfg, spec, batch, ctx, dtype=jnp.bfloat16, seed=0,
       pending_taps=pending, pending_count=jnp.full((batch,), spec.commit_width, jnp.int32),
       out=jnp.zeros((batch, loop.out_size(spec)), jnp.int32), n_out=jnp.ones((batch,), jnp.int32),
       done=jnp.zeros((batch,), bool), key=jax.random.key(seed),
-      steps=jnp.zeros((), jnp.int32), accepted=jnp.zeros((spec.max_new_tokens, batch), jnp.int32))
+      steps=jnp.zeros((), jnp.int32), accepted=jnp.zeros((spec.max_new_tokens, batch), jnp.int32),
+      capacity=jnp.asarray(rows - spec.verify_width, jnp.int32))
 
 
 # ---- bytes and FLOPs ----------------------------------------------------------------------

@@ -81,6 +81,7 @@ STATE_AXES = {
     "pos": ("batch", "cache_len"), "ctx_len": ("batch",),
     "bonus": ("batch",), "pending_taps": ("batch", "out", "taps"), "pending_count": ("batch",),
     "out": ("batch", "out"), "n_out": ("batch",), "done": ("batch",), "key": (), "steps": (),
+    "capacity": (),
     "accepted": ("out", "batch"),
 }
 

@@ -28,12 +28,17 @@ def out_size(spec: SpecConfig) -> int:
   return spec.max_new_tokens + 2 * spec.commit_width
 
 
+def physical_rows(max_len: int, spec: SpecConfig) -> int:
+  """Cache rows: max_len committed + N tree scratch, rounded up to 64 (whole kernel tiles)."""
+  return -(-(max_len + spec.verify_width) // 64) * 64
+
+
 def init_state(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts_bs, lengths_b, key,
                max_len: int, cache_dtype=jnp.float32) -> DecodeState:
   """Prefills the target (and the draft context) and picks the first token."""
   b, s = prompts_bs.shape
   tap_layers = () if spec.mode == "ar" else tuple(dcfg.target_layer_ids)
-  cache = LatentCache.zeros(tcfg, b, max_len + spec.verify_width, cache_dtype)
+  cache = LatentCache.zeros(tcfg, b, physical_rows(max_len, spec), cache_dtype)
   logits, cache, taps = transformer.prefill(tcfg, tparams, cache, prompts_bs, tap_layers)
   cache = cache.replace(lengths=lengths_b)
   key, sub = jax.random.split(key)
@@ -55,7 +60,8 @@ def init_state(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts_bs, lengt
       cache=cache, draft_cache=draft_cache, bonus=bonus, pending_taps=pending,
       pending_count=jnp.zeros((b,), jnp.int32), out=out, n_out=jnp.ones((b,), jnp.int32),
       done=done, key=key, steps=jnp.zeros((), jnp.int32),
-      accepted=jnp.zeros((spec.max_new_tokens, b), jnp.int32)))
+      accepted=jnp.zeros((spec.max_new_tokens, b), jnp.int32),
+      capacity=jnp.asarray(max_len, jnp.int32)))
 
 
 def run_loop(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: DecodeState) -> DecodeState:

@@ -19,6 +19,8 @@ class DecodeState:
   pending_taps [B, W, F], pending_count [B]: taps of the last committed tokens (None in 'ar').
   out [B, M], n_out [B]: emitted tokens; done [B]: row finished (EOS, max tokens, cache full).
   steps []: steps taken; accepted [S, B]: tokens committed per step (0 once done).
+  capacity []: logical max_len; rows are committed up to it in every mode (the cache has N
+    more physical rows of tree scratch, rounded up to a multiple of 64 for the kernel's tiles).
   """
 
   cache: LatentCache
@@ -32,3 +34,4 @@ class DecodeState:
   key: jax.Array
   steps: jax.Array
   accepted: jax.Array
+  capacity: jax.Array

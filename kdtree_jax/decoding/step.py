@@ -117,8 +117,7 @@ def commit_phase(spec: SpecConfig, eos_id, state: DecodeState, cache, draft_cach
   out = jax.vmap(lambda o, e, s: jax.lax.dynamic_update_slice(o, e, (s,)))(
       state.out, emitted, write_at)
   n_out = state.n_out + n_emit
-  capacity = cache.latent.shape[2] - spec.verify_width
-  done = state.done | hit | (n_out >= spec.max_new_tokens) | (lengths >= capacity)
+  done = state.done | hit | (n_out >= spec.max_new_tokens) | (lengths >= state.capacity)
   pending = None if taps is None else jnp.take_along_axis(taps, path[:, :, None], axis=1)
   return state.replace(
       cache=cache.replace(latent=latent, lengths=lengths), draft_cache=draft_cache,
@@ -142,7 +141,7 @@ def speculative_step(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: Deco
   with jax.named_scope("verify"):
     logits, cache, taps = verify_phase(tcfg, tparams, spec, state, tree, tap_layers)
   with jax.named_scope("accept"):
-    room = jnp.maximum(state.cache.max_len - spec.verify_width - cache.lengths - 1, 0)
+    room = jnp.maximum(state.capacity - cache.lengths - 1, 0)
     path, a, nxt = accept_phase(spec, tree, logits, sub, room)
   with jax.named_scope("commit"):
     return commit_phase(spec, tcfg.eos_token_id, state, cache, draft_cache, tree, taps, path, a,
