@@ -1,30 +1,12 @@
 """The trained pair: k2tiny target (K2.6 architecture, byte level) + its DFlash draft.
 
 Trained here on the Python standard library (scripts/train_pair_gpu.sh); checkpoints in
-checkpoints/k2tiny/{target,draft} (HF formats).
+checkpoints/k2tiny/{target,draft} (HF formats). Fields: kdtree_jax/run_config.py.
   python scripts/decode.py --config configs/k2tiny.py --mode ddtree --budget 32
 """
 
-import ml_collections
+from kdtree_jax import run_config
 
 
 def get_config():
-  c = ml_collections.ConfigDict()
-  c.target = ml_collections.ConfigDict(dict(checkpoint="checkpoints/k2tiny/target", preset="",
-                                            seed=0))
-  c.draft = ml_collections.ConfigDict(dict(checkpoint="checkpoints/k2tiny/draft", preset="",
-                                           seed=1))
-  c.tokenizer = "bytes"
-  c.mode = "ddtree"
-  c.budget = 32
-  c.max_new_tokens = 128
-  c.max_len = 1024
-  c.temperature = 0.0
-  c.top_k = 0
-  c.top_p = 1.0
-  c.seed = 0
-  c.dtype = "float32"
-  c.attn_backend = "auto"
-  c.prompt = "def fibonacci(n):\n"
-  c.mesh = ""
-  return c
+  return run_config.trained_pair()

@@ -4,24 +4,10 @@
 Random weights accept almost nothing; the trained pair is configs/default.py.
 """
 
-import ml_collections
+from kdtree_jax import run_config
 
 
 def get_config():
-  c = ml_collections.ConfigDict()
-  c.target = ml_collections.ConfigDict(dict(checkpoint="", preset="tiny", seed=0))
-  c.draft = ml_collections.ConfigDict(dict(checkpoint="", preset="tiny", seed=1))
-  c.tokenizer = "bytes"
-  c.mode = "ddtree"
-  c.budget = 16
-  c.max_new_tokens = 48
-  c.max_len = 512
-  c.temperature = 0.0
-  c.top_k = 0
-  c.top_p = 1.0
-  c.seed = 0
-  c.dtype = "float32"
-  c.attn_backend = "auto"
-  c.prompt = "def fibonacci(n):\n"
-  c.mesh = ""
-  return c
+  return run_config.decode_config(run_config.model_ref(preset="tiny"),
+                                  run_config.model_ref(preset="tiny", seed=1),
+                                  tokenizer="bytes", budget=16, max_new_tokens=48, max_len=512)

@@ -8,12 +8,13 @@ import jax.numpy as jnp
 
 from kdtree_jax import config as model_config
 from kdtree_jax import sharding
+from kdtree_jax.checkpoint import orbax_io
 from kdtree_jax.checkpoint.hf import load_hf_checkpoint
 from kdtree_jax.draft.checkpoint import load_dflash_checkpoint
 from kdtree_jax.draft.config import DraftConfig
 from kdtree_jax.draft.model import init_draft_params
 from kdtree_jax.model.params import init_params
-from kdtree_jax.tokenizer import ByteTokenizer
+from kdtree_jax.tokenizer import ByteTokenizer, load_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -27,6 +28,18 @@ class Models:
   tokenizer: object
 
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def resolve_checkpoint(path: str, kind: str) -> str:
+  """A checkpoint dir as given, or relative to the repo root (shipped `checkpoints/...`)."""
+  for cand in (path, os.path.join(REPO_ROOT, path)):
+    if os.path.isdir(cand):
+      return cand
+  raise FileNotFoundError(f"{kind} checkpoint {path!r} does not exist (looked in the current "
+                          f"directory and in {REPO_ROOT})")
+
+
 def _dtype(name: str):
   if name not in DTYPES:
     raise ValueError(f"dtype {name!r} must be one of {list(DTYPES)}")
@@ -38,13 +51,22 @@ def _init(init_fn, mesh, key):
   return init_fn(key) if mesh is None else sharding.init_sharded(init_fn, mesh, key)
 
 
+def _restore_orbax(path, kind, dtype, mesh):
+  """(config, params) of an orbax directory written by scripts/convert_checkpoint.py."""
+  found = orbax_io.read_marker(path)["kind"]
+  if found != kind:
+    raise ValueError(f"{path!r} holds a {found} checkpoint but is configured as the {kind}")
+  return orbax_io.restore_params(path, mesh=mesh, dtype=dtype)
+
+
 def load_target(c, dtype, mesh=None):
-  """A HF checkpoint directory, or a random-init preset (`tiny`, `kimi_k2_6`); sharded on `mesh`."""
+  """A HF or orbax checkpoint dir, or a random-init preset (`tiny`, `kimi_k2_6`); on `mesh`."""
   if c.checkpoint:
-    if not os.path.isdir(c.checkpoint):
-      raise FileNotFoundError(f"target checkpoint {c.checkpoint!r} does not exist")
+    path = resolve_checkpoint(c.checkpoint, "target")
+    if orbax_io.is_orbax_dir(path):
+      return _restore_orbax(path, "target", dtype, mesh)
     put = None if mesh is None else sharding.loader_put(mesh, dtype)
-    return load_hf_checkpoint(c.checkpoint, dtype=dtype, put=put)
+    return load_hf_checkpoint(path, dtype=dtype, put=put)
   if c.preset not in model_config.PRESETS:
     raise ValueError(f"unknown target preset {c.preset!r}; choose from {list(model_config.PRESETS)}")
   kw = {"layers": c.layers} if "layers" in c else {}
@@ -54,11 +76,12 @@ def load_target(c, dtype, mesh=None):
 
 
 def load_draft(c, tcfg, dtype, mesh=None):
-  """A DFlash checkpoint directory, a random `tiny` draft sized for the target, or none."""
+  """A DFlash (HF or orbax) checkpoint directory, a random `tiny` draft for the target, or none."""
   if c.checkpoint:
-    if not os.path.isdir(c.checkpoint):
-      raise FileNotFoundError(f"draft checkpoint {c.checkpoint!r} does not exist")
-    dcfg, dparams = load_dflash_checkpoint(c.checkpoint, dtype=dtype)
+    path = resolve_checkpoint(c.checkpoint, "draft")
+    if orbax_io.is_orbax_dir(path):
+      return _restore_orbax(path, "draft", dtype, mesh)
+    dcfg, dparams = load_dflash_checkpoint(path, dtype=dtype)
     if mesh is not None:  # the draft is small: loaded whole, then placed by the rules
       dparams = sharding.shard(dparams, sharding.param_shardings(dparams, mesh))
     return dcfg, dparams
@@ -83,10 +106,33 @@ def load_draft(c, tcfg, dtype, mesh=None):
   return dcfg, _init(init, mesh, jax.random.key(c.seed))
 
 
+TOKENIZERS = ("auto", "bytes", "tiktoken", "none")
+
+
+def make_tokenizer(name: str, target):
+  """config.tokenizer -> a tokenizer: 'auto' picks what the target checkpoint (or preset) has."""
+  if name not in TOKENIZERS:
+    raise ValueError(f"config.tokenizer {name!r} must be one of {TOKENIZERS}")
+  if name in ("bytes", "none"):
+    return ByteTokenizer() if name == "bytes" else None
+  if target.checkpoint:
+    tok = load_tokenizer(resolve_checkpoint(target.checkpoint, "target"))
+    if name == "tiktoken" and isinstance(tok, ByteTokenizer):
+      raise ValueError(f"config.tokenizer='tiktoken' but {target.checkpoint!r} has no "
+                       "tiktoken.model")
+    return tok
+  preset = model_config.PRESETS.get(target.preset)
+  vocab = preset().vocab_size if preset else None
+  if name == "auto" and vocab == ByteTokenizer.vocab_size:
+    return ByteTokenizer()
+  raise ValueError(f"config.tokenizer={name!r} needs a target checkpoint directory holding "
+                   f"tiktoken.model (preset {target.preset!r} has vocab {vocab}); "
+                   "set --config.target.checkpoint or use --config.tokenizer=bytes")
+
+
 def load_models(config, mesh=None) -> Models:
   dtype = _dtype(config.dtype)
+  tokenizer = make_tokenizer(config.tokenizer, config.target)  # fails fast, before the weights
   tcfg, tparams = load_target(config.target, dtype, mesh)
   dcfg, dparams = load_draft(config.draft, tcfg, dtype, mesh)
-  if config.tokenizer != "bytes":
-    raise ValueError(f"tokenizer {config.tokenizer!r} is not available yet (only 'bytes')")
-  return Models(tcfg, tparams, dcfg, dparams, ByteTokenizer())
+  return Models(tcfg, tparams, dcfg, dparams, tokenizer)

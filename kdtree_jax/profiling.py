@@ -9,6 +9,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 import pallas_kernels
@@ -245,6 +246,38 @@ def at_context(state: DecodeState, spec, ctx: int) -> DecodeState:
     st = st.replace(draft_cache=state.draft_cache.replace(
         ctx_len=jnp.full((b,), ctx - spec.commit_width, jnp.int32)))
   return st
+
+
+def measured_accept(loop_fn, tparams, dparams, state, n):
+  """Mean tokens committed per step (root included) over n loop steps from `state`."""
+  st = loop_fn(tparams, dparams, state.replace(steps=jnp.zeros((), jnp.int32)), jnp.int32(n))
+  return float(np.asarray(jax.device_get(st.accepted))[:n].mean())
+
+
+def time_contexts(tcfg, tparams, dcfg, dparams, spec, ctxs, dtype, batch=1, gen=16):
+  """One compiled device loop for `spec`; per context (data, not shape): ms/step (slope of the
+  loop time over 4 vs 4 + gen steps), tokens/step measured from the loop, GPU kernel time and
+  host gap per step."""
+  big = bench_state(tcfg, dcfg, spec, batch, max(ctxs), dtype, steps=gen + 8)
+  loop_fn = while_steps_fn(tcfg, dcfg, spec)
+  rows = []
+  for ctx in ctxs:
+    st = at_context(big, spec, ctx)
+    gap = loop_host_gap_us(tcfg, tparams, dcfg, dparams, spec, st, steps=(4, 4 + gen),
+                           loop_fn=loop_fn)
+    tok = measured_accept(loop_fn, tparams, dparams, st, gen)
+    ms, timing = gap["loop_us"] / 1e3, "slope"
+    if ms <= 0:  # timing noise swamped the slope (tiny CPU runs): whole-loop time per step
+      ms, timing = 1e3 * gap["loop_total_s"][4 + gen] / (4 + gen), "total"
+    rows.append(dict(mode=spec.mode, budget=spec.budget if spec.mode == "ddtree" else None,
+                     block_size=spec.block_size if spec.mode != "ar" else None, ctx=ctx,
+                     batch=batch, attn_backend=spec.attn_backend,
+                     forced_accept=spec.forced_accept, verify_width=spec.verify_width,
+                     ms_per_step=ms, timing=timing, accepted_per_step=tok,
+                     tokens_per_s=1e3 * tok * batch / ms, kernel_us=gap["kernel_us"],
+                     host_gap_us=gap["gap_us"], layers=tcfg.num_hidden_layers,
+                     device=jax.devices()[0].device_kind))
+  return rows
 
 
 def trace_loop(tcfg, tparams, dcfg, dparams, spec, state, logdir, n_steps=8):

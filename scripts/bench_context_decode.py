@@ -19,7 +19,7 @@ from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from kdtree_jax import profiling, roofline  # noqa: E402
+from kdtree_jax import plots, profiling, roofline  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.models import DTYPES, load_draft, load_target  # noqa: E402
 
@@ -42,42 +42,13 @@ def _spec(c, mode, gen):
                     attn_backend=c.attn_backend, forced_accept=c.forced_accept)
 
 
-def bench_mode(tcfg, tp, dcfg, dp, spec, ctxs, dtype):
-  """One compiled loop per mode; the context is data (lengths) in a cache sized for max(ctxs)."""
-  big = profiling.bench_state(tcfg, dcfg, spec, _BATCH.value, max(ctxs), dtype,
-                              steps=_GEN.value + 8)
-  loop_fn = profiling.while_steps_fn(tcfg, dcfg, spec)
-  tokens_per_step = 1 if spec.mode == "ar" else min(spec.forced_accept, spec.depth) + 1
-  rows = []
-  for ctx in ctxs:
-    st = profiling.at_context(big, spec, ctx)
-    gap = profiling.loop_host_gap_us(tcfg, tp, dcfg, dp, spec, st, steps=(4, 4 + _GEN.value),
-                                     loop_fn=loop_fn)
-    ms = gap["loop_us"] / 1e3
-    rows.append(dict(mode=spec.mode, budget=spec.budget, ctx=ctx, batch=_BATCH.value,
-                     ms_per_step=ms, accepted_per_step=tokens_per_step,
-                     tokens_per_s=1e3 * tokens_per_step * _BATCH.value / ms,
-                     kernel_us=gap["kernel_us"], host_gap_us=gap["gap_us"],
-                     layers=tcfg.num_hidden_layers))
-    r = rows[-1]
-    print(f"ctx={ctx:>7} {spec.mode:>6}: {ms:8.3f} ms/step {r['tokens_per_s']:9.1f} tok/s  "
-          f"kernels/step={r['kernel_us']} us gap/step={r['host_gap_us']} us", flush=True)
-  return rows
-
-
 def plot(rows, path):
+  """Throughput vs context per mode (kdtree_jax.plots)."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig, ax = plt.subplots(figsize=(6, 4))
-  for mode in sorted({r["mode"] for r in rows}):
-    rs = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["ctx"])
-    ax.plot([r["ctx"] for r in rs], [r["tokens_per_s"] for r in rs], "o-", label=mode)
-  ax.set_xscale("log")
-  ax.set_xlabel("context length")
-  ax.set_ylabel("tokens / s")
-  ax.set_title(f"decode throughput ({jax.devices()[0].device_kind})")
-  ax.legend()
+  plots.plot_throughput(ax, [dict(r, source=jax.devices()[0].device_kind) for r in rows])
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 
@@ -108,8 +79,13 @@ def main(_):
         profiling.trace_loop(tcfg, tp, dcfg, dp, spec, state, _TRACE.value)
   ctxs = [int(x) for x in _CTX.value]
   for mode in _MODE.value:
-    for r in bench_mode(tcfg, tp, dcfg, dp, _spec(c, mode, _GEN.value), ctxs, dtype):
+    spec = _spec(c, mode, _GEN.value)
+    for r in profiling.time_contexts(tcfg, tp, dcfg, dp, spec, ctxs, dtype, _BATCH.value,
+                                     _GEN.value):
       rows.append(r)
+      print(f"ctx={r['ctx']:>7} {mode:>6}: {r['ms_per_step']:8.3f} ms/step "
+            f"{r['accepted_per_step']:5.2f} tok/step {r['tokens_per_s']:9.1f} tok/s  "
+            f"kernels/step={r['kernel_us']} us gap/step={r['host_gap_us']} us", flush=True)
       if out:
         out.write(json.dumps(dict(kind="throughput", **r)) + "\n")
         out.flush()
@@ -118,7 +94,7 @@ def main(_):
   print(f"\n{'ctx':>7} {'mode':>6} {'ms/step':>9} {'tok/step':>8} {'tok/s':>9} {'gap us':>8}")
   for r in rows:
     gap = "-" if r["host_gap_us"] is None else f"{r['host_gap_us']:.1f}"
-    print(f"{r['ctx']:>7} {r['mode']:>6} {r['ms_per_step']:9.3f} {r['accepted_per_step']:8d} "
+    print(f"{r['ctx']:>7} {r['mode']:>6} {r['ms_per_step']:9.3f} {r['accepted_per_step']:8.2f} "
           f"{r['tokens_per_s']:9.1f} {gap:>8}")
 
 

@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from kdtree_jax import data  # noqa: E402
+from kdtree_jax import data, plots  # noqa: E402
 from kdtree_jax.decoding.loop import generate  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.models import DTYPES, load_models  # noqa: E402
@@ -59,19 +59,12 @@ def run_mode(models, spec, prompts, c):
 
 
 def plot(rows, path):
+  """Acceptance vs budget with the chain line (kdtree_jax.plots)."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  tree = [r for r in rows if r["mode"] == "ddtree"]
-  chain = next(r for r in rows if r["mode"] == "chain")
   fig, ax = plt.subplots(figsize=(6, 4))
-  ax.plot([r["budget"] for r in tree], [r["mean_accept_len"] for r in tree], "o-", label="ddtree")
-  ax.axhline(chain["mean_accept_len"], color="gray", ls="--", label="chain")
-  ax.set_xscale("log", base=2)
-  ax.set_xlabel("tree budget (nodes)")
-  ax.set_ylabel("mean accepted tokens / step")
-  ax.set_title(f"held-out acceptance ({jax.devices()[0].device_kind})")
-  ax.legend()
+  plots.plot_acceptance(ax, [dict(r, source=r["device"]) for r in rows])
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 

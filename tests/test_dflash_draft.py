@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kdtree_jax import draft
-from kdtree_jax.draft import checkpoint, config as dconfig, model
+from kdtree_jax.draft import checkpoint, model
 
 SLIDING_CFG = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=3)
 

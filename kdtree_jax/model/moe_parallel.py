@@ -12,7 +12,6 @@ Letters: T tokens, K experts per token, D hidden, E_l local experts, F_l local e
 import math
 
 import jax
-import jax.numpy as jnp
 
 from kdtree_jax import sharding
 from kdtree_jax.model.experts import expert_ffn

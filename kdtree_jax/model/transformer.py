@@ -9,7 +9,6 @@ Both can return the hidden states after chosen layers (`taps`, the DFlash draft'
 
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 
 from kdtree_jax.cache import LatentCache

@@ -289,16 +289,20 @@ def tree_partial(q, cache, lengths, tree_mask, *, scale, value_dim):
   n = q.shape[1]
   l = cache.shape[1]
   pos = lengths[:, None] + jnp.arange(n)[None, :]                               # [B, N]
-  keys = jnp.take_along_axis(cache, jnp.clip(pos, 0, l - 1)[..., None], axis=1).astype(jnp.float32)
+  keys = jnp.take_along_axis(cache, jnp.clip(pos, 0, l - 1)[..., None], axis=1)
   vis = tree_mask & (pos < l)[:, None, :]                                     # [B, N(i), N(j)]
-  s = jnp.einsum("bnhc,bjc->bnhj", q.astype(jnp.float32), keys,
+  # q and keys hold bf16 values: bf16 products are exact in f32, so a bf16 matmul with f32
+  # accumulation equals the f32 HIGHEST one (which ran as slow f32 GEMMs on the H200).
+  s = jnp.einsum("bnhc,bjc->bnhj", q, keys.astype(q.dtype), preferred_element_type=jnp.float32,
                  precision=lax.Precision.HIGHEST) * (scale * LOG2E)
   s = jnp.where(vis[:, :, None, :], s, -jnp.inf)
   m = jnp.max(s, axis=-1)
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.exp2(s - m_safe[..., None])
   den = jnp.sum(p, axis=-1)
-  o = jnp.einsum("bnhj,bjr->bnhr", p, keys[..., :value_dim], precision=lax.Precision.HIGHEST)
+  # P in the value dtype (as the kernel's PV wgmma), f32 accumulation.
+  o = jnp.einsum("bnhj,bjr->bnhr", p.astype(q.dtype), keys[..., :value_dim].astype(q.dtype),
+                 preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
   o = o / jnp.where(den > 0, den, 1.0)[..., None]
   lse2 = jnp.where(den > 0, m_safe + jnp.log2(jnp.where(den > 0, den, 1.0)), -jnp.inf)
   return o, lse2

@@ -1,0 +1,76 @@
+"""The notebooks run end to end (small sizes) and draw; sweep.py writes one JSON line per point."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = ("01_decode_and_tree.ipynb", "02_benchmarks.ipynb")
+
+
+@pytest.fixture
+def nb_env(monkeypatch):
+  """The kernel inherits this environment: small sizes, headless matplotlib, one CPU device."""
+  monkeypatch.setenv("KDTREE_NB_SMALL", "1")
+  monkeypatch.setenv("MPLBACKEND", "Agg")
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs(name, nb_env):
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
+  nb = nbformat.read(os.path.join(ROOT, "notebooks", name), as_version=4)
+  assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
+      "committed notebooks keep outputs cleared (run notebooks/make_notebooks.py)"
+  client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=120,
+                                   resources={"metadata": {"path": ROOT}})
+  client.execute()
+  images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+            if "image/png" in o.get("data", {})]
+  assert images, f"{name} drew no image"
+
+
+def test_notebooks_match_generator(tmp_path):
+  """The committed .ipynb files are what make_notebooks.py writes."""
+  sys.path.insert(0, os.path.join(ROOT, "notebooks"))
+  import make_notebooks  # pylint: disable=import-outside-toplevel
+  nbformat = pytest.importorskip("nbformat")
+  for name, cells in (("01_decode_and_tree.ipynb", make_notebooks.DECODE),
+                      ("02_benchmarks.ipynb", make_notebooks.BENCH)):
+    committed = nbformat.read(os.path.join(ROOT, "notebooks", name), as_version=4)
+    assert [c.source for c in committed.cells] == [s for _, s in cells], name
+
+
+def test_sweep_json_lines(tmp_path):
+  out = tmp_path / "sweep.jsonl"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+  env.pop("XLA_FLAGS", None)
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "sweep.py"),
+         "--config", os.path.join(ROOT, "configs", "bench_tiny.py"), "--mode", "chain,ddtree",
+         "--budgets", "4", "--block_sizes", "4", "--ctx", "32,64", "--gen", "2",
+         "--json_out", str(out)]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "[2/2] ddtree" in proc.stdout
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [(r["mode"], r["budget"], r["block_size"], r["ctx"]) for r in rows] == [
+      ("chain", None, 4, 32), ("chain", None, 4, 64), ("ddtree", 4, 4, 32), ("ddtree", 4, 4, 64)]
+  for r in rows:
+    assert r["kind"] == "sweep" and r["ms_per_step"] > 0 and r["tokens_per_s"] > 0
+    assert 1 <= r["accepted_per_step"] <= min(r["forced_accept"], r["block_size"] - 1) + 1
+  assert rows[0]["accepted_per_step"] == 4  # chain: the forced 3 nodes + the root
+  sys.path.insert(0, ROOT)
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  from kdtree_jax import plots  # pylint: disable=import-outside-toplevel
+  res = plots.load([str(out)])
+  fig = plt.figure()
+  plots.plot_sweep(fig, res["sweep"])
+  fig.savefig(tmp_path / "sweep.png")
+  assert (tmp_path / "sweep.png").stat().st_size > 0
