@@ -167,3 +167,18 @@ def test_bad_input(bad, match):
     if "draft" in bad:
       dcfg = dataclasses.replace(dcfg, **bad["draft"])
     loop.validate(tcfg, dcfg, spec, bad.get("prompts", [[1, 2]]), bad.get("max_len", 32))
+
+
+def test_streaming_equals_one_dispatch_and_compiles_once():
+  pair = make_pair(7)
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+  spec = SpecConfig(mode="ddtree", budget=5, max_new_tokens=30, block_size=BLOCK)
+  whole = run(pair, spec, prompts, 64)
+  stream = loop.Stream(*pair, spec, prompts, 64, chunk_steps=3)
+  pieces = [[], []]
+  for delta in stream:
+    for i, d in enumerate(delta):
+      pieces[i].extend(d)
+  assert pieces == whole.tokens == stream.result.tokens
+  assert stream.result.accepted_per_step == whole.accepted_per_step
+  assert loop.steps_device._cache_size() == 1  # every chunk reused one program

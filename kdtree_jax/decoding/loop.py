@@ -64,10 +64,14 @@ def init_state(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts_bs, lengt
       capacity=jnp.asarray(max_len, jnp.int32)))
 
 
-def run_loop(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: DecodeState) -> DecodeState:
-  """Steps until every row is done (or max_new_tokens steps): a device-side while loop."""
+def run_loop(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: DecodeState,
+             until=None) -> DecodeState:
+  """Steps until every row is done, max_new_tokens steps, or `until` steps (data, so one
+  compiled program serves every chunk length): a device-side while loop."""
+  last = spec.max_new_tokens if until is None else jnp.minimum(until, spec.max_new_tokens)
+
   def cond(st):
-    return jnp.any(~st.done) & (st.steps < spec.max_new_tokens)
+    return jnp.any(~st.done) & (st.steps < last)
 
   def body(st):
     return sharding.constrain_state(speculative_step(tcfg, tparams, dcfg, dparams, spec, st))
@@ -75,13 +79,30 @@ def run_loop(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: DecodeState)
   return jax.lax.while_loop(cond, body, state)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "max_len", "cache_dtype"))
+_STATICS = ("tcfg", "dcfg", "spec", "max_len", "cache_dtype")
+
+
+@functools.partial(jax.jit, static_argnames=_STATICS)
 def generate_device(tparams, dparams, prompts_bs, lengths_b, key, *, tcfg, dcfg, spec, max_len,
                     cache_dtype=jnp.float32):
   """Prefill + the whole decode loop as one XLA program."""
   state = init_state(tcfg, tparams, dcfg, dparams, spec, prompts_bs, lengths_b, key, max_len,
                      cache_dtype)
   return sharding.constrain_state(run_loop(tcfg, tparams, dcfg, dparams, spec, state))
+
+
+@functools.partial(jax.jit, static_argnames=_STATICS)
+def prefill_device(tparams, dparams, prompts_bs, lengths_b, key, *, tcfg, dcfg, spec, max_len,
+                   cache_dtype=jnp.float32):
+  """Prefill only (streaming: the loop then runs in chunks of steps)."""
+  return init_state(tcfg, tparams, dcfg, dparams, spec, prompts_bs, lengths_b, key, max_len,
+                    cache_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec"), donate_argnames=("state",))
+def steps_device(tparams, dparams, state, until, *, tcfg, dcfg, spec):
+  """The device loop up to step `until`: one dispatch per chunk, the state donated."""
+  return sharding.constrain_state(run_loop(tcfg, tparams, dcfg, dparams, spec, state, until))
 
 
 @dataclasses.dataclass
@@ -139,13 +160,8 @@ def check_draft_fits_target(dcfg, tcfg):
                      f"(vocab {tcfg.vocab_size})")
 
 
-def generate(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts: list[list[int]],
-             max_len: int, seed: int = 0, cache_dtype=jnp.float32, mesh=None) -> GenerationResult:
-  """Decodes a batch of (ragged) prompts. Tokens are exactly the target's (lossless).
-
-  mesh: run sharded over it (params are placed by the rules unless already; caches and the
-  decode state are created sharded inside the program).
-  """
+def _prepare(tcfg, tparams, dcfg, dparams, spec, prompts, max_len, mesh):
+  """Validates, right-pads the prompts, and places params on the mesh (if any)."""
   validate(tcfg, dcfg, spec, prompts, max_len)
   b, s = len(prompts), max(len(p) for p in prompts)
   padded = np.zeros((b, s), np.int32)
@@ -156,14 +172,68 @@ def generate(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts: list[list[
     tparams = sharding.shard(tparams, sharding.param_shardings(tparams, mesh))
     if dparams is not None:
       dparams = sharding.shard(dparams, sharding.param_shardings(dparams, mesh))
-  t0 = time.perf_counter()
-  with sharding.use_mesh(mesh):
-    state = generate_device(tparams, dparams, jnp.asarray(padded), jnp.asarray(lengths),
-                            jax.random.key(seed), tcfg=tcfg, dcfg=dcfg, spec=spec,
-                            max_len=max_len, cache_dtype=cache_dtype)
+  return jnp.asarray(padded), jnp.asarray(lengths), tparams, dparams
+
+
+def _result(spec, state, seconds) -> GenerationResult:
   out, n_out, acc, steps = sharding.to_host((state.out, state.n_out, state.accepted, state.steps))
-  seconds = time.perf_counter() - t0
-  tokens = [list(map(int, out[i, :min(n_out[i], spec.max_new_tokens)])) for i in range(b)]
-  accepted = [[int(a) for a in acc[:steps, i] if a > 0] for i in range(b)]
+  tokens = [list(map(int, out[i, :min(n_out[i], spec.max_new_tokens)])) for i in range(len(out))]
+  accepted = [[int(a) for a in acc[:steps, i] if a > 0] for i in range(len(out))]
   return GenerationResult(tokens=tokens, accepted_per_step=accepted, steps=int(steps),
                           seconds=seconds)
+
+
+def generate(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts: list[list[int]],
+             max_len: int, seed: int = 0, cache_dtype=jnp.float32, mesh=None) -> GenerationResult:
+  """Decodes a batch of (ragged) prompts in one dispatch. Tokens are exactly the target's.
+
+  mesh: run sharded over it (params are placed by the rules unless already; caches and the
+  decode state are created sharded inside the program).
+  """
+  prompts_bs, lengths_b, tparams, dparams = _prepare(tcfg, tparams, dcfg, dparams, spec, prompts,
+                                                     max_len, mesh)
+  t0 = time.perf_counter()
+  with sharding.use_mesh(mesh):
+    state = generate_device(tparams, dparams, prompts_bs, lengths_b, jax.random.key(seed),
+                            tcfg=tcfg, dcfg=dcfg, spec=spec, max_len=max_len,
+                            cache_dtype=cache_dtype)
+    return _result(spec, state, time.perf_counter() - t0)
+
+
+class Stream:
+  """Iterates per-row lists of new tokens every `chunk_steps` device steps; `.result` at the end.
+
+  Each chunk is one dispatch of the same compiled loop (the step bound is data); only the
+  output buffer comes back to the host between chunks.
+  """
+
+  def __init__(self, tcfg, tparams, dcfg, dparams, spec, prompts, max_len, seed=0,
+               cache_dtype=jnp.float32, mesh=None, chunk_steps=8):
+    if chunk_steps < 1:
+      raise ValueError(f"{chunk_steps=} must be >= 1")
+    self._args = (tcfg, dcfg, spec, max_len, cache_dtype, mesh, chunk_steps, seed)
+    self._data = _prepare(tcfg, tparams, dcfg, dparams, spec, prompts, max_len, mesh)
+    self.result: GenerationResult | None = None
+
+  def __iter__(self):
+    tcfg, dcfg, spec, max_len, cache_dtype, mesh, chunk, seed = self._args
+    prompts_bs, lengths_b, tparams, dparams = self._data
+    t0 = time.perf_counter()
+    with sharding.use_mesh(mesh):
+      state = prefill_device(tparams, dparams, prompts_bs, lengths_b, jax.random.key(seed),
+                             tcfg=tcfg, dcfg=dcfg, spec=spec, max_len=max_len,
+                             cache_dtype=cache_dtype)
+      sent = [0] * prompts_bs.shape[0]
+      while True:
+        out, n_out, done, steps = sharding.to_host((state.out, state.n_out, state.done,
+                                                    state.steps))
+        new = []
+        for i, n in enumerate(np.minimum(n_out, spec.max_new_tokens)):
+          new.append(list(map(int, out[i, sent[i]:n])))
+          sent[i] = int(n)
+        yield new
+        if done.all() or steps >= spec.max_new_tokens:
+          break
+        state = steps_device(tparams, dparams, state, jnp.int32(steps + chunk), tcfg=tcfg,
+                             dcfg=dcfg, spec=spec)
+      self.result = _result(spec, state, time.perf_counter() - t0)
