@@ -6,13 +6,17 @@ Weights: q_a [D, Rq], q_b [Rq, H, Dn+P] (or q [D, H, Dn+P]), kv_a [D, R+P], kv_b
 o [H, Dv, D].
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from kdtree_jax import sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.norm import rms_norm
 from kdtree_jax.model.rope import apply_rope, cos_sin
+from pallas_kernels.tree_verify.api import resolve_backend
 
 
 def project_q(p, cfg: ModelConfig, x_bsd):
@@ -72,11 +76,29 @@ def absorbed_attention(p, cfg: ModelConfig, x_bnd, positions_bn, layer_cache_blc
   w_uv = p["kv_b"][..., cfg.qk_nope_head_dim:]  # [R, H, Dv]
   q_abs = jnp.einsum("bnhk,rhk->bnhr", q_nope, w_uk)
   q = jnp.concatenate([q_abs, q_pe], axis=-1).astype(layer_cache_blc.dtype)
-  u = pallas_kernels.tree_verify_attention(
-      q, layer_cache_blc, lengths_b, tree_mask_bnn, scale=cfg.softmax_scale, backend=backend,
-      value_dim=cfg.kv_lora_rank)
+  u = verify_attention(cfg, q, layer_cache_blc, lengths_b, tree_mask_bnn, backend)
   o = jnp.einsum("bnhr,rhv->bnhv", u.astype(x_bnd.dtype), w_uv)
   return jnp.einsum("bnhv,hvd->bnd", o, p["o"]), layer_cache_blc
+
+
+def verify_attention(cfg: ModelConfig, q_bnhc, cache_blc, lengths_b, tree_mask_bnn, backend,
+                     shard_heads=None):
+  """The tree-verify attention entry point. Under a mesh the kernel backends run per head shard
+  (shard_map: heads split like the attention weights, the latent cache replicated over them);
+  the XLA backend is partitioned by GSPMD as it is (shard_heads=True forces the shard_map)."""
+  call = functools.partial(pallas_kernels.tree_verify_attention, scale=cfg.softmax_scale,
+                           backend=backend, value_dim=cfg.kv_lora_rank)
+  mesh = sharding.current_mesh()
+  if shard_heads is None:
+    shard_heads = resolve_backend(backend, q_bnhc, cfg.kv_lora_rank) != "xla"
+  if mesh is None or not shard_heads:
+    return call(q_bnhc, cache_blc, lengths_b, tree_mask_bnn)
+  q_spec = sharding.spec(("batch", "out", "heads", "kv_lora"), q_bnhc.shape, mesh)
+  specs = (q_spec, sharding.spec(("batch", "cache_len", "kv_lora"), cache_blc.shape, mesh),
+           sharding.spec(("batch",), lengths_b.shape, mesh),
+           sharding.spec(("batch", "out", "out"), tree_mask_bnn.shape, mesh))
+  return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=q_spec)(
+      q_bnhc, cache_blc, lengths_b, tree_mask_bnn)
 
 
 def write_rows(cache_blc, rows_bnc, start_b):

@@ -26,6 +26,15 @@ def kernel_supports(q, value_dim=None) -> bool:
   return c % 64 == 0 and r % 128 == 0 and r // 2 <= 256
 
 
+def resolve_backend(backend, q, value_dim=None) -> str:
+  """'auto' -> 'pallas' on a GPU when the kernel supports the shapes, else 'xla'."""
+  if backend not in BACKENDS:
+    raise ValueError(f"{backend=} must be one of {BACKENDS}")
+  if backend == "auto":
+    return "pallas" if jax.default_backend() == "gpu" and kernel_supports(q, value_dim) else "xla"
+  return backend
+
+
 def tree_verify_attention(q, cache, lengths, tree_mask, *, scale, backend="auto", value_dim=None,
                           return_lse=False, tuning=None):
   """Absorbed-MLA attention of N tree nodes against a dense cache.
@@ -36,10 +45,7 @@ def tree_verify_attention(q, cache, lengths, tree_mask, *, scale, backend="auto"
   tuning: optional tuning.Tuning for the kernel backends (default: tuning.default_tuning).
   """
   _check_shapes(q, cache, lengths, tree_mask)
-  if backend not in BACKENDS:
-    raise ValueError(f"{backend=} must be one of {BACKENDS}")
-  if backend == "auto":
-    backend = "pallas" if jax.default_backend() == "gpu" and kernel_supports(q, value_dim) else "xla"
+  backend = resolve_backend(backend, q, value_dim)
   if backend == "xla":
     out, lse = tree_verify_attention_reference(q, cache, lengths, tree_mask, scale=scale,
                                                value_dim=value_dim)
