@@ -8,7 +8,6 @@ import json
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from absl import app, flags
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kdtree_jax import roofline  # noqa: E402
 from pallas_kernels.tree_verify import api, reference  # noqa: E402
 from pallas_kernels.tree_verify.tuning import Tuning, default_tuning  # noqa: E402
 
@@ -57,36 +57,6 @@ def device_time_us(fn, sets, reps):
   prog = jax.jit(lambda *all_sets: [fn(*s) for s in all_sets])
   _, ts = profiler.measure(prog, iterations=max(2, reps))(*sets)
   return statistics.median(ts) * 1e3 / len(sets)
-
-
-def measure_copy_tbps():
-  """Device copy (read + write bytes) of a 4 GiB buffer: max of x.copy() and x * 2 (wall clock)."""
-  x = jax.random.normal(jax.random.key(0), (1 << 30,), jnp.float32)
-  best = 0.0
-  for f in (jax.jit(lambda a: a.copy()), jax.jit(lambda a: a * 2)):
-    jax.block_until_ready(f(x))
-    ts = []
-    for _ in range(10):
-      t0 = time.perf_counter()
-      jax.block_until_ready([f(x) for _ in range(5)])
-      ts.append((time.perf_counter() - t0) / 5)
-    best = max(best, 2 * x.nbytes / statistics.median(ts) / 1e12)
-  return best
-
-
-def measure_matmul_tflops():
-  """8192^3 bf16 jnp.dot on random data (wall clock over 10 back-to-back products)."""
-  ka, kb = jax.random.split(jax.random.key(1))
-  a = jax.random.normal(ka, (8192, 8192), jnp.bfloat16)
-  b = jax.random.normal(kb, (8192, 8192), jnp.bfloat16)
-  f = jax.jit(jnp.dot)
-  jax.block_until_ready(f(a, b))
-  ts = []
-  for _ in range(10):
-    t0 = time.perf_counter()
-    jax.block_until_ready([f(a, b) for _ in range(10)])
-    ts.append((time.perf_counter() - t0) / 10)
-  return 2 * 8192 ** 3 / statistics.median(ts) / 1e12
 
 
 def make_set(b, n, h, l, seed):
@@ -176,7 +146,7 @@ def plot(rows, path):
 
 def main(_):
   dev = jax.devices()[0]
-  ceil = dict(copy_tbps=measure_copy_tbps(), mm_tflops=measure_matmul_tflops())
+  ceil = roofline.measure_ceilings()
   print(f"device={dev.device_kind} jax={jax.__version__} copy={ceil['copy_tbps']:.2f} TB/s "
         f"bf16 matmul={ceil['mm_tflops']:.0f} TFLOP/s", flush=True)
   rows = []

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from kdtree_jax.checkpoint import quant
+
 
 @flax.struct.dataclass
 class Int4Weight:
@@ -57,10 +59,7 @@ def pack(q_eio, scale) -> Int4Weight:
 
 def from_hf(weight_packed, weight_scale, shape) -> tuple[np.ndarray, np.ndarray]:
   """One HF expert matrix (int32 [out, in/8], bf16 [out, in/G]) -> (int8 q [in, out], scale [in/G, out])."""
-  out_dim, in_dim = int(shape[0]), int(shape[1])
-  words = np.asarray(weight_packed).view(np.uint32)
-  nib = np.stack([(words >> (4 * k)) & 0xF for k in range(8)], axis=-1).reshape(out_dim, -1)
-  q = nib[:, :in_dim].astype(np.int8) - 8
+  q = quant.unpack_int4(np.asarray(weight_packed), int(shape[1]))
   return q.T, np.asarray(weight_scale, np.float32).T
 
 
