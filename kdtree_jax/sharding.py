@@ -65,7 +65,7 @@ PARAM_AXES = {
     "layers/moe/gate": ("experts", "embed", "expert_mlp"),
     "layers/moe/up": ("experts", "embed", "expert_mlp"),
     "layers/moe/down": ("experts", "expert_mlp", "embed"),
-    # INT4 routed experts (model/int4.py Int4Weight): packed [E, in/2, out], scale [E, in/G, out].
+    # INT4 routed experts (model/int4.py Int4Weight): packed int4 [E, in, out], scale [E, in/G, out].
     **{f"layers/moe/{m}/{leaf}": ("experts", "embed", "expert_mlp")
        for m in ("gate", "up") for leaf in ("packed", "scale")},
     **{f"layers/moe/down/{leaf}": ("experts", "expert_mlp", "embed") for leaf in ("packed", "scale")},

@@ -58,7 +58,7 @@ def test_int4_checkpoint_loads_packed_and_matches_dequantised(tmp_path):
   _, packed = kdtree_jax.checkpoint.hf.load_hf_checkpoint(path, dtype=jnp.bfloat16,
                                                           int4_experts=True)
   gate = packed["layers"][1]["moe"]["gate"]
-  assert isinstance(gate, int4.Int4Weight) and gate.packed.dtype == jnp.uint8
+  assert isinstance(gate, int4.Int4Weight) and gate.packed.dtype == jnp.int4
   assert gate.shape == dense["layers"][1]["moe"]["gate"].shape
   # q * scale is exact in f32; both paths then round once to bf16: bit-identical.
   np.testing.assert_array_equal(np.asarray(int4.dequantize(gate, jnp.bfloat16), np.float32),

@@ -59,11 +59,11 @@ def summary(params) -> dict:
   for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Int4Weight)):
     count += int(np.prod(leaf.shape))
     if isinstance(leaf, Int4Weight):
-      parts = [("int4", 2 * leaf.packed.size, leaf.packed), (None, leaf.scale.size, leaf.scale)]
+      parts = [("int4", leaf.packed.size, leaf.packed), (None, leaf.scale.size, leaf.scale)]
     else:
       parts = [(None, leaf.size, leaf)]
     for name, n, a in parts:
-      nbytes += int(a.size) * jnp.dtype(a.dtype).itemsize
+      nbytes += int(a.size) * jax.dtypes.itemsize_bits(a.dtype) // 8  # int4: two per byte
       name = name or str(jnp.dtype(a.dtype))
       hist[name] = hist.get(name, 0) + int(n)
   return {"num_params": count, "bytes": nbytes, "dtypes": hist}

@@ -1,8 +1,9 @@
 """INT4 routed experts kept packed in device memory; dequantised inside the expert matmul.
 
-Layout (ours, for x @ W with W [E, in, out]): `packed` uint8 [E, in/2, out] holds two signed
-nibbles along `in` (low nibble = even row, value + 8), `scale` bf16 [E, in/G, out] per group of
-G = 32 rows. 4.5 bits per weight instead of 16: K2.6's routed experts take ~520 GB, not 2 TB.
+Layout (ours, for x @ W with W [E, in, out]): `packed` is a jnp.int4 array [E, in, out] (XLA
+stores two values per byte), `scale` bf16 [E, in/G, out] per group of G = 32 rows. 4.5 bits per
+weight instead of 16: K2.6's routed experts take ~520 GB, not 2 TB. On a GPU the grouped matmul
+dequantises inside the Mosaic kernel (pallas_kernels/int4_matmul); elsewhere in front of the matmul.
 HF compressed-tensors stores `weight_packed` int32 [out, in/8] (low nibble first, value - 8)
 with `weight_scale` bf16 [out, in/32]; `from_hf` converts one expert.
 """
@@ -14,19 +15,19 @@ import ml_dtypes
 import numpy as np
 
 from kdtree_jax.checkpoint import quant
+from pallas_kernels.int4_matmul import reference as int4_reference
 
 
 @flax.struct.dataclass
 class Int4Weight:
-  """Packed int4 expert stack: packed uint8 [E, in/2, out], scale [E, in/G, out]."""
+  """Int4 expert stack: packed int4 [E, in, out], scale [E, in/G, out]."""
 
   packed: jax.Array
   scale: jax.Array
 
   @property
   def shape(self):
-    e, half, out = self.packed.shape
-    return (e, 2 * half, out)
+    return tuple(self.packed.shape)
 
   @property
   def group(self) -> int:
@@ -45,10 +46,11 @@ def quantize(w_eio, group=32) -> Int4Weight:
 
 
 def pack_numpy(q_eio, scale) -> tuple[np.ndarray, np.ndarray]:
-  """int values in [-8, 7] [E, in, out] + scale [E, in/G, out] -> (packed uint8, bf16 scale)."""
-  u = (np.asarray(q_eio).astype(np.int16) + 8).astype(np.uint8)
-  packed = u[:, 0::2, :] | (u[:, 1::2, :] << 4)
-  return packed, np.asarray(scale, np.float32).astype(ml_dtypes.bfloat16)
+  """int values in [-8, 7] [E, in, out] + scale [E, in/G, out] -> (int4 values, bf16 scale)."""
+  q = np.asarray(q_eio)
+  if q.size and (q.min() < -8 or q.max() > 7):
+    raise ValueError(f"int4 values must lie in [-8, 7], got [{q.min()}, {q.max()}]")
+  return q.astype(ml_dtypes.int4), np.asarray(scale, np.float32).astype(ml_dtypes.bfloat16)
 
 
 def pack(q_eio, scale) -> Int4Weight:
@@ -64,11 +66,5 @@ def from_hf(weight_packed, weight_scale, shape) -> tuple[np.ndarray, np.ndarray]
 
 
 def dequantize(w: Int4Weight, dtype=jnp.bfloat16):
-  """[E, in, out] in dtype (XLA fuses this into the consuming matmul where it can)."""
-  p = w.packed
-  lo = (p & 0xF).astype(jnp.int8) - 8
-  hi = (p >> 4).astype(jnp.int8) - 8
-  e, half, out = p.shape
-  q = jnp.stack([lo, hi], axis=2).reshape(e, 2 * half, out)
-  s = jnp.repeat(w.scale.astype(dtype), w.group, axis=1)
-  return q.astype(dtype) * s
+  """[E, in, out] in dtype: q * scale, rounded once to dtype (as the kernel does in registers)."""
+  return int4_reference.dequantize(w.packed, w.scale, dtype)
