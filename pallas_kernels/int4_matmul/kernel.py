@@ -107,7 +107,7 @@ def int4_grouped_matmul_mgpu(x_mk, q_gkn, scale_gsn, group_sizes, *, block_n=128
                              interpret=False):
   """out [M, N] in x.dtype; see module doc. q int4 [G, K, N], scale [G, K/S, N]."""
   m, k = x_mk.shape
-  g, _, n = q_gkn.shape
+  n = q_gkn.shape[2]
   group = k // scale_gsn.shape[1]
   if not supports(x_mk, q_gkn, scale_gsn, block_n):
     raise ValueError(f"unsupported: {x_mk.dtype=} {q_gkn.shape=} {scale_gsn.shape=} {block_n=}")
