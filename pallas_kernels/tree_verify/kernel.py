@@ -10,7 +10,7 @@ columns. With shared_p, warpgroup 0 alone scores the tile (QK^T, online softmax)
 rescale factor to warpgroup 1 through SMEM (no redundant QK^T; wg0's next QK^T overlaps wg1's PV);
 otherwise both score the whole tile. Only the split's last tile is
 masked (prefix end, ragged L). The N x N tree block is tiny and done in XLA; the kernel's fp32
-partials (O, base-2 LSE per split) and the tree block are merged by LSE in XLA.
+partials (O, base-2 LSE per split) and the tree block are merged by LSE in XLA (`merge`).
 """
 
 import functools
@@ -308,17 +308,6 @@ def tree_partial(q, cache, lengths, tree_mask, *, scale, value_dim):
   return o, lse2
 
 
-def combine(o_parts, lse_parts, dtype):
-  """Merge partials o [..., P, R] with base-2 lse [..., P] -> (out in dtype, natural lse)."""
-  m = jnp.max(lse_parts, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  w = jnp.exp2(lse_parts - m)
-  den = jnp.sum(w, axis=-1)
-  out = jnp.einsum("...p,...pr->...r", w, o_parts) / jnp.where(den > 0, den, 1.0)[..., None]
-  lse = (m[..., 0] + jnp.log2(den)) * LN2
-  return out.astype(dtype), lse
-
-
 def _rows(q, mp):
   """[B, N, H, C] -> [B, M, C] node-major rows, zero padded to M."""
   b, n, h, c = q.shape
@@ -339,9 +328,31 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, l)
   o_p, lse_p = prefix_partials(_rows(q, mp), kv, lengths, scale=scale, tuning=t, value_dim=r,
                                interpret=interpret)
-  o_p = o_p[:, :, :n * h].reshape(b, t.num_splits, n, h, r).transpose(0, 2, 3, 1, 4)
-  lse_p = lse_p[:, :, :n * h].reshape(b, t.num_splits, n, h).transpose(0, 2, 3, 1)
-  o_t, lse_t = tree_partial(q, cache, lengths, tree_mask, scale=scale, value_dim=r)
-  o_all = jnp.concatenate([o_p, o_t[:, :, :, None]], axis=3)
-  lse_all = jnp.concatenate([lse_p, lse_t[..., None]], axis=3)
-  return combine(o_all, lse_all, q.dtype)
+  return finish(o_p, lse_p, q, cache, lengths, tree_mask, scale=scale, value_dim=r)
+
+
+def finish(o_p, lse_p, q, cache, lengths, tree_mask, *, scale, value_dim):
+  """The XLA work after the kernel: the tree block, merged with the kernel's split partials."""
+  o_t, lse_t = tree_partial(q, cache, lengths, tree_mask, scale=scale, value_dim=value_dim)
+  return merge(o_p, lse_p, o_t, lse_t, q.dtype)
+
+
+def merge(o_p, lse_p, o_t, lse_t, dtype):
+  """Kernel partials (O [B, S, M, R], LSE2 [B, S, M]) + tree block (O [B, N, H, R], LSE2 [B, N, H])
+  -> (out [B, N, H, R] in dtype, natural lse [B, N, H]).
+
+  Reads every partial once in the kernel's own layout (no transposes or concatenations):
+  weights 2^(lse - max), a sum over the splits, plus the tree block's term.
+  """
+  b, n, h, r = o_t.shape
+  s = o_p.shape[1]
+  o_p = o_p[:, :, :n * h].reshape(b, s, n, h, r)
+  lse_p = lse_p[:, :, :n * h].reshape(b, s, n, h)
+  m = jnp.maximum(jnp.max(lse_p, axis=1), lse_t)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  w_p = jnp.exp2(lse_p - m[:, None])
+  w_t = jnp.exp2(lse_t - m)
+  den = jnp.sum(w_p, axis=1) + w_t
+  num = jnp.sum(w_p[..., None] * o_p, axis=1) + w_t[..., None] * o_t
+  out = num / jnp.where(den > 0, den, 1.0)[..., None]
+  return out.astype(dtype), (m + jnp.log2(den)) * LN2
