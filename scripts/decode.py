@@ -13,6 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+import jax  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from kdtree_jax import sharding  # noqa: E402
@@ -69,6 +70,9 @@ def main(argv):
   sharding.maybe_initialize_distributed()
   mesh_spec = _MESH.value if _MESH.value is not None else c.get("mesh", "")
   mesh = sharding.make_mesh(mesh_spec) if mesh_spec else None
+  if mesh is not None:
+    print(f"mesh {dict(mesh.shape)}: {jax.device_count()} devices in {jax.process_count()} "
+          f"process(es)")
   models = load_models(c, mesh)
   block = models.dcfg.block_size if models.dcfg is not None else 2
   spec = SpecConfig(mode=c.mode, budget=c.budget, block_size=block,
