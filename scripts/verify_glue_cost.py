@@ -42,7 +42,8 @@ def glue_costs(b, n, h, l, c=576, r=512):
                sd((b, n, n), jnp.bool_))
   merge = _cost(lambda *a: kernel.merge(*a, jnp.bfloat16),
                 sd((b, s, mp, r), jnp.float32), sd((b, s, mp), jnp.float32),
-                sd((b, n, h, r), jnp.float32), sd((b, n, h), jnp.float32))
+                sd((b, n, h, r), jnp.float32), sd((b, n, h), jnp.float32),
+                sd((b, n, h), jnp.float32))
   return {"tree": tree, "merge": merge}, s
 
 

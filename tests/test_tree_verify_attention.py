@@ -96,6 +96,33 @@ class TestReference:
     np.testing.assert_array_equal(vis, [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
 
 
+  def test_merge_matches_direct_softmax_merge(self):
+    """kernel.merge (partials in the kernel's layout + the unnormalised tree block) == f64 merge,
+    with empty splits (lse -inf) and rows that see no tree node (D = 0)."""
+    rng = np.random.default_rng(5)
+    b, s, n, h, r = 2, 3, 3, 4, 8
+    mp = 64
+    o_p = rng.normal(size=(b, s, mp, r)).astype(np.float32)
+    lse_p = rng.normal(size=(b, s, mp)).astype(np.float32) * 3
+    lse_p[0, 1] = -np.inf                                  # an empty split
+    lse_p[1, :, :h] = -np.inf                              # node 0 of batch 1: no prefix at all
+    o_t = rng.normal(size=(b, n, h, r)).astype(np.float32)
+    m_t = rng.normal(size=(b, n, h)).astype(np.float32)
+    den_t = rng.uniform(0.5, 3.0, size=(b, n, h)).astype(np.float32)
+    den_t[0, 2] = 0.0                                      # node 2 of batch 0 sees no tree node
+    o_t[0, 2] = 0.0
+    out, lse = kernel.merge(*map(jnp.asarray, (o_p, lse_p, o_t, m_t, den_t)), jnp.float32)
+    # f64: every part as (weight 2^lse, normalised O), summed.
+    lse_tree = np.where(den_t > 0, m_t + np.log2(np.where(den_t > 0, den_t, 1)), -np.inf)
+    o_tree = o_t / np.where(den_t > 0, den_t, 1)[..., None]
+    parts_w = np.concatenate([np.exp2(lse_p[:, :, :n * h].reshape(b, s, n, h).astype(np.float64)),
+                              np.exp2(lse_tree[:, None].astype(np.float64))], axis=1)
+    parts_o = np.concatenate([o_p[:, :, :n * h].reshape(b, s, n, h, r), o_tree[:, None]], axis=1)
+    tot = parts_w.sum(axis=1)
+    want = (parts_w[..., None] * parts_o).sum(axis=1) / tot[..., None]
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.log(tot), rtol=1e-5, atol=1e-6)
+
 # Small shapes for CPU interpret mode: (B, N, H, L, lengths, tuning)
 SMALL = [
     (1, 1, 1, 64, [63], Tuning(num_splits=1)),                     # one row, padded tile

@@ -285,7 +285,11 @@ def prefix_partials(q_rows, cache, lengths, *, scale, tuning: Tuning, value_dim,
 
 
 def tree_partial(q, cache, lengths, tree_mask, *, scale, value_dim):
-  """The N x N tree block in XLA (f32): (O [B, N, H, R] normalised, LSE2 [B, N, H])."""
+  """The N x N tree block in XLA: (O [B, N, H, R] f32 unnormalised, row max M2 and sum D [B, N, H]).
+
+  O = sum_j 2^(s_j - M2) v_j over the visible tree nodes, D = sum_j 2^(s_j - M2) (0: none
+  visible); `merge` divides, so the normalisation fuses into the merge.
+  """
   n = q.shape[1]
   l = cache.shape[1]
   pos = lengths[:, None] + jnp.arange(n)[None, :]                               # [B, N]
@@ -303,9 +307,7 @@ def tree_partial(q, cache, lengths, tree_mask, *, scale, value_dim):
   # P in the value dtype (as the kernel's PV wgmma), f32 accumulation.
   o = jnp.einsum("bnhj,bjr->bnhr", p.astype(q.dtype), keys[..., :value_dim].astype(q.dtype),
                  preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-  o = o / jnp.where(den > 0, den, 1.0)[..., None]
-  lse2 = jnp.where(den > 0, m_safe + jnp.log2(jnp.where(den > 0, den, 1.0)), -jnp.inf)
-  return o, lse2
+  return o, m_safe, den
 
 
 def _rows(q, mp):
@@ -333,13 +335,13 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
 
 def finish(o_p, lse_p, q, cache, lengths, tree_mask, *, scale, value_dim):
   """The XLA work after the kernel: the tree block, merged with the kernel's split partials."""
-  o_t, lse_t = tree_partial(q, cache, lengths, tree_mask, scale=scale, value_dim=value_dim)
-  return merge(o_p, lse_p, o_t, lse_t, q.dtype)
+  o_t, m_t, den_t = tree_partial(q, cache, lengths, tree_mask, scale=scale, value_dim=value_dim)
+  return merge(o_p, lse_p, o_t, m_t, den_t, q.dtype)
 
 
-def merge(o_p, lse_p, o_t, lse_t, dtype):
-  """Kernel partials (O [B, S, M, R], LSE2 [B, S, M]) + tree block (O [B, N, H, R], LSE2 [B, N, H])
-  -> (out [B, N, H, R] in dtype, natural lse [B, N, H]).
+def merge(o_p, lse_p, o_t, m_t, den_t, dtype):
+  """Kernel partials (O [B, S, M, R] normalised, LSE2 [B, S, M]) + the tree block (unnormalised O,
+  M2, D [B, N, H] from `tree_partial`) -> (out [B, N, H, R] in dtype, natural lse [B, N, H]).
 
   Reads every partial once in the kernel's own layout (no transposes or concatenations):
   weights 2^(lse - max), a sum over the splits, plus the tree block's term.
@@ -348,11 +350,13 @@ def merge(o_p, lse_p, o_t, lse_t, dtype):
   s = o_p.shape[1]
   o_p = o_p[:, :, :n * h].reshape(b, s, n, h, r)
   lse_p = lse_p[:, :, :n * h].reshape(b, s, n, h)
+  has_tree = den_t > 0
+  lse_t = jnp.where(has_tree, m_t + jnp.log2(jnp.where(has_tree, den_t, 1.0)), -jnp.inf)
   m = jnp.maximum(jnp.max(lse_p, axis=1), lse_t)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   w_p = jnp.exp2(lse_p - m[:, None])
-  w_t = jnp.exp2(lse_t - m)
-  den = jnp.sum(w_p, axis=1) + w_t
+  w_t = jnp.where(has_tree, jnp.exp2(m_t - m), 0.0)  # scales the unnormalised tree O and D
+  den = jnp.sum(w_p, axis=1) + w_t * den_t
   num = jnp.sum(w_p[..., None] * o_p, axis=1) + w_t[..., None] * o_t
   out = num / jnp.where(den > 0, den, 1.0)[..., None]
   return out.astype(dtype), (m + jnp.log2(den)) * LN2
