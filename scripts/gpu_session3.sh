@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The device call that the second 2026-11-30 session could not make (its device time was spent):
+# everything written since the last GPU run, in priority order, each part time-boxed so that the
+# whole call stays under 10 minutes and partial results still come back.
+#   1. kernel tests on the GPU: tree-verify full-shape set (19 of 25 grid cases never ran) + INT4
+#   2. the fused INT4 grouped matmul vs dequant + Mosaic (bench_moe.py)
+#   3. per-kernel times of the verify call after the merge rewrite (profile_verify_kernel.py)
+#   4. throughput vs context 1k-128k on the K2.6-width bench config, one process per mode
+#   5. host gap with the while loop in CUDA-graph command buffers (XLA_FLAGS), ar and ddtree
+#   6. trained pair acceptance / speed per mode on the GPU with the same flags
+# Usage (device): OUT=$OUT bash scripts/gpu_session3.sh ; results in $OUT/*.txt, *.jsonl.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+fi
+W=${OUT:-/tmp/gpu_session3}; mkdir -p "$W"
+quiet() { grep -v "^[IW]1"; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$W/gpu.txt"
+timeout 140 bash scripts/gpu_tests.sh 2>&1 | tail -n 30 | tee "$W/gpu_tests.txt"
+timeout 60 python3 scripts/bench_moe.py 2>&1 | quiet | tee "$W/moe.txt"
+timeout 30 python3 scripts/profile_verify_kernel.py 2>&1 | quiet | tee "$W/kernel.txt"
+for m in ar chain ddtree; do
+  timeout 70 python3 scripts/bench_context_decode.py --config configs/bench_k26.py \
+    --ctx 1024,4096,16384,46000,131072 --mode $m --gen 8 --json_out "$W/ctx_$m.jsonl" 2>&1 \
+    | quiet | tee "$W/ctx_$m.txt"
+done
+CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
+XLA_FLAGS="$CB" timeout 60 python3 scripts/bench_context_decode.py --config configs/bench_k26.py \
+  --ctx 4096 --mode ar,ddtree --gen 8 --json_out "$W/ctx_cmdbuf.jsonl" 2>&1 | quiet \
+  | tee "$W/ctx_cmdbuf.txt"
+XLA_FLAGS="$CB" timeout 60 python3 scripts/eval_acceptance.py --config configs/k2tiny.py \
+  --config.dtype=bfloat16 --prompts 4 --gen 128 --budgets 16,32 \
+  --json_out "$W/accept_cmdbuf.jsonl" 2>&1 | quiet | tee "$W/accept_cmdbuf.txt"
+ls -la "$W"
