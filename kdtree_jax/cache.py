@@ -1,8 +1,14 @@
-"""The dense latent KV cache: one array for all layers, defragmented by construction.
+"""The dense latent KV cache: one [B, L, C] buffer per layer, defragmented by construction.
 
-latent [layers, B, L, C]: per layer and row, normalized c_kv (R) + rotated k_pe (P); rows
-[0, lengths[b]) are committed. A verify step writes its N tree nodes at [len, len + N); commit
-compacts the accepted ones onto [len, len + a) and advances `lengths`. No page tables.
+latent[layer] [B, L, C]: per row, normalized c_kv (R) + rotated k_pe (P); rows [0, lengths[b])
+are committed. A verify step writes its N tree nodes at [len, len + N); commit compacts the
+accepted ones onto [len, len + a) and advances `lengths`. No page tables.
+
+Why one buffer per layer, not one [layers, B, L, C] array: with the stacked array, XLA copied the
+whole cache three times per decode step plus every layer's slice once (the per-layer slice fed
+to the attention is updated and written back; `kdtree_jax.hlo_audit` finds the copies). Separate
+buffers are updated in place (the step writes only its new rows) and the attention kernel reads
+each one whole, with no slice to materialise.
 """
 
 import flax.struct
@@ -14,38 +20,57 @@ from kdtree_jax.config import ModelConfig
 
 @flax.struct.dataclass
 class LatentCache:
-  """Dense MLA cache: `latent` [layers, B, max_len, C] and committed `lengths` [B] int32."""
+  """Dense MLA cache: `latent`, a tuple of one [B, max_len, C] array per layer, and committed
+  `lengths` [B] int32."""
 
-  latent: jax.Array
+  latent: tuple
   lengths: jax.Array
 
   @property
   def max_len(self) -> int:
-    return self.latent.shape[2]
+    return self.latent[0].shape[1]
 
   @property
   def batch(self) -> int:
-    return self.latent.shape[1]
+    return self.latent[0].shape[0]
+
+  @property
+  def dtype(self):
+    return self.latent[0].dtype
 
   @classmethod
   def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> "LatentCache":
-    latent = jnp.zeros((cfg.num_hidden_layers, batch, max_len, cfg.cache_dim), dtype)
+    latent = tuple(jnp.zeros((batch, max_len, cfg.cache_dim), dtype)
+                   for _ in range(cfg.num_hidden_layers))
     return cls(latent=latent, lengths=jnp.zeros((batch,), jnp.int32))
 
 
-def compact_rows(latent_lblc, lengths_b, src_bn, count_b):
-  """Moves rows len + src[b, k] onto len + k for k < count[b] (all layers at once).
+def compact_rows(latent, lengths_b, src_bn, count_b):
+  """Moves rows len + src[b, k] onto len + k for k < count[b], in every layer's buffer.
 
-  src_bn [B, A] are tree-row offsets of the accepted nodes in increasing order, so a forward
-  gather-then-write never reads a row it has already overwritten.
+  latent: a tuple of [B, L, C] buffers (or one such buffer). src_bn [B, A] are tree-row offsets
+  of the accepted nodes in increasing order, so a forward gather-then-write never reads a row it
+  has already overwritten.
   """
+  if not isinstance(latent, (tuple, list)):
+    return _compact_layer(latent, lengths_b, src_bn, count_b)
+  return tuple(_compact_layer(lc, lengths_b, src_bn, count_b) for lc in latent)
+
+
+def _compact_layer(cache_blc, lengths_b, src_bn, count_b):
   a = src_bn.shape[1]
-  k = jnp.arange(a)
+  keep = jnp.arange(a)[None, :] < count_b[:, None]                       # [B, A]
 
-  def one(lat_lc, ln, src, cnt):  # lat_lc [layers, L, C]
-    rows = jnp.take(lat_lc, ln + src, axis=1, mode="clip")
-    old = jax.lax.dynamic_slice_in_dim(lat_lc, ln, a, axis=1)
-    rows = jnp.where((k < cnt)[None, :, None], rows, old)
-    return jax.lax.dynamic_update_slice_in_dim(lat_lc, rows, ln, axis=1)
+  def gather(c_lc, ln, src):
+    return jnp.take(c_lc, ln + src, axis=0, mode="clip")
 
-  return jax.vmap(one, in_axes=(1, 0, 0, 0), out_axes=1)(latent_lblc, lengths_b, src_bn, count_b)
+  def window(c_lc, ln):
+    return jax.lax.dynamic_slice_in_dim(c_lc, ln, a, axis=0)
+
+  rows = jnp.where(keep[..., None], jax.vmap(gather)(cache_blc, lengths_b, src_bn),
+                   jax.vmap(window)(cache_blc, lengths_b))
+  # The A moved rows are materialised before the in-place write (a read and a write of the same
+  # buffer in one fusion would make XLA copy the whole layer first).
+  rows = jax.lax.optimization_barrier(rows)
+  return jax.vmap(lambda c_lc, r, ln: jax.lax.dynamic_update_slice_in_dim(c_lc, r, ln, axis=0))(
+      cache_blc, rows, lengths_b)

@@ -21,6 +21,12 @@ from kdtree_jax.draft import model as draft_model
 from kdtree_jax.model.moe import moe
 
 
+def _random_like(key, buffers, dtype):
+  """Random normal buffers shaped like a tuple of per-layer cache buffers."""
+  return tuple(jax.random.normal(k, a.shape, dtype)
+               for k, a in zip(jax.random.split(key, len(buffers)), buffers))
+
+
 def bench_state(tcfg, dcfg, spec, batch, ctx, dtype=jnp.bfloat16, seed=0,
                 steps=64) -> DecodeState:
   """A decode state at context length `ctx` with random cache contents (no prefill needed).
@@ -29,13 +35,13 @@ def bench_state(tcfg, dcfg, spec, batch, ctx, dtype=jnp.bfloat16, seed=0,
   """
   k = jax.random.split(jax.random.key(seed), 4)
   rows = -(-(ctx + spec.verify_width + spec.commit_width * steps) // 64) * 64
-  latent = jax.random.normal(k[0], (tcfg.num_hidden_layers, batch, rows, tcfg.cache_dim), dtype)
+  latent = _random_like(k[0], LatentCache.zeros(tcfg, batch, rows, dtype).latent, dtype)
   cache = LatentCache(latent=latent, lengths=jnp.full((batch,), ctx, jnp.int32))
   draft_cache, pending = None, None
   if spec.mode != "ar":
     dc = draft_model.init_draft_cache(dcfg, batch, rows + spec.commit_width, dtype)
     draft_cache = dc.replace(
-        k=jax.random.normal(k[1], dc.k.shape, dtype), v=jax.random.normal(k[2], dc.v.shape, dtype),
+        k=_random_like(k[1], dc.k, dtype), v=_random_like(k[2], dc.v, dtype),
         pos=jnp.broadcast_to(jnp.arange(dc.pos.shape[1], dtype=jnp.int32), dc.pos.shape),
         ctx_len=jnp.full((batch,), ctx - spec.commit_width, jnp.int32))
     pending = jax.random.normal(
@@ -139,7 +145,7 @@ def phase_programs(tcfg, tparams, dcfg, dparams, spec, state):
 def _verify_parts(tcfg, tparams, spec, state):
   """Verify's attention alone (all layers) and MoE alone (all MoE layers), on random inputs."""
   b, n, c = state.bonus.shape[0], spec.verify_width, tcfg
-  dtype = state.cache.latent.dtype
+  dtype = state.cache.dtype
   q = jax.random.normal(jax.random.key(1), (b, n, c.num_attention_heads, c.cache_dim), dtype)
   mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
 
@@ -172,7 +178,7 @@ class PhaseRow:
 def profile_step(tcfg, tparams, dcfg, dparams, spec, state, ceil, reps=20) -> list[PhaseRow]:
   """Times every phase alone and the fused step; returns rows with roofline floors."""
   batch, ctx = state.bonus.shape[0], int(state.cache.lengths[0])
-  costs = phase_costs(tcfg, dcfg, spec, batch, ctx, state.cache.latent.dtype.itemsize)
+  costs = phase_costs(tcfg, dcfg, spec, batch, ctx, state.cache.dtype.itemsize)
   rows = []
   for name, (fn, args) in phase_programs(tcfg, tparams, dcfg, dparams, spec, state).items():
     ms = 1e3 * roofline.wall_time_s(fn, *args, reps=reps)

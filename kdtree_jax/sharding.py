@@ -75,9 +75,9 @@ PARAM_AXES = {
 
 # LatentCache, DraftCache and DecodeState fields -> logical axes.
 STATE_AXES = {
-    "latent": ("layers", "batch", "cache_len", "kv_lora"), "lengths": ("batch",),
-    "k": ("layers", "batch", "cache_len", "kv_heads", "head_dim"),
-    "v": ("layers", "batch", "cache_len", "kv_heads", "head_dim"),
+    "latent": ("batch", "cache_len", "kv_lora"), "lengths": ("batch",),  # one buffer per layer
+    "k": ("batch", "cache_len", "kv_heads", "head_dim"),  # draft cache: one buffer per layer
+    "v": ("batch", "cache_len", "kv_heads", "head_dim"),
     "pos": ("batch", "cache_len"), "ctx_len": ("batch",),
     "bonus": ("batch",), "pending_taps": ("batch", "out", "taps"), "pending_count": ("batch",),
     "out": ("batch", "out"), "n_out": ("batch",), "done": ("batch",), "key": (), "steps": (),

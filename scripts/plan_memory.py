@@ -6,7 +6,7 @@
 Abstract only (`jax.eval_shape` + the sharding rules over an AbstractMesh): no memory is
 allocated and any machine can plan for 8 x H200. Parameters in the config's dtype, and with
 INT4 routed experts (4 bits + a bf16 scale per 32 weights, compressed-tensors). Caches: the
-target latent cache [layers, B, max_len + N, C] and the draft cache, in the config's dtype.
+target latent cache (per layer [B, max_len + N, C]) and the draft cache, in the config's dtype.
 """
 
 import json

@@ -1,5 +1,7 @@
 """The target model: absorbed decode == naive prefill, tree decode == per-path prefill, shapes, errors."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,16 +71,20 @@ def test_tree_decode_equals_path_prefill(tiny_model):
 
 
 def test_compact_rows_moves_accepted_rows():
-  lat = jnp.arange(2 * 3 * 12 * 2, dtype=jnp.float32).reshape(2, 3, 12, 2)  # [layers, B, L, C]
+  lat = jnp.arange(2 * 3 * 12 * 2, dtype=jnp.float32).reshape(2, 3, 12, 2)  # 2 layers of [B, L, C]
+  layers = (lat[0], lat[1])                                                  # one buffer per layer
   lengths = jnp.array([2, 4, 0], jnp.int32)
   src = jnp.array([[0, 2, 5], [0, 1, 3], [0, 0, 0]], jnp.int32)
   count = jnp.array([3, 2, 1], jnp.int32)
-  out = compact_rows(lat, lengths, src, count)
-  for b in range(3):
+  out = compact_rows(layers, lengths, src, count)
+  for i, b in itertools.product(range(2), range(3)):
     for k in range(3):
-      want = lat[:, b, lengths[b] + (src[b, k] if k < count[b] else k)]
-      np.testing.assert_array_equal(out[:, b, lengths[b] + k], want)
-    np.testing.assert_array_equal(out[:, b, :lengths[b]], lat[:, b, :lengths[b]])
+      want = lat[i, b, lengths[b] + (src[b, k] if k < count[b] else k)]
+      np.testing.assert_array_equal(out[i][b, lengths[b] + k], want)
+    # rows outside [len, len + 3) are untouched
+    untouched = np.ones(12, bool)
+    untouched[lengths[b]:lengths[b] + 3] = False
+    np.testing.assert_array_equal(out[i][b, untouched], lat[i, b, untouched])
 
 
 def test_k2_6_parameter_count():

@@ -86,9 +86,9 @@ def check_state_shardings(state, mesh):
   want = sharding.state_shardings(state, mesh)
   for got, exp in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
     assert got.sharding.is_equivalent_to(exp, got.ndim), (got.sharding, exp)
-  assert state.cache.latent.sharding.is_fully_replicated  # data=1: one copy per model shard
+  assert all(lc.sharding.is_fully_replicated for lc in state.cache.latent)  # data=1: one copy per model shard
   if state.draft_cache is not None:
-    assert not state.draft_cache.k.sharding.is_fully_replicated  # split over kv heads
+    assert not state.draft_cache.k[0].sharding.is_fully_replicated  # split over kv heads
 
 
 def test_decode_script_with_mesh_matches_one_device(tmp_path):

@@ -97,7 +97,9 @@ def commit_phase(spec: SpecConfig, eos_id, state: DecodeState, cache, draft_cach
   """Compacts accepted rows onto [len, len + a + 1), emits tokens, stages taps, updates stops."""
   live = ~state.done
   count = jnp.where(live, a + 1, 0)
-  latent = compact_rows(cache.latent, cache.lengths, path, count)
+  latent = cache.latent
+  if spec.mode == "ddtree":  # ar and chain accept a prefix of rows that already sit in place
+    latent = compact_rows(latent, cache.lengths, path, count)
   lengths = cache.lengths + count
   tokens = jnp.concatenate([state.bonus[:, None], tree.node_tokens], axis=1)
   k = jnp.arange(spec.commit_width)[None]

@@ -26,18 +26,21 @@ from kdtree_jax.draft.config import DraftConfig
 
 @struct.dataclass
 class DraftCache:
-  """Dense draft ctx K/V: k, v [Y, B, C, G, E] (k normed + roped), pos [B, C], ctx_len [B]."""
+  """Dense draft ctx K/V: k, v = one [B, C, G, E] buffer per draft layer (k normed + roped),
+  pos [B, C], ctx_len [B]. Separate per-layer buffers are written in place (see cache.py)."""
 
-  k: jax.Array
-  v: jax.Array
+  k: tuple
+  v: tuple
   pos: jax.Array
   ctx_len: jax.Array
 
 
 def init_draft_cache(cfg: DraftConfig, batch: int, max_ctx: int, dtype=jnp.bfloat16) -> DraftCache:
   """Empty cache. Keep max_ctx >= longest context + T (materialize writes T rows at ctx_len)."""
-  shape = (cfg.num_hidden_layers, batch, max_ctx, cfg.num_key_value_heads, cfg.head_dim)
-  return DraftCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+  shape = (batch, max_ctx, cfg.num_key_value_heads, cfg.head_dim)
+  layers = range(cfg.num_hidden_layers)
+  return DraftCache(k=tuple(jnp.zeros(shape, dtype) for _ in layers),
+                    v=tuple(jnp.zeros(shape, dtype) for _ in layers),
                     pos=jnp.zeros((batch, max_ctx), jnp.int32),
                     ctx_len=jnp.zeros((batch,), jnp.int32))
 
@@ -115,15 +118,15 @@ def materialize_context(params, cfg: DraftConfig, cache: DraftCache, taps_btf, p
   c = context_feature(params, cfg, taps_btf)
   ks, vs = zip(*(_kv(_layer_params(params, i), cfg, c, positions_bt)
                  for i in range(cfg.num_hidden_layers)))
-  k_ybtge, v_ybtge = jnp.stack(ks), jnp.stack(vs)
 
-  def put(dst_ycge, src_ytge, at):
-    return jax.lax.dynamic_update_slice(dst_ycge, src_ytge.astype(dst_ycge.dtype), (0, at, 0, 0))
+  def put(dst_cge, src_tge, at):
+    return jax.lax.dynamic_update_slice(dst_cge, src_tge.astype(dst_cge.dtype), (at, 0, 0))
 
-  put_b = jax.vmap(put, in_axes=(1, 1, 0), out_axes=1)
+  put_b = jax.vmap(put)
   pos = jax.vmap(lambda p, s, at: jax.lax.dynamic_update_slice(p, s, (at,)))(
       cache.pos, positions_bt.astype(jnp.int32), cache.ctx_len)
-  return DraftCache(k=put_b(cache.k, k_ybtge, cache.ctx_len), v=put_b(cache.v, v_ybtge, cache.ctx_len),
+  return DraftCache(k=tuple(put_b(d, s, cache.ctx_len) for d, s in zip(cache.k, ks)),
+                    v=tuple(put_b(d, s, cache.ctx_len) for d, s in zip(cache.v, vs)),
                     pos=pos, ctx_len=cache.ctx_len + num_valid_b.astype(jnp.int32))
 
 
@@ -197,7 +200,7 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   B, S = block_tokens_bs.shape
   x = _embed(params, cfg, block_tokens_bs, embed_vd)
   q_pos = start_b.astype(jnp.int32)[:, None] + jnp.arange(S, dtype=jnp.int32)
-  C = cache.k.shape[2]
+  C = cache.k[0].shape[1]
   live = (jnp.arange(C)[None, None, :] < cache.ctx_len[:, None, None])
   same = jnp.ones((B, S, S), bool)
   for i in range(cfg.num_hidden_layers):

@@ -46,18 +46,18 @@ def prefill(cfg: ModelConfig, params, cache: LatentCache | None, tokens_bs,
   positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
   x = params["embed"][tokens_bs]
   taps = {}
-  latent = None if cache is None else cache.latent
+  latent = None if cache is None else list(cache.latent)
   for i, lp in enumerate(params["layers"]):
     h, rows = mla.prefill_attention(lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps),
                                     positions)
     x = x + h
     x = x + _ffn(lp, cfg, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
     if latent is not None:
-      latent = latent.at[i, :, :s].set(rows.astype(latent.dtype))
+      latent[i] = latent[i].at[:, :s].set(rows.astype(latent[i].dtype))
     if i in tap_layers:
       taps[i] = x
   if cache is not None:
-    cache = cache.replace(latent=latent)
+    cache = cache.replace(latent=tuple(latent))
   return _head(params, cfg, x), cache, _concat_taps(taps, tap_layers)
 
 
@@ -70,14 +70,13 @@ def decode(cfg: ModelConfig, params, cache: LatentCache, tokens_bn, positions_bn
   """
   x = params["embed"][tokens_bn]
   taps = {}
-  latent = cache.latent
+  latent = list(cache.latent)
   for i, lp in enumerate(params["layers"]):
-    h, layer_cache = mla.absorbed_attention(
+    h, latent[i] = mla.absorbed_attention(
         lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions_bn, latent[i],
         cache.lengths, tree_mask_bnn, backend=attn_backend)
-    latent = latent.at[i].set(layer_cache)
     x = x + h
     x = x + _ffn(lp, cfg, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
     if i in tap_layers:
       taps[i] = x
-  return _head(params, cfg, x), cache.replace(latent=latent), _concat_taps(taps, tap_layers)
+  return _head(params, cfg, x), cache.replace(latent=tuple(latent)), _concat_taps(taps, tap_layers)
