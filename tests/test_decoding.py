@@ -1,6 +1,7 @@
 """The speculative decoder: lossless vs greedy AR, exact sampling, compiles once, clear errors."""
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -182,3 +183,19 @@ def test_streaming_equals_one_dispatch_and_compiles_once():
   assert pieces == whole.tokens == stream.result.tokens
   assert stream.result.accepted_per_step == whole.accepted_per_step
   assert loop.steps_device._cache_size() == 1  # every chunk reused one program
+
+
+def test_reported_seconds_include_fetching_the_results(monkeypatch):
+  """GenerationResult.seconds runs until the outputs are on the host (the device work is done),
+  not just until the asynchronous dispatch returns: a slow fetch must show in it."""
+  pair = make_pair(3)
+  spec = SpecConfig(mode="ar", max_new_tokens=4, block_size=BLOCK)
+  run(pair, spec, [[1, 2, 3]], 32)  # compile
+  fetch = loop.sharding.to_host
+
+  def slow_fetch(tree):
+    time.sleep(0.3)
+    return fetch(tree)
+
+  monkeypatch.setattr(loop.sharding, "to_host", slow_fetch)
+  assert run(pair, spec, [[1, 2, 3]], 32).seconds >= 0.3

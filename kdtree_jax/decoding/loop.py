@@ -175,8 +175,10 @@ def _prepare(tcfg, tparams, dcfg, dparams, spec, prompts, max_len, mesh):
   return jnp.asarray(padded), jnp.asarray(lengths), tparams, dparams
 
 
-def _result(spec, state, seconds) -> GenerationResult:
+def _result(spec, state, t0) -> GenerationResult:
+  """Fetches the outputs; `seconds` runs from t0 until they are on the host (device work done)."""
   out, n_out, acc, steps = sharding.to_host((state.out, state.n_out, state.accepted, state.steps))
+  seconds = time.perf_counter() - t0
   tokens = [list(map(int, out[i, :min(n_out[i], spec.max_new_tokens)])) for i in range(len(out))]
   accepted = [[int(a) for a in acc[:steps, i] if a > 0] for i in range(len(out))]
   return GenerationResult(tokens=tokens, accepted_per_step=accepted, steps=int(steps),
@@ -197,7 +199,7 @@ def generate(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts: list[list[
     state = generate_device(tparams, dparams, prompts_bs, lengths_b, jax.random.key(seed),
                             tcfg=tcfg, dcfg=dcfg, spec=spec, max_len=max_len,
                             cache_dtype=cache_dtype)
-    return _result(spec, state, time.perf_counter() - t0)
+    return _result(spec, state, t0)
 
 
 class Stream:
@@ -236,4 +238,4 @@ class Stream:
           break
         state = steps_device(tparams, dparams, state, jnp.int32(steps + chunk), tcfg=tcfg,
                              dcfg=dcfg, spec=spec)
-      self.result = _result(spec, state, time.perf_counter() - t0)
+      self.result = _result(spec, state, t0)
