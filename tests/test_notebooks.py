@@ -74,3 +74,24 @@ def test_sweep_json_lines(tmp_path):
   plots.plot_sweep(fig, res["sweep"])
   fig.savefig(tmp_path / "sweep.png")
   assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_context_bench_with_phase_table(tmp_path):
+  """bench_context_decode.py: the throughput rows and the phase table (each phase compiled alone)."""
+  out = tmp_path / "ctx.jsonl"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+  env.pop("XLA_FLAGS", None)
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_context_decode.py"),
+         "--config", os.path.join(ROOT, "configs", "bench_tiny.py"), "--ctx", "64",
+         "--mode", "ar,ddtree", "--gen", "2", "--profile_ctx", "64", "--json_out", str(out)]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  (table,) = [r for r in rows if r["kind"] == "phases"]
+  phases = [r["phase"] for r in table["rows"]]
+  for name in ("draft_ctx", "draft_block", "tree", "verify", "attention", "moe", "accept",
+               "commit", "step"):
+    assert name in phases, phases
+  assert all(r["ms"] > 0 for r in table["rows"] if r["phase"] != "rest")
+  runs = [(r["mode"], r["ctx"]) for r in rows if r["kind"] == "throughput"]
+  assert runs == [("ar", 64), ("ddtree", 64)]
