@@ -3,12 +3,7 @@
 # bench (phase table at 46k + throughput vs context) and the verify kernel's per-kernel times.
 # Each part is time-boxed; everything but the checkpoint tar and plots is tarred into logs.tar.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/gpu_env.sh"
 W=/tmp/work; mkdir -p $W
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee $W/gpu.txt
 TARGET_FLAGS="--config.max_seconds=${TARGET_S:-150}" DRAFT_FLAGS="--config.max_seconds=${DRAFT_S:-85}" \

@@ -2,10 +2,7 @@
 # Second device call: MoE grouped-GEMM / INT4 bench, K2.6-width phase table + throughput vs
 # context (new tree builder, Mosaic grouped GEMM), trained-pair speed per mode on the GPU.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+source "$(dirname "$0")/gpu_env.sh"
 W=$OUT
 timeout 60 python3 scripts/bench_moe.py 2>&1 | grep -v "^[IW]1" | tee $W/moe.txt
 timeout 170 python3 scripts/bench_context_decode.py --config configs/bench_k26.py \

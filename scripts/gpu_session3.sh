@@ -11,12 +11,7 @@
 #   7. host gap with the while loop in CUDA-graph command buffers (XLA_FLAGS), ar and ddtree
 # Usage (device): OUT=$OUT bash scripts/gpu_session3.sh ; results in $OUT/*.txt, *.jsonl.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/gpu_env.sh"
 W=${OUT:-/tmp/gpu_session3}; mkdir -p "$W"
 quiet() { grep -v "^[IW]1"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$W/gpu.txt"

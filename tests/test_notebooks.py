@@ -46,16 +46,21 @@ def test_notebooks_match_generator(tmp_path):
     assert [c.source for c in committed.cells] == [s for _, s in cells], name
 
 
-def test_sweep_json_lines(tmp_path):
-  out = tmp_path / "sweep.jsonl"
+def _bench_script(name, *args, timeout=120):
+  """Runs scripts/<name> on configs/bench_tiny.py (one CPU device); returns the finished process."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
   env.pop("XLA_FLAGS", None)
-  cmd = [sys.executable, os.path.join(ROOT, "scripts", "sweep.py"),
-         "--config", os.path.join(ROOT, "configs", "bench_tiny.py"), "--mode", "chain,ddtree",
-         "--budgets", "4", "--block_sizes", "4", "--ctx", "32,64", "--gen", "2",
-         "--json_out", str(out)]
-  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", name),
+         "--config", os.path.join(ROOT, "configs", "bench_tiny.py"), *args]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc
+
+
+def test_sweep_json_lines(tmp_path):
+  out = tmp_path / "sweep.jsonl"
+  proc = _bench_script("sweep.py", "--mode", "chain,ddtree", "--budgets", "4", "--block_sizes",
+                       "4", "--ctx", "32,64", "--gen", "2", "--json_out", str(out))
   assert "[2/2] ddtree" in proc.stdout
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   assert [(r["mode"], r["budget"], r["block_size"], r["ctx"]) for r in rows] == [
@@ -79,13 +84,8 @@ def test_sweep_json_lines(tmp_path):
 def test_context_bench_with_phase_table(tmp_path):
   """bench_context_decode.py: the throughput rows and the phase table (each phase compiled alone)."""
   out = tmp_path / "ctx.jsonl"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
-  env.pop("XLA_FLAGS", None)
-  cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_context_decode.py"),
-         "--config", os.path.join(ROOT, "configs", "bench_tiny.py"), "--ctx", "64",
-         "--mode", "ar,ddtree", "--gen", "2", "--profile_ctx", "64", "--json_out", str(out)]
-  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  _bench_script("bench_context_decode.py", "--ctx", "64", "--mode", "ar,ddtree", "--gen", "2",
+                "--profile_ctx", "64", "--json_out", str(out), timeout=300)
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   (table,) = [r for r in rows if r["kind"] == "phases"]
   phases = [r["phase"] for r in table["rows"]]
