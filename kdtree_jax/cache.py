@@ -48,12 +48,9 @@ class LatentCache:
 def compact_rows(latent, lengths_b, src_bn, count_b):
   """Moves rows len + src[b, k] onto len + k for k < count[b], in every layer's buffer.
 
-  latent: a tuple of [B, L, C] buffers (or one such buffer). src_bn [B, A] are tree-row offsets
-  of the accepted nodes in increasing order, so a forward gather-then-write never reads a row it
-  has already overwritten.
+  latent: a tuple of [B, L, C] buffers. src_bn [B, A] are tree-row offsets of the accepted nodes
+  in increasing order, so a forward gather-then-write never reads a row it has already overwritten.
   """
-  if not isinstance(latent, (tuple, list)):
-    return _compact_layer(latent, lengths_b, src_bn, count_b)
   return tuple(_compact_layer(lc, lengths_b, src_bn, count_b) for lc in latent)
 
 
@@ -69,8 +66,5 @@ def _compact_layer(cache_blc, lengths_b, src_bn, count_b):
 
   rows = jnp.where(keep[..., None], jax.vmap(gather)(cache_blc, lengths_b, src_bn),
                    jax.vmap(window)(cache_blc, lengths_b))
-  # The A moved rows are materialised before the in-place write (a read and a write of the same
-  # buffer in one fusion would make XLA copy the whole layer first).
-  rows = jax.lax.optimization_barrier(rows)
   return jax.vmap(lambda c_lc, r, ln: jax.lax.dynamic_update_slice_in_dim(c_lc, r, ln, axis=0))(
       cache_blc, rows, lengths_b)

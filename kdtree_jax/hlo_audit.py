@@ -10,8 +10,7 @@ buffer assignment / copy insertion, which the CPU and GPU compilers share).
 import dataclasses
 import re
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-          "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+_BITS = re.compile(r"[a-z]+(\d+)")  # HLO element types: s4, bf16, f32, f8e4m3fn, c64, ...
 _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _COPY = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\][^=]*?\s(copy|copy-start)\(")
 
@@ -45,9 +44,15 @@ def large_copies(hlo_text: str, min_bytes: int, *, skip_entry=True) -> list[Copy
       continue
     dtype, dims = c.group(2), c.group(3)
     shape = tuple(int(d) for d in dims.split(",") if d)
-    n = _BYTES.get(dtype, 4)
+    n = _bits(dtype)
     for d in shape:
       n *= d
+    n //= 8
     if n >= min_bytes:
       out.append(Copy(c.group(1), comp, shape, n))
   return out
+
+
+def _bits(hlo_type: str) -> int:
+  """Bits per element of an HLO element type (pred is stored as a byte)."""
+  return 8 if hlo_type == "pred" else int(_BITS.match(hlo_type).group(1))

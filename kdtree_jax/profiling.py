@@ -35,11 +35,13 @@ def bench_state(tcfg, dcfg, spec, batch, ctx, dtype=jnp.bfloat16, seed=0,
   """
   k = jax.random.split(jax.random.key(seed), 4)
   rows = -(-(ctx + spec.verify_width + spec.commit_width * steps) // 64) * 64
-  latent = _random_like(k[0], LatentCache.zeros(tcfg, batch, rows, dtype).latent, dtype)
-  cache = LatentCache(latent=latent, lengths=jnp.full((batch,), ctx, jnp.int32))
+  shapes = jax.eval_shape(lambda: LatentCache.zeros(tcfg, batch, rows, dtype))
+  cache = LatentCache(latent=_random_like(k[0], shapes.latent, dtype),
+                      lengths=jnp.full((batch,), ctx, jnp.int32))
   draft_cache, pending = None, None
   if spec.mode != "ar":
-    dc = draft_model.init_draft_cache(dcfg, batch, rows + spec.commit_width, dtype)
+    dc = jax.eval_shape(lambda: draft_model.init_draft_cache(dcfg, batch, rows + spec.commit_width,
+                                                             dtype))
     draft_cache = dc.replace(
         k=_random_like(k[1], dc.k, dtype), v=_random_like(k[2], dc.v, dtype),
         pos=jnp.broadcast_to(jnp.arange(dc.pos.shape[1], dtype=jnp.int32), dc.pos.shape),

@@ -66,18 +66,18 @@ def _make_body(k, group, block_n, stages, dtype):
     item, ni = lax.axis_index("w"), lax.axis_index("n")
     grp, blk, lo, size = (work_ref[i, item] for i in range(4))
 
-    def step(_, x_smem, q_smem, s_smem, acc_ref):
-      q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA, optimized=False)
-      w = q.astype(dtype) * _scales(s_smem, q.shape, group).astype(dtype)
-      wdq_smem[...] = w
-      plgpu.commit_smem()
-      plgpu.wgmma(acc_ref, x_smem, wdq_smem)
-      plgpu.wgmma_wait(0)  # wdq_smem is rewritten by the next step
-
     def acc_scope(acc_ref):
+      def step(_, x_smem, q_smem, s_smem):
+        q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA, optimized=False)
+        w = q.astype(dtype) * _scales(s_smem, q.shape, group).astype(dtype)
+        wdq_smem[...] = w
+        plgpu.commit_smem()
+        plgpu.wgmma(acc_ref, x_smem, wdq_smem)
+        plgpu.wgmma_wait(0)  # wdq_smem is rewritten by the next step
+
       n_s = max(BLOCK_K // group, 1)
       plgpu.emit_pipeline(
-          functools.partial(_step_with_acc, step, acc_ref), grid=(k // BLOCK_K,),
+          step, grid=(k // BLOCK_K,),
           in_specs=[
               plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda kk: (blk, kk), transforms=_BF16_TRANSFORMS),
               plgpu.BlockSpec((BLOCK_K, block_n), lambda kk: (kk, ni)),
@@ -96,10 +96,6 @@ def _make_body(k, group, block_n, stages, dtype):
       _store_rows(o_smem, o_ref, blk * BLOCK_M, lo, size, ni * block_n, block_n)
 
   return body
-
-
-def _step_with_acc(step, acc_ref, idx, x_smem, q_smem, s_smem):
-  step(idx, x_smem, q_smem, s_smem, acc_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "stages", "interpret"))
