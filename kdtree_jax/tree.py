@@ -194,28 +194,42 @@ def build_chain(draft_logits_lv: jax.Array):
   return tokens, depths, parents, vis
 
 
-def accept_walk(parents_n1, node_tokens_n, target_tokens_n1, max_depth: int | None = None):
-  """Walk from the root while the target's token is a child's token.
+def accept_walk(parents_n1, node_tokens_n, target_tokens_n1, max_depth: int | None = None,
+                vis_nn=None):
+  """The accepted root path: node k is accepted iff its token is its parent's target choice (the
+  lowest-index such sibling) and every ancestor is accepted. One vectorised pass, no loop.
 
+  vis_nn [N+1, N+1] (optional): vis[i, j] = j is i or an ancestor of i (the tree's visibility
+  mask); without it the ancestors are found from `parents_n1` by pointer doubling.
   Returns (path [max_depth+1] int32 tree indices, root first, -1 padded; accept_len int32
   = accepted draft nodes; next_bonus int32 = the target token after the last accepted node).
-  max_depth (static) bounds the walk; default N (always enough).
+  max_depth (static) bounds the path; default N (always enough).
   """
   N = node_tokens_n.shape[0]
   D = N if max_depth is None else max_depth
-  child_parent = parents_n1[1:]
-  path = jnp.full((D + 1,), -1, jnp.int32).at[0].set(0)
+  vis = ancestor_matrix(parents_n1) if vis_nn is None else vis_nn
+  par = parents_n1[1:]
+  match = (par >= 0) & (node_tokens_n == target_tokens_n1[jnp.maximum(par, 0)])
+  idx = jnp.arange(N)
+  earlier_twin = (par[None, :] == par[:, None]) & match[None, :] & (idx[None, :] < idx[:, None])
+  ok = jnp.concatenate([jnp.array([True]), match & ~jnp.any(earlier_twin, axis=1)])
+  accepted = jnp.all(ok[None, :] | ~vis, axis=1)                   # [N+1]
+  depth = jnp.sum(vis, axis=1, dtype=jnp.int32) - 1
+  slot = jnp.where(accepted & (depth <= D), depth, D + 1)
+  path = jnp.full((D + 1,), -1, jnp.int32).at[slot].set(jnp.arange(N + 1, dtype=jnp.int32),
+                                                         mode="drop")
+  n = jnp.sum(path >= 0, dtype=jnp.int32) - 1
+  return path, n, target_tokens_n1[path[n]].astype(jnp.int32)
 
-  def step(i, carry):
-    cur, nxt, n, path, live = carry
-    hit = live & (child_parent == cur) & (node_tokens_n == nxt)
-    ok = jnp.any(hit)
-    child = (jnp.argmax(hit) + 1).astype(jnp.int32)
-    cur = jnp.where(ok, child, cur)
-    path = path.at[i + 1].set(jnp.where(ok, child, -1))
-    nxt = jnp.where(ok, target_tokens_n1[cur], nxt)
-    return cur, nxt, n + ok.astype(jnp.int32), path, live & ok
 
-  init = (jnp.int32(0), target_tokens_n1[0].astype(jnp.int32), jnp.int32(0), path, jnp.bool_(True))
-  _, nxt, n, path, _ = lax.fori_loop(0, D, step, init)
-  return path, n, nxt.astype(jnp.int32)
+def ancestor_matrix(parents_n1):
+  """vis[i, j]: j is i or an ancestor of i, from parent indices (-1: the root, or an invalid
+  node that sees only itself), by pointer doubling: log2(N) gathers of the [N+1, N+1] mask."""
+  n1 = parents_n1.shape[0]
+  idx = jnp.arange(n1)
+  up = jnp.where(parents_n1 >= 0, parents_n1, idx)  # 2^k-th ancestor (the root is its own)
+  vis = (idx[:, None] == idx[None, :]) | (up[:, None] == idx[None, :])
+  for _ in range(int(np.ceil(np.log2(max(n1, 2))))):  # ancestors within 2^k -> within 2^(k+1)
+    vis = vis | vis[up]
+    up = up[up]
+  return vis

@@ -74,8 +74,8 @@ def accept_phase(spec: SpecConfig, tree: Tree, logits_bnv, key, room_b):
     room_b = jnp.minimum(room_b, spec.forced_accept)
   if spec.mode == "ar":  # root only: nothing to walk
     return jnp.zeros_like(choice), jnp.zeros_like(choice[:, 0]), choice[:, 0]
-  walk = jax.vmap(lambda p, t, c: ddtree.accept_walk(p, t, c, max_depth=spec.depth))
-  path, a, _ = walk(tree.parents, tree.node_tokens, choice)
+  walk = jax.vmap(lambda p, t, c, v: ddtree.accept_walk(p, t, c, spec.depth, v))
+  path, a, _ = walk(tree.parents, tree.node_tokens, choice, tree.vis)
   a = jnp.minimum(a, room_b)
   last = jnp.take_along_axis(path, a[:, None], axis=1)
   nxt = jnp.take_along_axis(choice, last, axis=1)[:, 0]
