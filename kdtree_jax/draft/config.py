@@ -4,6 +4,11 @@ Reads both published formats: z-lab DFlash (`dflash_config` holds target_layer_i
 mask_token_id, block_size; transformers v5 may put rope_theta under `rope_parameters`) and
 SpecForge (top-level block_size / num_target_layers, `dflash_config` optional; target_layer_ids
 default to `build_target_layer_ids`).
+
+Attention fields follow the reference (z-lab dflash/model.py on transformers 4.57.1, see
+notes/dflash_reference.md): the window is transformers' Qwen3Config rule (`sliding_window` only
+when `use_sliding_window`; missing `layer_types` derived from `max_window_layers`), and every
+layer is non-causal inside the block unless config.json sets `is_causal: true`.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from typing import Any
 
 FULL = "full_attention"
@@ -44,7 +50,7 @@ class DraftConfig:
   layer_types: tuple[str, ...]
   sliding_window: int | None
   num_target_layers: int
-  is_causal: bool | None = None  # None: sliding layers causal in-block, full layers not
+  is_causal: bool | None = None  # None / False: non-causal in-block (the reference); True: causal
   output_multiplier: float = 1.0
   final_logit_softcapping: float | None = None
 
@@ -54,8 +60,8 @@ class DraftConfig:
       raise ValueError(f"unsupported draft layer_types {bad}; supported: {FULL}, {SLIDING}")
     if len(self.layer_types) != self.num_hidden_layers:
       raise ValueError(f"{len(self.layer_types)=} != {self.num_hidden_layers=}")
-    if SLIDING in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
-      raise ValueError(f"sliding_attention layers need a positive sliding_window, got {self.sliding_window}")
+    if self.sliding_window is not None and self.sliding_window <= 0:
+      raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(f"{self.num_attention_heads=} not a multiple of {self.num_key_value_heads=}")
 
@@ -65,14 +71,22 @@ class DraftConfig:
     return len(self.target_layer_ids)
 
   def window(self, layer: int) -> int | None:
-    """Sliding window of one layer (None for full attention)."""
+    """Sliding window w of one layer: keys with |q_pos - k_pos| < w (None: full attention).
+
+    A sliding_attention layer without a window (use_sliding_window false) attends fully, as
+    Qwen3DFlashAttention does when Qwen3Config drops the window.
+    """
     return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
   def causal(self, layer: int) -> bool:
-    """Whether block queries see only earlier block keys in this layer (z-lab/SpecForge rule)."""
-    if self.is_causal is not None:
-      return self.is_causal
-    return self.layer_types[layer] == SLIDING
+    """Whether block queries see only earlier block keys in this layer.
+
+    The reference sets is_causal=False in every layer (z-lab dflash/model.py:194, and
+    dflash_generate passes is_causal=False, :118); only an explicit `is_causal: true` in
+    config.json makes the block causal, in every layer alike.
+    """
+    del layer  # the same rule in every layer
+    return bool(self.is_causal)
 
   @classmethod
   def from_hf_dict(cls, d: dict[str, Any]) -> "DraftConfig":
@@ -90,6 +104,7 @@ class DraftConfig:
       if n_target is None:
         raise ValueError("draft config needs target_layer_ids or num_target_layers")
       ids = build_target_layer_ids(int(n_target), n_layers)
+    _warn_unused_window(d)
     return cls(
         hidden_size=int(d["hidden_size"]),
         num_hidden_layers=n_layers,
@@ -103,8 +118,8 @@ class DraftConfig:
         block_size=int(get("block_size", 16)),
         target_layer_ids=tuple(int(i) for i in ids),
         mask_token_id=None if get("mask_token_id") is None else int(get("mask_token_id")),
-        layer_types=tuple(d.get("layer_types") or (FULL,) * n_layers),
-        sliding_window=d.get("sliding_window"),
+        layer_types=_layer_types(d, n_layers),
+        sliding_window=_qwen3_window(d),
         num_target_layers=int(n_target if n_target is not None else max(ids) + 1),
         is_causal=d.get("is_causal"),
         output_multiplier=float(get("output_multiplier", 1.0)),
@@ -131,7 +146,7 @@ class DraftConfig:
         attention_bias=False, tie_word_embeddings=False,
         block_size=self.block_size, num_target_layers=self.num_target_layers,
         layer_types=list(self.layer_types), sliding_window=self.sliding_window,
-        use_sliding_window=SLIDING in self.layer_types,
+        use_sliding_window=self.sliding_window is not None,
         dflash_config=dict(target_layer_ids=list(self.target_layer_ids),
                            mask_token_id=self.mask_token_id, block_size=self.block_size),
     )
@@ -154,6 +169,32 @@ class DraftConfig:
     )
     base.update(overrides)
     return cls(**base)
+
+
+def _qwen3_window(d: dict[str, Any]) -> int | None:
+  """transformers 4.57.1 Qwen3Config: sliding_window (default 4096) only if use_sliding_window."""
+  if not d.get("use_sliding_window", False):
+    return None
+  window = d.get("sliding_window", 4096)
+  return None if window is None else int(window)
+
+
+def _warn_unused_window(d: dict[str, Any]) -> None:
+  """Sliding layers + a sliding_window the reference ignores (use_sliding_window false)."""
+  if SLIDING in (d.get("layer_types") or ()) and d.get("sliding_window") and _qwen3_window(d) is None:
+    warnings.warn(f"draft config has sliding_attention layers and sliding_window="
+                  f"{d['sliding_window']} but use_sliding_window is false: like the reference "
+                  "(transformers Qwen3Config) these layers attend without a window; set "
+                  "use_sliding_window: true in config.json to apply it")
+
+
+def _layer_types(d: dict[str, Any], n_layers: int) -> tuple[str, ...]:
+  """config layer_types, else Qwen3Config's: sliding from max_window_layers (28) on, if windowed."""
+  if d.get("layer_types"):
+    return tuple(d["layer_types"])
+  first_sliding = int(d.get("max_window_layers", 28))
+  windowed = _qwen3_window(d) is not None
+  return tuple(SLIDING if windowed and i >= first_sliding else FULL for i in range(n_layers))
 
 
 def _rope_theta(d: dict[str, Any]) -> float:

@@ -131,8 +131,8 @@ def materialize_context(params, cfg: DraftConfig, cache: DraftCache, taps_btf, p
 
 
 def _window_ok(q_pos, k_pos, window):
-  """Sliding-window visibility q_pos - k_pos < window (all True for full attention)."""
-  return jnp.ones_like(q_pos - k_pos, bool) if window is None else (q_pos - k_pos) < window
+  """Sliding-window visibility |q_pos - k_pos| < window (all True for full attention)."""
+  return jnp.ones_like(q_pos - k_pos, bool) if window is None else jnp.abs(q_pos - k_pos) < window
 
 
 def _attend(q_bshe, k_bkge, v_bkge, mask_bsk):
