@@ -1,8 +1,13 @@
 """Public entry point: dispatches to the Mosaic GPU kernel, its interpret mode, or the XLA reference."""
 
-import jax
+import functools
 
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.tree_verify import masks
 from pallas_kernels.tree_verify.reference import tree_verify_attention_reference
+from pallas_kernels.tree_verify.tuning import BLOCK_M, default_tuning
 
 BACKENDS = ("auto", "pallas", "interpret", "xla")
 
@@ -35,6 +40,41 @@ def resolve_backend(backend, q, value_dim=None) -> str:
   return backend
 
 
+def _round_up(x, k):
+  return -(-x // k) * k
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "value_dim", "tuning"))
+def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret=False,
+                               value_dim=None, tuning=None):
+  """The kernel path: out [B, N, H, R] in q.dtype and natural lse [B, N, H].
+
+  XLA work around the kernel: q's free reshape to rows, the tree mask's bit words (one tiny
+  fusion), and for several splits the merge. Copies only where the TMA cannot address the
+  array: q rows when N*H % 8 != 0 (q is tiny), the cache when L % 8 != 0 (never in the model,
+  whose caches have a multiple of 64 rows)."""
+  from pallas_kernels.tree_verify import combine, kernel  # pylint: disable=import-outside-toplevel
+  b, n, h, c = q.shape
+  l = cache.shape[1]
+  r = value_dim if value_dim is not None else c - 64
+  t = tuning if tuning is not None else default_tuning(b, n, h, l)
+  m = _round_up(n * h, 8)
+  q_rows = q.reshape(b, n * h, c)
+  if m != n * h:
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, m - n * h), (0, 0)))
+  if l % 8:
+    cache = jnp.pad(cache, ((0, 0), (0, _round_up(l, 8) - l), (0, 0)))
+  words = masks.tree_mask_words(tree_mask, h, _round_up(m, BLOCK_M))
+  lengths = jnp.clip(lengths.astype(jnp.int32), 0, l)
+  out, lse = kernel.attention_kernel(q_rows, cache, lengths, words, n=n, scale=scale, tuning=t,
+                                     value_dim=r, interpret=interpret)
+  if t.num_splits > 1:
+    out, lse = combine.merge_splits_xla(out, lse, q.dtype)
+  if m != n * h:
+    out, lse = out[:, :n * h], lse[:, :n * h]
+  return out.reshape(b, n, h, r), lse.reshape(b, n, h)
+
+
 def tree_verify_attention(q, cache, lengths, tree_mask, *, scale, backend="auto", value_dim=None,
                           return_lse=False, tuning=None):
   """Absorbed-MLA attention of N tree nodes against a dense cache.
@@ -50,8 +90,7 @@ def tree_verify_attention(q, cache, lengths, tree_mask, *, scale, backend="auto"
     out, lse = tree_verify_attention_reference(q, cache, lengths, tree_mask, scale=scale,
                                                value_dim=value_dim)
   else:
-    from pallas_kernels.tree_verify import kernel  # pylint: disable=import-outside-toplevel
-    out, lse = kernel.tree_verify_attention_mgpu(q, cache, lengths, tree_mask, scale=scale,
-                                                 interpret=backend == "interpret",
-                                                 value_dim=value_dim, tuning=tuning)
+    out, lse = tree_verify_attention_mgpu(q, cache, lengths, tree_mask, scale=scale,
+                                          interpret=backend == "interpret",
+                                          value_dim=value_dim, tuning=tuning)
   return (out, lse) if return_lse else out

@@ -1,0 +1,30 @@
+"""The tree mask in the form the kernel reads: per (node, head) row, 32 tree nodes per int32 word.
+
+Letters: B batch, N tree nodes, H heads, W = ceil(N / 32) words, M = row tiles * 64 padded rows.
+"""
+
+import jax.numpy as jnp
+from jax import lax
+
+WORD = 32
+EXTRA_WORDS = 2  # a KV tile spans at most 3 words from its first one: the kernel reads 3, never OOB
+
+
+def num_words(n):
+  return -(-n // WORD)
+
+
+def tree_mask_words(tree_mask, h, m_pad):
+  """[B, N, N] bool -> [B, W + 2, M] int32; bit k % 32 of word k // 32 of row node * H + head is
+  tree_mask[node, k]. Padded rows and the two extra words are zero (nothing visible).
+
+  One tiny XLA fusion; it depends only on the tree, so a caller running many layers over the same
+  tree computes it once (XLA CSEs the identical per-layer calls)."""
+  b, n, _ = tree_mask.shape
+  w = num_words(n)
+  bits = jnp.pad(tree_mask, ((0, 0), (0, 0), (0, WORD * w - n))).reshape(b, n, w, WORD)
+  shifts = jnp.arange(WORD, dtype=jnp.uint32)
+  words = jnp.sum(bits.astype(jnp.uint32) << shifts, axis=-1, dtype=jnp.uint32)   # [B, N, W]
+  rows = jnp.repeat(lax.bitcast_convert_type(words, jnp.int32), h, axis=1)          # [B, N*H, W]
+  rows = jnp.pad(rows, ((0, 0), (0, m_pad - n * h), (0, EXTRA_WORDS)))
+  return rows.transpose(0, 2, 1)
