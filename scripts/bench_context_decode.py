@@ -19,7 +19,7 @@ from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from kdtree_jax import plots, profiling, roofline  # noqa: E402
+from kdtree_jax import plots, profiling, roofline, runtime  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.models import DTYPES, load_draft, load_target  # noqa: E402
 
@@ -34,6 +34,7 @@ _PROFILE_MODES = flags.DEFINE_list("profile_modes", ["ddtree"], "Modes of the ph
 _TRACE = flags.DEFINE_string("trace_dir", None, "Write a jax.profiler trace of the fused loop.")
 _JSON = flags.DEFINE_string("json_out", None, "JSON lines output.")
 _PLOT = flags.DEFINE_string("plot_out", None, "Throughput vs context plot (PNG).")
+runtime.define_flags()
 
 
 def _spec(c, mode, gen):
@@ -68,7 +69,7 @@ def main(_):
     for mode in _PROFILE_MODES.value:
       spec = _spec(c, mode, _GEN.value)
       state = profiling.bench_state(tcfg, dcfg, spec, _BATCH.value, _PROFILE_CTX.value, dtype)
-      prow = profiling.profile_step(tcfg, tp, dcfg, dp, spec, state, ceil)
+      prow = profiling.profile_step(tcfg, tp, dcfg, dp, spec, state, ceil)  # consumes state
       print(f"\n== phase table: mode={mode} ctx={_PROFILE_CTX.value}\n"
             + profiling.format_table(prow), flush=True)
       if out:
@@ -76,6 +77,7 @@ def main(_):
                                   rows=profiling.as_dicts(prow))) + "\n")
         out.flush()
       if _TRACE.value and mode == _PROFILE_MODES.value[-1]:
+        state = profiling.bench_state(tcfg, dcfg, spec, _BATCH.value, _PROFILE_CTX.value, dtype)
         profiling.trace_loop(tcfg, tp, dcfg, dp, spec, state, _TRACE.value)
   ctxs = [int(x) for x in _CTX.value]
   for mode in _MODE.value:

@@ -33,15 +33,26 @@ def draft_phase(dcfg, dparams, tparams, spec: SpecConfig, state: DecodeState):
 
   Returns (draft cache, draft logits [B, depth, V] for block positions 1..depth).
   """
-  b, w = state.pending_count.shape[0], state.pending_taps.shape[1]
+  dc = draft_context_phase(dcfg, dparams, state)
+  return dc, draft_block_phase(dcfg, dparams, tparams, spec, state, dc)
+
+
+def draft_context_phase(dcfg, dparams, state: DecodeState):
+  """The draft cache with the pending committed tokens' context K/V written (one fused GEMM)."""
+  w = state.pending_taps.shape[1]
   dc = state.draft_cache
   positions = dc.ctx_len[:, None] + jnp.arange(w, dtype=jnp.int32)[None]
-  dc = draft_model.materialize_context(dparams, dcfg, dc, state.pending_taps, positions,
-                                       state.pending_count)
+  return draft_model.materialize_context(dparams, dcfg, dc, state.pending_taps, positions,
+                                         state.pending_count)
+
+
+def draft_block_phase(dcfg, dparams, tparams, spec: SpecConfig, state: DecodeState, dc):
+  """Draft logits [B, depth, V] of one non-causal block forward against the draft cache `dc`."""
+  b = state.pending_count.shape[0]
   block = jnp.full((b, spec.block_size), dcfg.mask_token_id, jnp.int32).at[:, 0].set(state.bonus)
   logits = draft_model.draft_block(dparams, dcfg, dc, block, state.cache.lengths,
                                    tparams["embed"], tparams["lm_head"])
-  return dc, logits[:, 1:]
+  return logits[:, 1:]
 
 
 def tree_phase(spec: SpecConfig, draft_logits_bdv, batch: int) -> Tree:
