@@ -10,6 +10,7 @@ from kdtree_jax import config as model_config
 from kdtree_jax import sharding
 from kdtree_jax.checkpoint import orbax_io
 from kdtree_jax.checkpoint.hf import load_hf_checkpoint
+from kdtree_jax.cli import DataError, UsageError
 from kdtree_jax.draft.checkpoint import load_dflash_checkpoint
 from kdtree_jax.draft.config import DraftConfig
 from kdtree_jax.draft.model import init_draft_params
@@ -36,13 +37,39 @@ def resolve_checkpoint(path: str, kind: str) -> str:
   for cand in (path, os.path.join(REPO_ROOT, path)):
     if os.path.isdir(cand):
       return cand
-  raise FileNotFoundError(f"{kind} checkpoint {path!r} does not exist (looked in the current "
-                          f"directory and in {REPO_ROOT})")
+  for cand in (path, os.path.join(REPO_ROOT, path)):
+    if os.path.exists(cand):
+      raise DataError(cand, f"is a file, not a directory; --config.{kind}.checkpoint names the "
+                      "checkpoint directory (config.json + *.safetensors, or orbax)")
+  raise DataError(path, f"{kind} checkpoint directory does not exist (looked in the current "
+                  f"directory and in {REPO_ROOT}); fix --config.{kind}.checkpoint")
+
+
+def check_checkpoint_dir(path: str, kind: str) -> str:
+  """A directory that looks like a HF (config.json + *.safetensors) or orbax checkpoint."""
+  names = os.listdir(path)
+  if orbax_io.is_orbax_dir(path):
+    return path
+  if not names:
+    raise DataError(path, f"{kind} checkpoint directory is empty; --config.{kind}.checkpoint "
+                    "needs config.json + *.safetensors (HF) or an orbax directory from "
+                    "scripts/convert_checkpoint.py")
+  if orbax_io.PARAMS_DIR in names and "config.json" not in names:
+    raise DataError(path, f"has {orbax_io.PARAMS_DIR}/ but no {orbax_io.MARKER}: an orbax save "
+                    "that did not finish; convert it again with scripts/convert_checkpoint.py")
+  weights = [n for n in names if n.endswith(".safetensors")]
+  missing = [want for want, ok in (("config.json", "config.json" in names),
+                                   ("*.safetensors", bool(weights))) if not ok]
+  if missing:
+    raise DataError(path, f"{kind} checkpoint directory has no {' and no '.join(missing)} "
+                    f"(it holds {sorted(names)[:5]}); --config.{kind}.checkpoint needs a HF "
+                    "or orbax checkpoint directory")
+  return path
 
 
 def _dtype(name: str):
   if name not in DTYPES:
-    raise ValueError(f"dtype {name!r} must be one of {list(DTYPES)}")
+    raise UsageError("dtype", f"{name!r} must be one of {', '.join(DTYPES)}")
   return DTYPES[name]
 
 
@@ -68,7 +95,8 @@ def load_target(c, dtype, mesh=None):
     put = None if mesh is None else sharding.loader_put(mesh, dtype)
     return load_hf_checkpoint(path, dtype=dtype, put=put)
   if c.preset not in model_config.PRESETS:
-    raise ValueError(f"unknown target preset {c.preset!r}; choose from {list(model_config.PRESETS)}")
+    raise UsageError("target.preset", f"unknown preset {c.preset!r}; choose one of "
+                     f"{', '.join(model_config.PRESETS)} or set --config.target.checkpoint")
   kw = {"layers": c.layers} if "layers" in c else {}
   cfg = model_config.PRESETS[c.preset](**kw)
   init = lambda key: init_params(key, cfg, dtype, std=0.02)
@@ -101,7 +129,8 @@ def load_draft(c, tcfg, dtype, mesh=None):
                             target_layer_ids=taps, block_size=16,
                             layer_types=("full_attention",) * 3)
   else:
-    raise ValueError(f"unknown draft preset {c.preset!r}; use a checkpoint, 'tiny' or 'bench_k26'")
+    raise UsageError("draft.preset", f"unknown preset {c.preset!r}; use 'tiny', 'bench_k26', "
+                     "or set --config.draft.checkpoint")
   init = lambda key: init_draft_params(key, dcfg, tcfg.hidden_size, dcfg.n_taps, dtype)
   return dcfg, _init(init, mesh, jax.random.key(c.seed))
 
@@ -112,7 +141,7 @@ TOKENIZERS = ("auto", "bytes", "tiktoken", "none")
 def make_tokenizer(name: str, target):
   """config.tokenizer -> a tokenizer: 'auto' picks what the target checkpoint (or preset) has."""
   if name not in TOKENIZERS:
-    raise ValueError(f"config.tokenizer {name!r} must be one of {TOKENIZERS}")
+    raise UsageError("tokenizer", f"{name!r} must be one of {', '.join(TOKENIZERS)}")
   if name in ("bytes", "none"):
     return ByteTokenizer() if name == "bytes" else None
   if target.checkpoint:
@@ -132,6 +161,9 @@ def make_tokenizer(name: str, target):
 
 def load_models(config, mesh=None) -> Models:
   dtype = _dtype(config.dtype)
+  for kind in ("target", "draft"):  # checkpoint dirs first: an empty one is not a tokenizer error
+    if config[kind].checkpoint:
+      check_checkpoint_dir(resolve_checkpoint(config[kind].checkpoint, kind), kind)
   tokenizer = make_tokenizer(config.tokenizer, config.target)  # fails fast, before the weights
   tcfg, tparams = load_target(config.target, dtype, mesh)
   dcfg, dparams = load_draft(config.draft, tcfg, dtype, mesh)

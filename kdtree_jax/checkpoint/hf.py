@@ -16,6 +16,7 @@ import numpy as np
 
 from kdtree_jax.checkpoint import quant
 from kdtree_jax.checkpoint.safetensors_io import CheckpointDir
+from kdtree_jax.cli import DataError
 from kdtree_jax.config import ModelConfig, config_from_hf_dict
 from kdtree_jax.model import int4
 from kdtree_jax.model.params import param_shapes
@@ -176,8 +177,7 @@ def load_hf_checkpoint(path: str, dtype=jnp.float32, put: Callable | None = None
   places one tensor (default `default_put(dtype)`). int4_experts: keep INT4-packed routed
   experts packed on device (`model.int4.Int4Weight`) instead of dequantising them.
   """
-  with open(os.path.join(path, "config.json")) as f:
-    raw = json.load(f)
+  raw = read_config_json(path)
   cfg = config_from_hf_dict(raw)
   qc = quant.check_quant_config((raw.get("text_config") or raw).get("quantization_config")
                                 or raw.get("quantization_config"))
@@ -214,6 +214,19 @@ def load_hf_checkpoint(path: str, dtype=jnp.float32, put: Callable | None = None
     print(file=sys.stderr)
   _check_unused(reader, cfg)
   return cfg, params
+
+
+def read_config_json(path: str) -> dict:
+  """A checkpoint directory's config.json; DataError naming the file if missing or corrupt."""
+  fname = os.path.join(path, "config.json")
+  if not os.path.isfile(fname):
+    raise DataError(fname, "missing: a HF checkpoint directory holds config.json and "
+                    "*.safetensors")
+  try:
+    with open(fname) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise DataError(fname, f"is not valid JSON ({e})") from e
 
 
 def _missing_message(missing, present, prefix):

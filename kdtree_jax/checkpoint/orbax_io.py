@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 
 from kdtree_jax import config as model_config
 from kdtree_jax import sharding
+from kdtree_jax.cli import DataError
 from kdtree_jax.draft.config import DraftConfig
 from kdtree_jax.model.int4 import Int4Weight
 
@@ -45,8 +46,12 @@ def read_marker(path: str) -> dict:
             if path.endswith(".partial") else "")
     raise ValueError(f"{path!r} is not a complete kdtree_jax orbax checkpoint: no {MARKER}{hint}; "
                      "write one with scripts/convert_checkpoint.py")
-  with open(os.path.join(path, MARKER)) as f:
-    meta = json.load(f)
+  try:
+    with open(os.path.join(path, MARKER)) as f:
+      meta = json.load(f)
+  except json.JSONDecodeError as e:
+    raise DataError(os.path.join(path, MARKER), f"corrupt marker ({e}); convert the checkpoint "
+                    "again with scripts/convert_checkpoint.py") from e
   if meta.get("format") != FORMAT or meta.get("version") != VERSION:
     raise ValueError(f"{path}/{MARKER}: unsupported format {meta.get('format')!r} version "
                      f"{meta.get('version')!r}; this code reads {FORMAT!r} version {VERSION}")
@@ -178,7 +183,13 @@ def restore_params(path: str, *, mesh=None, dtype=None):
   mesh None: everything on the first device.
   """
   meta = read_marker(path)
-  target = abstract_params(path, mesh, dtype)
-  with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckpt:
-    params = ckpt.restore(os.path.join(path, PARAMS_DIR), args=ocp.args.StandardRestore(target))
+  try:
+    target = abstract_params(path, mesh, dtype)
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckpt:
+      params = ckpt.restore(os.path.join(path, PARAMS_DIR),
+                            args=ocp.args.StandardRestore(target))
+  except (OSError, ValueError, KeyError) as e:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    raise DataError(os.path.join(path, PARAMS_DIR), f"orbax restore failed ({first}); the "
+                    "checkpoint is incomplete or corrupt: convert it again") from e
   return _config(meta), params

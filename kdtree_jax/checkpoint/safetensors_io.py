@@ -11,6 +11,8 @@ import struct
 import ml_dtypes
 import numpy as np
 
+from kdtree_jax.cli import DataError
+
 DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32, "I16": np.int16,
@@ -28,21 +30,23 @@ class SafetensorsFile:
     with open(path, "rb") as f:
       head = f.read(8)
       if len(head) < 8:
-        raise ValueError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        raise DataError(path, f"truncated safetensors file ({size} bytes, no header)")
       (n,) = struct.unpack("<Q", head)
       if 8 + n > size:
-        raise ValueError(f"{path}: truncated safetensors file (header says {n} bytes, file has {size})")
+        raise DataError(path, f"truncated safetensors file (header says {n} bytes, file has "
+                        f"{size}); download or convert it again")
       try:
         header = json.loads(f.read(n))
       except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: corrupt safetensors header: {e}") from e
+        raise DataError(path, f"corrupt safetensors header: {e}") from e
     self.metadata = header.pop("__metadata__", None)
     self.header = header
     self.data_start = 8 + n
     end = max((v["data_offsets"][1] for v in header.values()), default=0)
     if self.data_start + end > size:
-      raise ValueError(f"{path}: truncated safetensors file: tensors need {self.data_start + end} "
-                       f"bytes, file has {size}")
+      raise DataError(path, f"truncated safetensors file: tensors need "
+                      f"{self.data_start + end} bytes, file has {size}; download or convert it "
+                      "again")
 
   def keys(self):
     return self.header.keys()

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from safetensors import safe_open
 from safetensors.flax import save_file
 
+from kdtree_jax.checkpoint.safetensors_io import SafetensorsFile
+from kdtree_jax.cli import DataError
 from kdtree_jax.draft.config import DraftConfig
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
@@ -59,6 +61,9 @@ def _read_tensors(path: str) -> dict:
     raise FileNotFoundError(f"no *.safetensors in {path}")
   out = {}
   for fn in files:
+    if not os.path.isfile(fn):
+      raise DataError(fn, "missing: model.safetensors.index.json lists it")
+    SafetensorsFile(fn)  # header and size checked: a truncated file fails naming itself
     with safe_open(fn, framework="flax") as f:
       for name in f.keys():
         key = name[len("model."):] if name.startswith("model.") else name
@@ -69,6 +74,9 @@ def _read_tensors(path: str) -> dict:
 
 def load_dflash_checkpoint(path: str, dtype=jnp.float32) -> tuple[DraftConfig, dict]:
   """Load (DraftConfig, params) from a DFlash checkpoint directory."""
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    raise DataError(os.path.join(path, "config.json"), "missing: a DFlash checkpoint directory "
+                    "holds config.json and *.safetensors")
   cfg = DraftConfig.from_json(path)
   tensors = _read_tensors(path)
   want = _expected_shapes(cfg)
@@ -86,13 +94,11 @@ def load_dflash_checkpoint(path: str, dtype=jnp.float32) -> tuple[DraftConfig, d
 
 
 def _to_params(cfg, tensors, dtype) -> dict:
-  """HF tensors -> params pytree ([in, out] linears, stacked layers)."""
+  """HF tensors -> params pytree ([in, out] linears, a tuple of per-layer dicts)."""
   get = lambda name: jnp.asarray(tensors[name], dtype)
   lin = lambda name: get(name).T
-  layers = {}
-  for key in _ATTN + _MLP + _NORMS:
-    conv = get if key.endswith("norm") else lin
-    layers[key] = jnp.stack([conv(_hf_name(key, i)) for i in range(cfg.num_hidden_layers)])
+  layers = tuple({key: (get if key.endswith("norm") else lin)(_hf_name(key, i))
+                  for key in _ATTN + _MLP + _NORMS} for i in range(cfg.num_hidden_layers))
   return dict(fc=lin(_hf_name("fc")), hidden_norm=get(_hf_name("hidden_norm")),
               norm=get(_hf_name("norm")), layers=layers)
 
@@ -105,8 +111,8 @@ def save_dflash_checkpoint(path: str, cfg: DraftConfig, params: dict) -> None:
   hf = lambda a, norm: jnp.asarray(a if norm else a.T)
   out = {_hf_name("fc"): hf(params["fc"], False), _hf_name("hidden_norm"): hf(params["hidden_norm"], True),
          _hf_name("norm"): hf(params["norm"], True)}
-  for key, stack in params["layers"].items():
-    for i in range(cfg.num_hidden_layers):
-      out[_hf_name(key, i)] = hf(stack[i], key.endswith("norm"))
+  for i, layer in enumerate(params["layers"]):
+    for key, a in layer.items():
+      out[_hf_name(key, i)] = hf(a, key.endswith("norm"))
   save_file({k: jnp.asarray(v) for k, v in out.items()}, os.path.join(path, "model.safetensors"),
             metadata={"format": "pt"})

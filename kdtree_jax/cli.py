@@ -1,0 +1,242 @@
+"""The one error, exit and logging convention of every script in scripts/.
+
+  _CONFIG = cli.define_config(DEFAULT_CONFIG, "Run config (configs/*.py).")
+  ...
+  if __name__ == "__main__":
+    cli.run(main)
+
+A mistake ends the run with one line on stderr, `error: <flag, field or file>: <what was wrong>;
+<what is allowed>`, and exit status 2 (`UsageError`: a flag, the config file or a config field)
+or 1 (`DataError`: a file, a checkpoint, a run the machine cannot hold; and any other failure).
+The traceback is printed only with --verbose. absl / jax / orbax INFO logs are quiet unless
+--verbose. `progress` prints what is loading or compiling, with elapsed seconds.
+"""
+
+import contextlib
+import importlib.util
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+
+from absl import app, flags
+from absl import logging as absl_logging
+
+EXIT_DATA, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+_VERBOSE = flags.DEFINE_bool("verbose", False, "Print tracebacks and INFO logs (absl, jax, orbax).")
+_QUIET_LOGGERS = ("jax", "orbax", "absl", "etils", "tensorstore")
+_DEFINE_ERRORS: list = []  # errors raised while defining the config flag (its overrides parse then)
+_CONFIG_DEFAULT: list = []  # the config flag's default file
+
+
+class UsageError(ValueError):
+  """A flag, config file or config field is wrong. `field`: the config field (or flag) name."""
+
+  def __init__(self, field: str | None, problem: str):
+    self.field, self.problem = field, problem
+    super().__init__(f"{field}: {problem}" if field else problem)
+
+
+class DataError(ValueError):
+  """A file, checkpoint or size is wrong. `path`: the file or directory (or what was too big)."""
+
+  def __init__(self, path: str, problem: str):
+    self.path, self.problem = path, problem
+    super().__init__(f"{path}: {problem}")
+
+
+def flag_name(field: str) -> str:
+  """The command-line spelling of a config field: its own flag if the script has one."""
+  if field.startswith("-"):
+    return field
+  if field in flags.FLAGS and field != "config":
+    return f"--{field}"
+  return f"--config.{field}"
+
+
+def error_line(exc: BaseException) -> tuple[int, str]:
+  """(exit status, the one `error: ...` line) for any exception."""
+  if isinstance(exc, UsageError):
+    where = f"{flag_name(exc.field)}: " if exc.field else ""
+    return EXIT_USAGE, f"error: {where}{exc.problem}"
+  if isinstance(exc, DataError):
+    return EXIT_DATA, f"error: {exc}"
+  text = " ".join(str(exc).split()) or type(exc).__name__
+  if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text:
+    return EXIT_DATA, (f"error: out of device memory ({text[:200]}); lower --budget, "
+                       "--config.max_len or --max_new_tokens, or shard with --mesh")
+  if isinstance(exc, (OSError, ValueError, KeyError)):
+    return EXIT_DATA, f"error: {text}"
+  return EXIT_DATA, f"error: {type(exc).__name__}: {text} (a bug? rerun with --verbose)"
+
+
+def _verbose(argv) -> bool:
+  if _VERBOSE.present:
+    return _VERBOSE.value
+  return any(a in ("--verbose", "--verbose=true", "--verbose=1") for a in argv or sys.argv)
+
+
+def fail(exc: BaseException, argv=None):
+  """Prints the traceback (with --verbose only), then the error line; exits."""
+  if _verbose(argv):
+    traceback.print_exception(exc)
+  code, line = error_line(exc)
+  sys.stdout.flush()
+  print(line, file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
+def quiet_logs(verbose: bool):
+  """absl / jax / orbax at WARNING unless verbose (the 'tpu' line, orbax's INFO chatter)."""
+  level = logging.INFO if verbose else logging.WARNING
+  for name in _QUIET_LOGGERS:
+    logging.getLogger(name).setLevel(level)
+  absl_logging.set_verbosity(absl_logging.INFO if verbose else absl_logging.WARNING)
+
+
+def define_config(default: str | None, help_text: str):
+  """DEFINE_config_file('config'); an override of a missing field fails in `run`, not here."""
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  _CONFIG_DEFAULT.append(default)
+  try:
+    return config_flags.DEFINE_config_file("config", default, help_text)
+  except Exception as e:  # pylint: disable=broad-except
+    _DEFINE_ERRORS.append(_override_error(e, default))
+    return None
+
+
+def _argv_config_path(argv, default):
+  """The --config file named on the command line (without its ':arg'), else the default."""
+  for i, a in enumerate(argv):
+    if a.startswith("--config="):
+      return a.split("=", 1)[1].split(":", 1)[0]
+    if a == "--config" and i + 1 < len(argv):
+      return argv[i + 1].split(":", 1)[0]
+  return default
+
+
+def dotted_fields(cfg, prefix="") -> list[str]:
+  """Every leaf field of a ConfigDict as 'a.b' paths."""
+  out = []
+  for key, value in cfg.items():
+    if hasattr(value, "items"):
+      out += dotted_fields(value, f"{prefix}{key}.")
+    else:
+      out.append(prefix + key)
+  return out
+
+
+def load_config_file(path: str):
+  """get_config() of a configs/*.py file ('file.py:arg' passes arg)."""
+  file, *arg = path.split(":", 1)
+  spec = importlib.util.spec_from_file_location("_cli_config", file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(*arg)
+
+
+def _override_error(exc, default) -> Exception:
+  """A `--config.x=v` naming no field of the config file -> UsageError naming that flag."""
+  path = _argv_config_path(sys.argv, default)
+  path = os.path.relpath(os.path.normpath(path)) if path else path
+  try:
+    fields = dotted_fields(load_config_file(path))
+  except Exception:  # pylint: disable=broad-except
+    return UsageError("--config", f"cannot load the config file {path!r}: "
+                      f"{' '.join(str(exc).split())[-200:]}")
+  known = set(fields) | {f.rsplit(".", 1)[0] for f in fields if "." in f}
+  for a in sys.argv[1:]:
+    if a.startswith("--config."):
+      name = a[len("--config."):].split("=", 1)[0]
+      if name not in known:
+        return UsageError(f"--config.{name}", f"{path} has no field {name!r}; its fields: "
+                          f"{', '.join(sorted(fields))}")
+  return UsageError("--config", f"{path}: {' '.join(str(exc).split())}")
+
+
+def load_config(holder):
+  """The config a `define_config` flag holds; an unreadable file -> UsageError naming it."""
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  try:
+    config = holder.value
+    config.keys()  # a file that failed to load raises on first use
+    return config
+  except (OSError, AttributeError) as e:
+    path = config_flags.get_config_filename(flags.FLAGS["config"])
+    reason = "no such file" if isinstance(e, FileNotFoundError) or "Errno 2" in str(e) else \
+        " ".join(str(e).split())[-200:]
+    raise UsageError("--config", f"cannot read the config file {path!r} ({reason}); give a "
+                     "configs/*.py file, e.g. --config configs/tiny.py") from e
+
+
+def _flag_error(exc: Exception) -> UsageError:
+  """absl's flag errors already name the flag; config-file errors keep their last line."""
+  text = str(exc)
+  if "config file" in text or "get_config" in text:
+    last = [ln for ln in text.splitlines() if ln.strip()][-1].strip()
+    return UsageError("--config", f"the config file failed to load: {last}")
+  return UsageError(None, f"{' '.join(text.split())} (see --help)")
+
+
+def _parse_flags(argv):
+  """absl's flag parsing, with every failure turned into one `error:` line."""
+  if _DEFINE_ERRORS:
+    fail(_DEFINE_ERRORS[0], argv)
+  if any(a in ("-h", "--help", "--helpshort", "-?") for a in argv[1:]):
+    for name in ("config", "verbose"):  # listed with the script's own flags
+      if name in flags.FLAGS:
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
+    app.usage(shorthelp=True, writeto_stdout=True)
+    sys.exit(0)
+  try:
+    rest = flags.FLAGS(argv)
+  except flags.Error as e:
+    fail(_flag_error(e), argv)
+  except (KeyError, AttributeError) as e:  # an override naming no field of the config file
+    fail(_override_error(e, _CONFIG_DEFAULT[0] if _CONFIG_DEFAULT else None), argv)
+  except Exception as e:  # pylint: disable=broad-except  (a config file that does not run)
+    fail(UsageError("--config", f"the config file failed to load: {type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:300]}"), argv)
+  quiet_logs(_VERBOSE.value)
+  return rest
+
+
+def run(main):
+  """app.run(main) under the convention: one `error:` line and exit 2 / 1, no traceback."""
+  def guarded(argv):
+    try:
+      if len(argv) > 1:
+        raise UsageError(None, f"unexpected argument {argv[1]!r}: every input is a flag "
+                         "(e.g. --prompt 'text')")
+      return main(argv)
+    except KeyboardInterrupt:
+      print("interrupted", file=sys.stderr)
+      sys.exit(EXIT_INTERRUPTED)
+    except Exception as e:  # pylint: disable=broad-except
+      fail(e)
+  quiet_logs(_verbose(sys.argv))
+  app.run(guarded, flags_parser=_parse_flags)
+
+
+@contextlib.contextmanager
+def progress(label: str, every_s: float = 10.0, out=None):
+  """Prints `label ...`, then `label ... N s` every `every_s` seconds, then `label: N s`."""
+  out = out or sys.stderr
+  t0 = time.perf_counter()
+  print(f"{label} ...", file=out, flush=True)
+  stop = threading.Event()
+
+  def tick():
+    while not stop.wait(every_s):
+      print(f"{label} ... {time.perf_counter() - t0:.0f} s", file=out, flush=True)
+
+  ticker = threading.Thread(target=tick, daemon=True)
+  ticker.start()
+  try:
+    yield
+  finally:
+    stop.set()
+    ticker.join()
+  print(f"{label}: {time.perf_counter() - t0:.1f} s", file=out, flush=True)
