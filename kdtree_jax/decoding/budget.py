@@ -1,0 +1,213 @@
+"""budget='auto': per step, verify the prefix of DDTree's node order that maximises expected
+accepted tokens per modelled step time.
+
+DDTree pops nodes best-first, so its first n nodes are the best n-node tree for every n (tested
+against `build_ddtree(logits, n)`): one tree of the largest compiled size is built and a prefix
+of it verified. Under DDTree's surrogate a node u is accepted with probability q(u), the product
+of the draft's marginals along its path, so a prefix of n - 1 nodes accepts 1 + sum q(u) tokens
+in expectation (root/bonus included). `AcceptCalibration` corrects q per depth (and optionally
+per bin of log q) against acceptance observed in an eval run; `step_cost` models the step time
+per width. The chosen width is data; `lax.switch` runs the verify compiled at that width, so the
+step compiles once.
+
+Letters: B batch, L draft depth, V vocab, N verify width (root + nodes), W compiled widths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdtree_jax.decoding.spec_config import AUTO_NODE_COUNTS
+
+DEFAULT_CONTEXTS = (0, 4096, 16384, 65536, 262144)
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptCalibration:
+  """P(node accepted) = min(1, scale[depth - 1][bin] * q(node)); bins split log q at `edges`.
+
+  Empty `scale` = the draft's own probabilities (DDTree's surrogate, uncalibrated).
+  """
+
+  edges: tuple[float, ...] = ()
+  scale: tuple[tuple[float, ...], ...] = ()
+
+  def node_prob(self, logq, depth):
+    """Calibrated acceptance probability of nodes with path log-prob `logq`, depth >= 1."""
+    q = jnp.exp(logq)
+    if not self.scale:
+      return q
+    table = jnp.asarray(self.scale, jnp.float32)
+    d = jnp.clip(depth - 1, 0, table.shape[0] - 1)
+    b = jnp.searchsorted(jnp.asarray(self.edges, jnp.float32), logq) if self.edges else 0
+    return jnp.minimum(1.0, table[d, b] * q)
+
+  def to_dict(self):
+    return dict(edges=list(self.edges), scale=[list(s) for s in self.scale])
+
+  @classmethod
+  def from_dict(cls, d):
+    return cls(tuple(d["edges"]), tuple(tuple(float(x) for x in s) for s in d["scale"]))
+
+
+def fit_calibration(logq, depth, accepted, max_depth, edges=(), prior=1.0) -> AcceptCalibration:
+  """Ratio estimator per (depth, log-q bin): (accepted + prior) / (sum q + prior).
+
+  logq, depth, accepted: flat arrays over the nodes of recorded trees (depth 0 = padding,
+  ignored). `prior` pseudo-nodes with scale 1 keep sparse cells near the draft's own q.
+  """
+  logq, depth, accepted = (np.asarray(x).ravel() for x in (logq, depth, accepted))
+  ok = depth > 0
+  b = np.searchsorted(np.asarray(edges, float), logq) if edges else np.zeros_like(depth)
+  hits = np.zeros((max_depth, len(edges) + 1))
+  mass = np.zeros_like(hits)
+  np.add.at(hits, (depth[ok] - 1, b[ok]), accepted[ok].astype(float))
+  np.add.at(mass, (depth[ok] - 1, b[ok]), np.exp(logq[ok]))
+  scale = (hits + prior) / (mass + prior)
+  return AcceptCalibration(tuple(float(e) for e in edges),
+                           tuple(tuple(float(x) for x in row) for row in scale))
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoBudget:
+  """Compiled node counts, the step-cost table over context, and the acceptance calibration.
+
+  cost_ms[i][j]: modelled ms of a step verifying node_counts[j] + 1 tokens at cost_contexts[i]
+  (empty: filled from the analytic model of the run's own target, `resolve`).
+  """
+
+  node_counts: tuple[int, ...] = AUTO_NODE_COUNTS
+  cost_contexts: tuple[int, ...] = ()
+  cost_ms: tuple[tuple[float, ...], ...] = ()
+  calibration: AcceptCalibration = AcceptCalibration()
+  cost_source: str = ""
+
+  def __post_init__(self):
+    if not self.node_counts or list(self.node_counts) != sorted(set(self.node_counts)):
+      raise ValueError(f"node_counts {self.node_counts} must be increasing and non-empty")
+    if self.node_counts[0] < 1:
+      raise ValueError(f"node_counts {self.node_counts} must be >= 1")
+    if self.cost_ms and np.shape(self.cost_ms) != (len(self.cost_contexts), len(self.node_counts)):
+      raise ValueError(f"cost_ms shape {np.shape(self.cost_ms)} != (contexts, node_counts) = "
+                       f"{(len(self.cost_contexts), len(self.node_counts))}")
+
+  @property
+  def max_nodes(self) -> int:
+    return self.node_counts[-1]
+
+
+def from_cost_model(model, node_counts=AUTO_NODE_COUNTS, contexts=DEFAULT_CONTEXTS,
+                    calibration=AcceptCalibration()) -> AutoBudget:
+  """AutoBudget whose cost table is `model.ms(n + 1, ctx)` (step_cost.AnalyticCost or
+  CalibratedCost) at each compiled node count and context."""
+  table = tuple(tuple(float(model.ms(n + 1, c)) for n in node_counts) for c in contexts)
+  return AutoBudget(tuple(node_counts), tuple(contexts), table, calibration, model.source)
+
+
+def resolve(auto: AutoBudget | None, tcfg, dcfg) -> AutoBudget:
+  """The run's AutoBudget; without a cost table, the analytic floor of its own target on one
+  H200 (bf16, no collectives)."""
+  from kdtree_jax.decoding import step_cost  # pylint: disable=import-outside-toplevel
+  auto = auto or AutoBudget()
+  if auto.cost_ms:
+    return auto
+  return from_cost_model(step_cost.AnalyticCost(tcfg, dcfg), auto.node_counts, DEFAULT_CONTEXTS,
+                         auto.calibration)
+
+
+def save(auto: AutoBudget, path: str):
+  with open(path, "w") as f:
+    json.dump(dict(node_counts=list(auto.node_counts), cost_contexts=list(auto.cost_contexts),
+                   cost_ms=[list(r) for r in auto.cost_ms], cost_source=auto.cost_source,
+                   calibration=auto.calibration.to_dict()), f, indent=1)
+
+
+def load(path: str) -> AutoBudget:
+  with open(path) as f:
+    d = json.load(f)
+  return AutoBudget(tuple(d["node_counts"]), tuple(d["cost_contexts"]),
+                    tuple(tuple(r) for r in d["cost_ms"]),
+                    AcceptCalibration.from_dict(d["calibration"]), d.get("cost_source", ""))
+
+
+# ---- on device ----------------------------------------------------------------------------
+def node_logq(draft_logits_lv, node_tokens_n, depths_n, vis_nn):
+  """Path log-prob (sum of the draft's log-marginals root -> node) of every tree node [N-1]."""
+  logp_lv = jax.nn.log_softmax(draft_logits_lv.astype(jnp.float32), axis=-1)
+  own = logp_lv[jnp.maximum(depths_n - 1, 0), node_tokens_n]
+  own = jnp.where(depths_n > 0, own, 0.0)
+  own1 = jnp.concatenate([jnp.zeros((1,), own.dtype), own])
+  return jnp.sum(jnp.where(vis_nn[1:], own1[None, :], 0.0), axis=1)
+
+
+def expected_accept(calibration, logq_bn, depths_bn):
+  """[B, N]: expected tokens committed by verifying the first n tree indices (root + n - 1
+  nodes), n = 1..N: 1 + the calibrated acceptance mass of the nodes."""
+  p = jnp.where(depths_bn > 0, calibration.node_prob(logq_bn, depths_bn), 0.0)
+  return 1.0 + jnp.concatenate([jnp.zeros_like(p[:, :1]), jnp.cumsum(p, axis=1)], axis=1)
+
+
+def cost_at(auto: AutoBudget, ctx):
+  """[W] modelled ms per compiled width at context ctx (linear between grid contexts)."""
+  table = jnp.asarray(auto.cost_ms, jnp.float32)
+  if table.shape[0] == 1:
+    return table[0]
+  grid = jnp.asarray(auto.cost_contexts, jnp.float32)
+  return jax.vmap(lambda col: jnp.interp(ctx.astype(jnp.float32), grid, col), 1)(table)
+
+
+def choose_width(auto: AutoBudget, expected_bn, live_b, ctx):
+  """Index into node_counts maximising the batch's expected tokens / modelled ms; also the
+  expected tokens and ms at the chosen width."""
+  n = jnp.asarray(auto.node_counts)
+  tokens_w = jnp.sum(jnp.where(live_b[:, None], expected_bn[:, n], 0.0), axis=0)
+  ms_w = cost_at(auto, ctx)
+  idx = jnp.argmax(tokens_w / ms_w).astype(jnp.int32)
+  return idx, tokens_w[idx], ms_w[idx]
+
+
+def prefix_tree(tree, nodes: int):
+  """The first `nodes` nodes of a tree in DDTree order (prefix-closed: parents come first)."""
+  return tree.replace(node_tokens=tree.node_tokens[:, :nodes], depths=tree.depths[:, :nodes],
+                      parents=tree.parents[:, :nodes + 1],
+                      vis=tree.vis[:, :nodes + 1, :nodes + 1])
+
+
+def _pad_nodes(x, n):
+  """Pads axis 1 to n (a width-n verify's outputs in the shape of the widest branch)."""
+  return x if x is None else jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+def verify_auto(auto: AutoBudget, tree, draft_logits_bdv, state, verify_fn, width_index=None):
+  """Chooses the width, verifies that prefix of `tree` (lax.switch over the compiled widths).
+
+  verify_fn(tree) -> (logits [B, n, V], cache, taps [B, n, F]). width_index (traced int, or
+  None) overrides the choice (calibration). Returns (logits, cache, taps padded to the widest
+  width, the tree with nodes beyond the verified prefix detached (parent -1: never accepted),
+  and a record {nodes, expected_tokens, modelled_ms} of the step).
+  """
+  logq = jax.vmap(node_logq)(draft_logits_bdv, tree.node_tokens, tree.depths, tree.vis)
+  expected = expected_accept(auto.calibration, logq, tree.depths)
+  idx, tokens, ms = choose_width(auto, expected, ~state.done, jnp.max(state.cache.lengths))
+  if width_index is not None:
+    idx = jnp.asarray(width_index, jnp.int32)
+    tokens = jnp.sum(jnp.where(~state.done, expected[:, jnp.asarray(auto.node_counts)[idx]], 0.0))
+    ms = cost_at(auto, jnp.max(state.cache.lengths))[idx]
+  n_max = auto.max_nodes + 1
+
+  def branch(nodes):
+    def run(tr):
+      logits, cache, taps = verify_fn(prefix_tree(tr, nodes))
+      return _pad_nodes(logits, n_max), cache, _pad_nodes(taps, n_max)
+    return run
+
+  logits, cache, taps = jax.lax.switch(idx, [branch(n) for n in auto.node_counts], tree)
+  nodes = jnp.asarray(auto.node_counts, jnp.int32)[idx]
+  keep = jnp.arange(n_max)[None, :] <= nodes
+  tree = tree.replace(parents=jnp.where(keep, tree.parents, -1))
+  return logits, cache, taps, tree, dict(nodes=nodes, expected_tokens=tokens, modelled_ms=ms)

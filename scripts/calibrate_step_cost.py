@@ -1,0 +1,193 @@
+"""Step time vs verify width and context, measured: the table budget='auto' charges each width.
+
+Compiles the budget='auto' step once (the width is data: `speculative_step(width_index=...)`),
+then at every context (data too) and compiled width: the step's GPU kernel time (CUPTI, median
+of 10; GPU only) and its time per step inside the device while loop (slope over two step counts,
+what tokens/s sees); `ar` and `chain` the same way; the distinct routed experts the verify's
+router picks per MoE layer; and the analytic floor (`step_cost.AnalyticCost`, ceilings measured
+in the same run) beside each, with measured / analytic. One JSON (`--out_dir`/step_cost.json);
+copy it beside the config (`configs/X.step_cost.json`) to make it the run's cost table.
+
+  python scripts/calibrate_step_cost.py --config configs/bench_k26.py --ctx 4096,46000,131072 \
+      --out_dir runs/calib
+  python scripts/calibrate_step_cost.py --config configs/bench_tiny.py --ctx 256,1024 --small
+"""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from kdtree_jax import profiling, roofline, runtime, timing  # noqa: E402
+from kdtree_jax.decoding import budget, step, step_cost  # noqa: E402
+from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
+from kdtree_jax.model import moe as moe_module  # noqa: E402
+from kdtree_jax.models import DTYPES, load_draft, load_target  # noqa: E402
+
+runtime.define_flags()
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Bench config (configs/bench_*.py).")
+_NODES = flags.DEFINE_list("nodes", ["7", "15", "31", "63"], "Tree node counts (verify width - 1).")
+_CTX = flags.DEFINE_list("ctx", ["4096", "46000", "131072"], "Context lengths.")
+_MODES = flags.DEFINE_list("modes", ["ar", "chain"], "Fixed modes timed too.")
+_STEPS = flags.DEFINE_list("steps", ["4", "16"], "Loop step counts of the slope.")
+_EXPERTS_ALL_CTX = flags.DEFINE_bool("experts_all_ctx", False, "Count routed experts at every "
+                                     "context (default: the first only).")
+_SMALL = flags.DEFINE_bool("small", False, "Tiny ceiling measurements (CPU smoke runs).")
+_OUT = flags.DEFINE_string("out_dir", "runs/calib", "Output folder (step_cost.json).")
+
+
+def loop_fn(tcfg, dcfg, spec):
+  """jit(tp, dp, state, n, idx): n steps of the device while loop at compiled width idx."""
+  def run(tp, dp, st, n, idx):
+    return jax.lax.while_loop(lambda s: s.steps < n, lambda s: step.speculative_step(
+        tcfg, tp, dcfg, dp, spec, s, width_index=idx), st)
+  return jax.jit(run)
+
+
+def per_step_ms(fn, args, steps):
+  """Loop wall time per step: slope over two step counts (whole-loop mean if noise wins)."""
+  a, b = steps
+  t = {n: roofline.wall_time_s(fn, *args(n), reps=5) for n in (a, b)}
+  slope = 1e3 * (t[b] - t[a]) / (b - a)
+  return (slope, "slope") if slope > 0 else (1e3 * t[b] / b, "total")
+
+
+def route_probe(tcfg, dcfg, spec, nodes):
+  """jit(tp, dp, state) -> expert ids [T, K] of every MoE layer in a verify of `nodes` + 1
+  tokens (draft -> tree -> prefix -> verify), recorded from the router while tracing."""
+  routes, orig = [], moe_module.route
+
+  def recording(p, cfg, x):
+    out = orig(p, cfg, x)
+    routes.append(out[0])
+    return out
+
+  def probe(tp, dp, st):
+    routes.clear()
+    _, logits = step.draft_phase(dcfg, dp, tp, spec, st)
+    tree = budget.prefix_tree(step.tree_phase(spec, logits, st.bonus.shape[0]), nodes)
+    step.verify_phase(tcfg, tp, spec, st, tree, tuple(dcfg.target_layer_ids))
+    return list(routes)
+
+  jitted = jax.jit(probe)
+
+  def run(tp, dp, st):
+    moe_module.route = recording
+    try:
+      return jax.device_get(jitted(tp, dp, st))
+    finally:
+      moe_module.route = orig
+  return run
+
+
+def distinct_experts(ids_per_layer):
+  return [len(np.unique(np.asarray(i))) for i in ids_per_layer]
+
+
+def ddtree_rows(tcfg, tp, dcfg, dp, spec, big, analytic, ctxs, steps):
+  """One row per (context, compiled width) of the budget='auto' step."""
+  run_loop = loop_fn(tcfg, dcfg, spec)
+  one = jax.jit(lambda tp_, dp_, st, idx: step.speculative_step(tcfg, tp_, dcfg, dp_, spec, st,
+                                                                 width_index=idx))
+  probes = {n: route_probe(tcfg, dcfg, spec, n) for n in spec.auto.node_counts}
+  rows = []
+  for ctx in ctxs:
+    st = profiling.at_context(big, spec, ctx)
+    for i, nodes in enumerate(spec.auto.node_counts):
+      idx = jnp.int32(i)
+      ms, how = per_step_ms(run_loop, lambda n, st=st, idx=idx: (tp, dp, st, jnp.int32(n), idx),
+                               steps)
+      kern = timing.kernel_ms(one, (tp, dp, st, idx))[0]
+      count = tcfg.num_moe_layers and (ctx == ctxs[0] or _EXPERTS_ALL_CTX.value)
+      touched = distinct_experts(probes[nodes](tp, dp, st)) if count else []
+      rows.append(row("ddtree", nodes + 1, ctx, ms, how, kern, analytic.ms(nodes + 1, ctx),
+                      touched, tcfg))
+      print(_fmt(rows[-1]), flush=True)
+  return rows
+
+
+def mode_rows(tcfg, tp, dcfg, dp, c, mode, big_ctx, analytic, ctxs, steps):
+  """Rows of a fixed mode ('ar' or 'chain') at every context."""
+  spec = SpecConfig(mode=mode, block_size=c.block_size, max_new_tokens=4096,
+                    attn_backend=c.attn_backend, forced_accept=c.forced_accept)
+  big = profiling.bench_state(tcfg, dcfg, spec, 1, big_ctx, DTYPES[c.dtype], steps=max(steps) + 4)
+  fn = profiling.while_steps_fn(tcfg, dcfg, spec)
+  one = jax.jit(lambda tp_, dp_, st: step.speculative_step(tcfg, tp_, dcfg, dp_, spec, st))
+  rows = []
+  for ctx in ctxs:
+    st = profiling.at_context(big, spec, ctx)
+    ms, how = per_step_ms(fn, lambda n, st=st: (tp, dp, st, jnp.int32(n)), steps)
+    rows.append(row(mode, spec.verify_width, ctx, ms, how, timing.kernel_ms(one, (tp, dp, st))[0],
+                    analytic.mode_ms(mode, ctx), [], tcfg))
+    print(_fmt(rows[-1]), flush=True)
+  return rows
+
+
+def row(mode, width, ctx, loop_ms, how, kernel_ms, analytic_ms, touched, tcfg):
+  model = float(step_cost.experts_touched(tcfg.n_routed_experts, tcfg.num_experts_per_tok,
+                                          width)) if touched else None
+  return dict(mode=mode, width=width, ctx=ctx, loop_ms=loop_ms, timing=how, kernel_ms=kernel_ms,
+              analytic_ms=analytic_ms,
+              loop_over_analytic=loop_ms / analytic_ms,
+              experts_touched_per_layer=touched,
+              experts_touched_mean=float(np.mean(touched)) if touched else None,
+              experts_touched_model=model)
+
+
+def _fmt(r):
+  kern = "-" if r["kernel_ms"] is None else f"{r['kernel_ms']:.3f}"
+  ex = "-" if r["experts_touched_mean"] is None else (
+      f"{r['experts_touched_mean']:.1f}/{r['experts_touched_model']:.1f}")
+  return (f"{r['mode']:>6} {r['width']:>4} {r['ctx']:>7} {r['loop_ms']:9.3f} {kern:>9} "
+          f"{r['analytic_ms']:9.3f} {r['loop_over_analytic']:7.2f} {ex:>11}")
+
+
+HEADER = (f"{'mode':>6} {'N':>4} {'ctx':>7} {'loop ms':>9} {'kern ms':>9} {'floor ms':>9} "
+          f"{'x floor':>7} {'experts':>11}  (experts: router-counted / independent-routing model)")
+
+
+def main(_):
+  c = _CONFIG.value
+  t0 = time.perf_counter()
+  dtype = DTYPES[c.dtype]
+  tcfg, tp = load_target(c.target, dtype)
+  dcfg, dp = load_draft(c.draft, tcfg, dtype)
+  ctxs = sorted(int(x) for x in _CTX.value)
+  steps = tuple(int(s) for s in _STEPS.value)
+  ceil = roofline.measure_ceilings(small=_SMALL.value)
+  hw = step_cost.Hardware(copy_tbps=ceil["copy_tbps"], mm_tflops=ceil["mm_tflops"])
+  wbits = 8.0 * jnp.dtype(dtype).itemsize
+  share = step_cost.MeshShare(expert_bits=wbits, weight_bits=wbits, cache_bits=wbits)
+  analytic = step_cost.AnalyticCost(tcfg, dcfg, share, hw)
+  auto = budget.AutoBudget(node_counts=tuple(int(n) for n in _NODES.value))
+  spec = SpecConfig(mode="ddtree", budget="auto", block_size=c.block_size, max_new_tokens=4096,
+                    attn_backend=c.attn_backend, forced_accept=c.forced_accept,
+                    auto=budget.resolve(auto, tcfg, dcfg))
+  big = profiling.bench_state(tcfg, dcfg, spec, 1, max(ctxs), dtype, steps=max(steps) + 4)
+  big = big.replace(widths=jnp.zeros((spec.max_new_tokens,), jnp.int32))
+  print(f"device={jax.devices()[0].device_kind} layers={tcfg.num_hidden_layers} "
+        f"ceilings copy {hw.copy_tbps:.2f} TB/s mm {hw.mm_tflops:.0f} TFLOP/s", flush=True)
+  print(HEADER, flush=True)
+  rows = ddtree_rows(tcfg, tp, dcfg, dp, spec, big, analytic, ctxs, steps)
+  for mode in _MODES.value:
+    rows += mode_rows(tcfg, tp, dcfg, dp, c, mode, max(ctxs), analytic, ctxs, steps)
+  os.makedirs(_OUT.value, exist_ok=True)
+  path = os.path.join(_OUT.value, "step_cost.json")
+  with open(path, "w") as f:
+    json.dump(dict(config=c.to_dict(), device=jax.devices()[0].device_kind, ceilings=ceil,
+                   layers=tcfg.num_hidden_layers, dtype=c.dtype, forced_accept=c.forced_accept,
+                   seconds=time.perf_counter() - t0, rows=rows), f, indent=1)
+  print(f"\nwrote {path} ({time.perf_counter() - t0:.0f} s)\n{HEADER}")
+  print("\n".join(_fmt(r) for r in rows))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,180 @@
+"""budget='auto': the prefix claim, the cost models, the acceptance calibration, losslessness."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdtree_jax import config as C
+from kdtree_jax import tree as ddtree
+from kdtree_jax.decoding import budget, step_cost
+from kdtree_jax.decoding.spec_config import SpecConfig
+from kdtree_jax.draft.config import DraftConfig
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_decoding import make_pair, run  # noqa: E402  pylint: disable=wrong-import-position
+
+BLOCK = 6
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefix_of_the_largest_tree_is_the_best_smaller_tree(seed):
+  """DDTree pops best-first, so its first n nodes ARE build_ddtree(logits, n), node for node."""
+  logits = 3.0 * jax.random.normal(jax.random.key(seed), (7, 40))
+  big = ddtree.build_ddtree(logits, 63)
+  for n in (1, 7, 15, 31):
+    small = ddtree.build_ddtree(logits, n)
+    np.testing.assert_array_equal(big[0][:n], small[0])  # tokens
+    np.testing.assert_array_equal(big[1][:n], small[1])  # depths
+    np.testing.assert_array_equal(big[2][:n + 1], small[2])  # parents
+    np.testing.assert_array_equal(big[3][:n + 1, :n + 1], small[3])  # visibility
+
+
+def test_node_logq_is_the_path_product_of_marginals():
+  logits = jax.random.normal(jax.random.key(0), (5, 12))
+  tokens, depths, parents, vis = ddtree.build_ddtree(logits, 20)
+  logq = budget.node_logq(logits, tokens, depths, vis)
+  logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float64 if jax.config.x64_enabled
+                                                     else jnp.float32), axis=-1), np.float64)
+  par, tok, dep = np.asarray(parents), np.asarray(tokens), np.asarray(depths)
+  for i in range(20):
+    want, k = 0.0, i + 1
+    while k > 0:
+      want += logp[dep[k - 1] - 1, tok[k - 1]]
+      k = par[k]
+    assert abs(float(logq[i]) - want) < 1e-5 * max(1.0, abs(want))
+
+
+def _k26_pair():
+  t = C.kimi_k2_6()
+  d = DraftConfig.tiny(hidden_size=t.hidden_size, num_hidden_layers=3, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+                       vocab_size=t.vocab_size, mask_token_id=t.vocab_size - 1,
+                       num_target_layers=61, target_layer_ids=(0, 30, 60), block_size=16,
+                       layer_types=("full_attention",) * 3)
+  return t, d
+
+
+def test_analytic_cost_reproduces_the_worked_k26_table():
+  """research/moe_spec_economics.md (hand-computed, 8 x H200, INT4 experts, 46k): 4.2 / 7.1 /
+  9.7 / 14.2 / 20.7 ms at T = 1 (ar) / 9 / 17 / 33 / 65; rounding to 0.1 ms -> 0.05 ms, and the
+  table's draft is 0.66 GB where this draft shape reads 0.73 GB (+0.02 ms)."""
+  t, d = _k26_pair()
+  model = step_cost.AnalyticCost(t, d, step_cost.MeshShare(gpus=8, expert_bits=4.5,
+                                                           collectives=True))
+  assert abs(model.mode_ms("ar", 46000) - 4.2) < 0.05
+  for n, want in ((9, 7.1), (17, 9.7), (33, 14.2), (65, 20.7)):
+    assert abs(model.ms(n, 46000) - want) < 0.07, (n, model.ms(n, 46000))
+  assert model.ms(65, 131072) > model.ms(65, 46000) > model.ms(65, 4096)
+
+
+def test_experts_touched_matches_sampling():
+  """E(1 - (1 - 1/E)^(KT)) vs distinct experts of KT uniform draws (the formula's assumption)."""
+  rng = np.random.default_rng(0)
+  for t in (1, 9, 33, 65):
+    sims = [len(np.unique(rng.integers(0, 384, 8 * t))) for _ in range(400)]
+    sd = np.std(sims) / np.sqrt(len(sims))
+    assert abs(np.mean(sims) - step_cost.experts_touched(384, 8, t)) < 4 * sd + 0.05
+
+
+def test_calibrated_cost_interpolates_and_refuses_extrapolation(tmp_path):
+  rows = [dict(mode="ddtree", width=w, ctx=c, loop_ms=float(w + c / 1000), kernel_ms=None)
+          for w in (8, 16, 32) for c in (1000, 3000)]
+  rows += [dict(mode="ar", width=1, ctx=c, loop_ms=1.0 + c / 1000, kernel_ms=None)
+           for c in (1000, 3000)]
+  path = tmp_path / "x.step_cost.json"
+  path.write_text(json.dumps(dict(rows=rows)))
+  cost = step_cost.load_calibration(str(path))
+  assert cost.ms(16, 1000) == pytest.approx(17.0)
+  assert cost.ms(24, 2000) == pytest.approx(26.0)  # linear in width and context
+  assert cost.ms(8, 5000) == pytest.approx(13.0)  # linear beyond the context grid
+  assert cost.mode_ms("ar", 2000) == pytest.approx(3.0)
+  with pytest.raises(ValueError, match="outside the calibrated widths"):
+    cost.ms(64, 1000)
+  with pytest.raises(ValueError, match="kernel_ms"):
+    step_cost.load_calibration(str(path), key="kernel_ms")
+  assert step_cost.calibration_path("configs/a.py") == "configs/a.step_cost.json"
+
+
+def test_chooser_prefers_tokens_per_ms():
+  auto = budget.AutoBudget(node_counts=(1, 3), cost_contexts=(0,), cost_ms=((1.0, 2.0),))
+  expected = jnp.array([[1.0, 1.5, 2.0, 2.5]])  # E[n nodes], n = 0..3
+  live = jnp.array([True])
+  assert int(budget.choose_width(auto, expected, live, jnp.int32(0))[0]) == 0  # 1.5/1 > 2.5/2
+  expected = jnp.array([[1.0, 1.5, 2.5, 3.5]])
+  assert int(budget.choose_width(auto, expected, live, jnp.int32(0))[0]) == 1  # 3.5/2 > 1.5/1
+
+
+def test_calibration_fit_recovers_a_known_scale():
+  """Nodes accepted with probability 0.5 q at depth 1 and min(1, 2 q) at depth 2."""
+  rng = np.random.default_rng(1)
+  depth = rng.integers(1, 3, 200000)
+  q = rng.uniform(0.01, 0.4, depth.shape)
+  acc = rng.uniform(size=depth.shape) < np.where(depth == 1, 0.5, 2.0) * q
+  cal = budget.fit_calibration(np.log(q), depth, acc, max_depth=2)
+  assert cal.scale[0][0] == pytest.approx(0.5, rel=0.03)
+  assert cal.scale[1][0] == pytest.approx(2.0, rel=0.03)
+  p = cal.node_prob(jnp.log(jnp.array([0.1, 0.1])), jnp.array([1, 2]))
+  np.testing.assert_allclose(np.asarray(p), [0.05, 0.2], rtol=0.03)
+
+
+@pytest.mark.parametrize("nodes,cost", [((3, 7, 15), None), ((3, 7, 15), ((1.0, 5.0, 50.0),)),
+                                        ((2, 5), ((9.0, 1.0),))])
+def test_auto_is_lossless_f32(nodes, cost):
+  """Same tokens as greedy ar whichever widths the chooser picks (f32)."""
+  pair = make_pair(4)
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+  auto = budget.AutoBudget(node_counts=nodes, cost_contexts=(0,) if cost else (),
+                           cost_ms=cost or ())
+  ar = run(pair, SpecConfig(mode="ar", max_new_tokens=20, block_size=BLOCK), prompts, 64)
+  au = run(pair, SpecConfig(mode="ddtree", budget="auto", max_new_tokens=20, block_size=BLOCK,
+                            auto=auto), prompts, 64)
+  assert au.tokens == ar.tokens
+  assert len(au.widths_per_step) == au.steps and set(au.widths_per_step) <= set(nodes)
+  if cost == ((1.0, 5.0, 50.0),):  # the largest width costs 50x: never worth it here
+    assert 15 not in au.widths_per_step
+
+
+def test_budget_auto_validation():
+  with pytest.raises(ValueError, match="needs mode 'ddtree'"):
+    SpecConfig(mode="chain", budget="auto")
+  with pytest.raises(ValueError, match="not a budget"):
+    SpecConfig(mode="ddtree", budget="big")
+  assert SpecConfig(budget="auto").verify_width == 64
+  assert SpecConfig(budget="auto", auto=budget.AutoBudget(node_counts=(7, 15))).verify_width == 16
+
+
+def test_calibrate_step_cost_script(tmp_path):
+  """scripts/calibrate_step_cost.py on the tiny bench pair: a row per (context, width) and mode,
+  router-counted experts that never shrink as the prefix grows (a verify's node sees only its
+  ancestors, so a longer prefix routes the shorter one's tokens the same way), and a JSON that
+  load_calibration turns into the same numbers."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  cmd = [sys.executable, os.path.join(root, "scripts", "calibrate_step_cost.py"),
+         "--config", os.path.join(root, "configs", "bench_tiny.py"), "--nodes", "3,7,15",
+         "--ctx", "64,128", "--modes", "ar", "--steps", "2,4", "--small",
+         "--compile_cache_dir=", "--out_dir", str(tmp_path)]
+  proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  raw = json.loads((tmp_path / "step_cost.json").read_text())
+  rows = raw["rows"]
+  got = sorted((r["mode"], r["width"], r["ctx"]) for r in rows)
+  assert got == sorted([("ddtree", w, c) for w in (4, 8, 16) for c in (64, 128)]
+                       + [("ar", 1, 64), ("ar", 1, 128)])
+  assert all(r["loop_ms"] > 0 and r["analytic_ms"] > 0 for r in rows)
+  counted = [r["experts_touched_per_layer"] for r in rows if r["mode"] == "ddtree"
+             and r["ctx"] == 64]
+  e = C.tiny().n_routed_experts
+  assert all(len(c) == C.tiny().num_moe_layers for c in counted)
+  assert np.all(np.diff(np.array(counted), axis=0) >= 0) and np.max(counted) <= e
+  cost = step_cost.load_calibration(str(tmp_path / "step_cost.json"))
+  by = {(r["mode"], r["width"], r["ctx"]): r["loop_ms"] for r in rows}
+  assert cost.ms(8, 128) == pytest.approx(by[("ddtree", 8, 128)])
+  assert cost.mode_ms("ar", 64) == pytest.approx(by[("ar", 1, 64)])
