@@ -72,6 +72,14 @@ class ModelConfig:
   lora_norm_eps: float = 1e-6
   # Where the text model's weights live in the checkpoint ("" for K2, "language_model." for K2.5/6).
   weight_prefix: str = ""
+  # Not in config.json: how this process holds and runs the routed experts.
+  # num_local_experts: hold only experts [0, num_local_experts) of the n_routed_experts the router
+  # scores (one GPU's share of an expert-parallel deployment, for benchmarks; pairs routed to other
+  # experts contribute nothing here). None = all.
+  num_local_experts: int | None = None
+  # expert_backend: the grouped expert matmul: "auto" (our Mosaic kernel on a GPU where the shapes
+  # suit it, else XLA), "pallas", "interpret" (the kernel on CPU), "xla".
+  expert_backend: str = "auto"
 
   def __post_init__(self):
     if self.first_k_dense_replace > self.num_hidden_layers:
@@ -84,6 +92,10 @@ class ModelConfig:
       raise ValueError(f"{self.num_experts_per_tok=} exceeds {self.n_routed_experts=}")
     if self.qk_rope_head_dim % 2:
       raise ValueError(f"{self.qk_rope_head_dim=} must be even (rope rotates pairs)")
+    if self.num_local_experts is not None and not 1 <= self.num_local_experts <= self.n_routed_experts:
+      raise ValueError(f"{self.num_local_experts=} must be in [1, {self.n_routed_experts=}] or None")
+    if self.expert_backend not in ("auto", "pallas", "interpret", "xla"):
+      raise ValueError(f"{self.expert_backend=} must be one of auto, pallas, interpret, xla")
 
   # ---- derived shapes -------------------------------------------------------------------
   @property
@@ -94,6 +106,11 @@ class ModelConfig:
   def cache_dim(self) -> int:
     """Width of one latent cache row: normalized c_kv (R) + rotated k_pe (P); 576 for K2."""
     return self.kv_lora_rank + self.qk_rope_head_dim
+
+  @property
+  def experts_held(self) -> int:
+    """Routed experts in this process's parameter stacks (E_l of the stacked [E_l, D, F])."""
+    return self.num_local_experts or self.n_routed_experts
 
   @property
   def num_dense_layers(self) -> int:

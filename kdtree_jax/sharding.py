@@ -54,7 +54,7 @@ _DRAFT_LAYER = {"q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"),
                 "up_proj": ("embed", "mlp"), "down_proj": ("mlp", "embed")}
 
 # Parameter path (ints dropped, "/"-joined) -> logical axes. Target: model/params.py; draft:
-# draft/model.py (its layer tensors are stacked on a leading Y).
+# draft/model.py (a tuple of per-layer dicts, like the target's layers).
 PARAM_AXES = {
     "embed": ("vocab", "embed"), "lm_head": ("embed", "vocab"), "final_norm": ("norm",),
     "layers/attn_norm": ("norm",), "layers/mlp_norm": ("norm",),
@@ -65,19 +65,20 @@ PARAM_AXES = {
     "layers/moe/gate": ("experts", "embed", "expert_mlp"),
     "layers/moe/up": ("experts", "embed", "expert_mlp"),
     "layers/moe/down": ("experts", "expert_mlp", "embed"),
-    # INT4 routed experts (model/int4.py Int4Weight): packed int4 [E, in, out], scale [E, in/G, out].
-    **{f"layers/moe/{m}/{leaf}": ("experts", "embed", "expert_mlp")
-       for m in ("gate", "up") for leaf in ("packed", "scale")},
-    **{f"layers/moe/down/{leaf}": ("experts", "expert_mlp", "embed") for leaf in ("packed", "scale")},
+    # INT4 routed experts (model/int4.py Int4Weight): packed int4 [E, out, in], scale [E, in/G, out].
+    **{f"layers/moe/{m}/packed": ("experts", "expert_mlp", "embed") for m in ("gate", "up")},
+    **{f"layers/moe/{m}/scale": ("experts", "embed", "expert_mlp") for m in ("gate", "up")},
+    "layers/moe/down/packed": ("experts", "embed", "expert_mlp"),
+    "layers/moe/down/scale": ("experts", "expert_mlp", "embed"),
     "fc": ("embed_in", "embed"), "hidden_norm": ("norm",), "norm": ("norm",),
-    **{f"layers/{k}": ("layers",) + v for k, v in _DRAFT_LAYER.items()},
+    **{f"layers/{k}": v for k, v in _DRAFT_LAYER.items()},
 }
 
 # LatentCache, DraftCache and DecodeState fields -> logical axes.
 STATE_AXES = {
     "latent": ("batch", "cache_len", "kv_lora"), "lengths": ("batch",),  # one buffer per layer
-    "k": ("batch", "cache_len", "kv_heads", "head_dim"),  # draft cache: one buffer per layer
-    "v": ("batch", "cache_len", "kv_heads", "head_dim"),
+    "k": ("batch", "kv_heads", "cache_len", "head_dim"),  # draft cache: one buffer per layer
+    "v": ("batch", "kv_heads", "cache_len", "head_dim"),
     "pos": ("batch", "cache_len"), "ctx_len": ("batch",),
     "bonus": ("batch",), "pending_taps": ("batch", "out", "taps"), "pending_count": ("batch",),
     "out": ("batch", "out"), "n_out": ("batch",), "done": ("batch",), "key": (), "steps": (),

@@ -170,7 +170,7 @@ def test_ep_moe_matches_single_device(mesh_spec):
   p = P.init_params(jax.random.key(3), cfg, jnp.float32, std=0.3)["layers"][1]["moe"]
   x = jax.random.normal(jax.random.key(4), (2 * 13, cfg.hidden_size), jnp.float32)
   idx, w = moe_lib.route(p, cfg, x)
-  want = moe_lib.routed_experts(p, x, idx, w)
+  want = moe_lib.routed_experts(p, cfg, x, idx, w)
   mesh = sharding.make_mesh(mesh_spec)
   shardings = sharding.param_shardings({"layers": [{"moe": p}]}, mesh)["layers"][0]["moe"]
   ps = sharding.shard(p, shardings)
@@ -181,6 +181,27 @@ def test_ep_moe_matches_single_device(mesh_spec):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(full, jax.jit(lambda p, x: moe_lib.moe(p, cfg, x))(p, x),
                              rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_spec", ["tensor=2", "expert=2", "tensor=2,expert=2", "data=2,tensor=2"])
+@pytest.mark.parametrize("int4_experts", [False, True])
+def test_ep_moe_traces_through_the_pallas_kernel(mesh_spec, int4_experts):
+  """bf16 / INT4 experts through the grouped-matmul kernel inside shard_map traces cleanly.
+
+  A Pallas call's output loses its weights' varying `tensor` axis under shard_map, so the psum
+  over the expert-splitting axes was rejected before the first step on 2 H200s ("psum can only
+  accept axis_name which corresponds to one of varying ..."). Tracing checks exactly that (the
+  kernel itself runs on GPUs; its numerics are tests/test_grouped_matmul_kernel.py's).
+  """
+  cfg = C.tiny(hidden_size=256, moe_intermediate_size=256, n_routed_experts=4,
+               num_experts_per_tok=2, n_group=1, topk_group=1, expert_backend="pallas")
+  p = P.abstract_params(cfg, jnp.bfloat16, int4_experts=int4_experts)["layers"][1]["moe"]
+  x = jax.ShapeDtypeStruct((6, cfg.hidden_size), jnp.bfloat16)
+  n = int(np.prod([int(a.split("=")[1]) for a in mesh_spec.split(",")]))
+  mesh = sharding.make_mesh(mesh_spec, jax.devices()[:n])
+  with sharding.use_mesh(mesh):
+    traced = jax.jit(lambda p, x: moe_lib.moe(p, cfg, x)).trace(p, x)
+  assert traced.out_info.shape == x.shape
 
 
 # ---- (e) mesh strings -----------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """INT4 routed experts kept packed in device memory; dequantised inside the expert matmul.
 
-Layout (ours, for x @ W with W [E, in, out]): `packed` is a jnp.int4 array [E, in, out] (XLA
-stores two values per byte), `scale` bf16 [E, in/G, out] per group of G = 32 rows. 4.5 bits per
-weight instead of 16: K2.6's routed experts take ~520 GB, not 2 TB. On a GPU the grouped matmul
-dequantises inside the Mosaic kernel (pallas_kernels/int4_matmul); elsewhere in front of the matmul.
+Layout (for x @ W with the logical W [E, in, out]): `packed` is a jnp.int4 array [E, out, in]
+(output-major like HF's `weight_packed`; XLA stores two values per byte), `scale` bf16
+[E, in/G, out] per group of G = 32 input rows. 4.5 bits per weight instead of 16: K2.6's routed
+experts take ~520 GB, not 2 TB. On a GPU the grouped matmul dequantises inside the Mosaic kernel
+(pallas_kernels/grouped_matmul: the [out, in] tile is the wgmma register operand); elsewhere the
+XLA reference dequantises in front of the matmul.
 HF compressed-tensors stores `weight_packed` int32 [out, in/8] (low nibble first, value - 8)
 with `weight_scale` bf16 [out, in/32]; `from_hf` converts one expert.
 """
@@ -15,19 +17,20 @@ import ml_dtypes
 import numpy as np
 
 from kdtree_jax.checkpoint import quant
-from pallas_kernels.int4_matmul import reference as int4_reference
+from pallas_kernels.grouped_matmul import reference as kernel_reference
 
 
 @flax.struct.dataclass
 class Int4Weight:
-  """Int4 expert stack: packed int4 [E, in, out], scale [E, in/G, out]."""
+  """Int4 expert stack: packed int4 [E, out, in], scale [E, in/G, out]; `shape` is [E, in, out]."""
 
   packed: jax.Array
   scale: jax.Array
 
   @property
   def shape(self):
-    return tuple(self.packed.shape)
+    e, dout, din = self.packed.shape
+    return (e, din, dout)
 
   @property
   def group(self) -> int:
@@ -46,11 +49,12 @@ def quantize(w_eio, group=32) -> Int4Weight:
 
 
 def pack_numpy(q_eio, scale) -> tuple[np.ndarray, np.ndarray]:
-  """int values in [-8, 7] [E, in, out] + scale [E, in/G, out] -> (int4 values, bf16 scale)."""
+  """int values in [-8, 7] [E, in, out] + scale [E, in/G, out] -> (int4 [E, out, in], bf16 scale)."""
   q = np.asarray(q_eio)
   if q.size and (q.min() < -8 or q.max() > 7):
     raise ValueError(f"int4 values must lie in [-8, 7], got [{q.min()}, {q.max()}]")
-  return q.astype(ml_dtypes.int4), np.asarray(scale, np.float32).astype(ml_dtypes.bfloat16)
+  return (np.ascontiguousarray(np.swapaxes(q, 1, 2)).astype(ml_dtypes.int4),
+          np.asarray(scale, np.float32).astype(ml_dtypes.bfloat16))
 
 
 def pack(q_eio, scale) -> Int4Weight:
@@ -67,4 +71,16 @@ def from_hf(weight_packed, weight_scale, shape) -> tuple[np.ndarray, np.ndarray]
 
 def dequantize(w: Int4Weight, dtype=jnp.bfloat16):
   """[E, in, out] in dtype: q * scale, rounded once to dtype (as the kernel does in registers)."""
-  return int4_reference.dequantize(w.packed, w.scale, dtype)
+  return kernel_reference.dequantize(w.packed, w.scale, dtype)
+
+
+def random_int4(key, shape_eio, std, group=32) -> Int4Weight:
+  """Random INT4 stack of logical shape [E, in, out] whose dequantised values have std ~ `std`.
+
+  q uniform in [-8, 7] (std ~4.6), one scale per group = std / 4.6 (times a +-10% jitter).
+  """
+  e, din, dout = shape_eio
+  kq, ks = jax.random.split(key)
+  q = jax.random.randint(kq, (e, dout, din), -8, 8, jnp.int8).astype(jnp.int4)
+  jitter = jax.random.uniform(ks, (e, din // group, dout), jnp.float32, 0.9, 1.1)
+  return Int4Weight(q, (jitter * std / 4.6).astype(jnp.bfloat16))

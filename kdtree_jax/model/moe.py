@@ -42,9 +42,9 @@ def _limit_groups(choice_te, n_group, topk_group):
   return jnp.where(keep_mask[:, :, None], grouped, -jnp.inf).reshape(t, e)
 
 
-def routed_experts(p, x_td, idx_tk, w_tk):
-  """All routed experts on one device."""
-  return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"])
+def routed_experts(p, cfg: ModelConfig, x_td, idx_tk, w_tk):
+  """The routed experts this device holds (all, or cfg.num_local_experts of them)."""
+  return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], impl=cfg.expert_backend)
 
 
 def moe(p, cfg: ModelConfig, x):
@@ -53,7 +53,10 @@ def moe(p, cfg: ModelConfig, x):
   x_td = x.reshape(-1, shape[-1])
   idx, w = route(p, cfg, x_td)
   mesh = sharding.current_mesh()
-  y = routed_experts(p, x_td, idx, w) if mesh is None else routed_experts_ep(p, x_td, idx, w, mesh)
+  if mesh is None:
+    y = routed_experts(p, cfg, x_td, idx, w)
+  else:
+    y = routed_experts_ep(p, x_td, idx, w, mesh, impl=cfg.expert_backend)
   if "shared" in p:
     y = y + swiglu(p["shared"], x_td).astype(jnp.float32)
   return y.astype(x.dtype).reshape(shape)

@@ -3,13 +3,16 @@
 params = {"embed": [V, D], "final_norm": [D], "lm_head": [D, V],
           "layers": [ {"attn_norm", "mlp_norm", "attn": {...}, "mlp" | "moe": {...}}, ... ]}
 Dense layers (i < first_k_dense_replace) have "mlp"; MoE layers have "moe" with
-router [D, E], bias [E] (f32, selection only), gate/up [E, D, F], down [E, F, D], shared {...}.
+router [D, E], bias [E] (f32, selection only), gate/up [E_l, D, F], down [E_l, F, D], shared {...}
+(E_l = cfg.experts_held: all E, or one GPU's share for benchmarks). `int4_experts=True` makes the
+routed stacks random INT4 (`model.int4.Int4Weight`), as a K2.6 checkpoint holds them.
 """
 
 import jax
 import jax.numpy as jnp
 
 from kdtree_jax.config import ModelConfig
+from kdtree_jax.model import int4
 
 
 def layer_shapes(cfg: ModelConfig, i: int) -> dict:
@@ -27,8 +30,8 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict:
     f = cfg.intermediate_size
     out["mlp"] = {"gate": (d, f), "up": (d, f), "down": (f, d)}
   else:
-    e, f = cfg.n_routed_experts, cfg.moe_intermediate_size
-    moe = {"router": (d, e), "bias": (e,), "gate": (e, d, f), "up": (e, d, f), "down": (e, f, d)}
+    e, el, f = cfg.n_routed_experts, cfg.experts_held, cfg.moe_intermediate_size
+    moe = {"router": (d, e), "bias": (e,), "gate": (el, d, f), "up": (el, d, f), "down": (el, f, d)}
     if cfg.n_shared_experts:
       fs = f * cfg.n_shared_experts
       moe["shared"] = {"gate": (d, fs), "up": (d, fs), "down": (fs, d)}
@@ -47,7 +50,10 @@ def _is_shape(x):
   return isinstance(x, tuple) and all(isinstance(v, int) for v in x)
 
 
-def init_params(rng, cfg: ModelConfig, dtype=jnp.float32, std=0.02):
+_ROUTED = ("['gate']", "['up']", "['down']")
+
+
+def init_params(rng, cfg: ModelConfig, dtype=jnp.float32, std=0.02, int4_experts=False):
   """Random params: normal(std) matrices, ones for norms, small random routing bias (f32)."""
   shapes = param_shapes(cfg)
   leaves, treedef = jax.tree.flatten_with_path(shapes, is_leaf=_is_shape)
@@ -55,7 +61,9 @@ def init_params(rng, cfg: ModelConfig, dtype=jnp.float32, std=0.02):
   out = []
   for (path, shape), key in zip(leaves, keys):
     name = jax.tree_util.keystr(path)
-    if name.endswith("norm']"):
+    if int4_experts and "['moe']" in name and "['shared']" not in name and name.endswith(_ROUTED):
+      out.append(int4.random_int4(key, shape, std))
+    elif name.endswith("norm']"):
       out.append(jnp.ones(shape, dtype))
     elif name.endswith("['bias']"):
       out.append(0.01 * jax.random.normal(key, shape, jnp.float32))
@@ -64,9 +72,10 @@ def init_params(rng, cfg: ModelConfig, dtype=jnp.float32, std=0.02):
   return jax.tree.unflatten(treedef, out)
 
 
-def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16):
+def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16, int4_experts=False):
   """ShapeDtypeStructs of the params (no memory): `jax.eval_shape` of `init_params`."""
-  return jax.eval_shape(lambda k: init_params(k, cfg, dtype), jax.random.key(0))
+  return jax.eval_shape(lambda k: init_params(k, cfg, dtype, int4_experts=int4_experts),
+                        jax.random.key(0))
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

@@ -1,0 +1,163 @@
+"""Mosaic GPU (sm90) grouped expert matmul, bf16 or INT4 weights, driven by a work list.
+
+Letters: M rows of x ((token, expert) pairs sorted by expert), K input width, N output width,
+G experts, R rows per work item, S scale group (32 in K2.5/K2.6).
+
+Swap-AB: each CTA computes out^T [BN, R] = W^T [BN, K] @ x^T [K, R] for one work item (one
+expert's chunk of <= R rows, work.py) and one BN-column tile, so the wgmma N dimension is the
+item's few rows (8..64) instead of a 64-row block of mostly other experts' rows, and an expert
+with no rows does no work. A TMA pipeline streams the item's x rows [R, BK] (a row window
+starting at any multiple of 8: `pl.Element`) and the expert's weight tile:
+- bf16 weights [G, K, N]: the tile [BK, BN] is the wgmma A operand from SMEM, transposed;
+- INT4 weights [G, N, K] (output-major, HF's order): the tile [BN, BK] is loaded 64 columns at
+  a time into registers, converted i4 -> bf16, scaled, and fed to wgmma as the register A
+  operand (no SMEM round trip; `Tuning.a_operand="smem"` stages it through SMEM instead, which
+  GPU interpret mode needs); the dequantisation of chunk j+1 overlaps the MMA of chunk j.
+The accumulator is stored transposed into SMEM [R, BN] and the item's `size` rows go to HBM with
+a ladder of power-of-two TMA stores.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.grouped_matmul import work
+from pallas_kernels.grouped_matmul.tuning import Tuning
+
+CHUNK = 64  # K columns per wgmma call (128-byte swizzle of bf16)
+_SWIZZLED = (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(128))
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout array
+
+
+def supports(x_mk, k: int, n: int, group: int | None, t: Tuning) -> bool:
+  """bf16/f16 x; K a multiple of block_k; N of block_n; INT4 scale group 32 or a multiple of 64."""
+  return (x_mk.dtype in (jnp.bfloat16, jnp.float16) and k % t.block_k == 0
+          and n % t.block_n == 0 and (group is None or group == 32 or group % CHUNK == 0))
+
+
+def _chunk_scales(s_smem, j, shape, group, block_k):
+  """Scales of chunk j's [BN, 64] weights: one or two scale rows, broadcast along K."""
+  def row(r):
+    vec = plgpu.load(s_smem.at[r], layout=_ROW, optimized=False)
+    return lax.broadcast_in_dim(vec, shape, [0])
+  if group >= CHUNK:
+    return row(0 if group >= block_k else (CHUNK * j) // group)
+  col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  return jnp.where(col < group, row(2 * j), row(2 * j + 1))
+
+
+def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtype):
+  """One K step: per 64-column chunk, dequantise W^T in registers and issue wgmma.
+
+  w_stage None: the registers are wgmma's A operand. Else two swizzled SMEM buffers [BN, 64]
+  that the chunks alternate through (the A-from-SMEM variant; GPU interpret mode needs it).
+  """
+  for j in range(block_k // CHUNK):
+    q = plgpu.load(q_smem.at[:, pl.ds(CHUNK * j, CHUNK)], layout=plgpu.Layout.WGMMA,
+                   optimized=False)
+    w = q.astype(dtype) * _chunk_scales(s_smem, j, q.shape, group, block_k).astype(dtype)
+    if w_stage is not None:
+      w_stage[j % 2] = w
+      plgpu.commit_smem()
+      w = w_stage.at[j % 2]
+    x_t = x_smem.at[:, pl.ds(CHUNK * j, CHUNK)].transpose((1, 0))
+    plgpu.wgmma(acc_ref, w, x_t)
+    plgpu.wgmma_wait(1)  # chunk j-1 done: its registers / staging buffer may be reused
+  plgpu.wgmma_wait(0)  # the pipeline reuses x_smem's slot after this step
+
+
+def _bf16_step(acc_ref, x_smem, w_smem):
+  """One K step: W^T [BN, BK] and x^T [BK, R], both transposed views of SMEM tiles."""
+  plgpu.wgmma(acc_ref, w_smem.transpose((1, 0)), x_smem.transpose((1, 0)))
+  plgpu.wgmma_wait(0)
+
+
+def _store_rows(o_smem, o_ref, win, lo, size, col0, t: Tuning):
+  """Rows [lo, lo + size) of the staged [R, BN] tile -> out rows win + lo.. (power-of-two TMAs)."""
+  start = lo
+  rows = 1 << (t.rows.bit_length() - 1)  # the largest power of two <= R
+  while rows >= 1:
+    @pl.when(size & rows != 0)
+    def _(rows=rows, start=start):
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, rows)],
+                              o_ref.at[pl.ds(win + start, rows), pl.ds(col0, t.block_n)])
+    start = start + (size & rows)
+    rows //= 2
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _weight_specs(int4: bool, group: int, t: Tuning):
+  """BlockSpecs of the weight operands (int4: q tile + scale rows; bf16: the swizzled tile)."""
+  if not int4:
+    return [plgpu.BlockSpec((t.block_k, t.block_n), lambda kk, ni: (kk, ni), transforms=_SWIZZLED)]
+  n_s = max(t.block_k // group, 1)
+  return [plgpu.BlockSpec((t.block_n, t.block_k), lambda kk, ni: (ni, kk)),
+          plgpu.BlockSpec((n_s, t.block_n), lambda kk, ni: ((kk * t.block_k) // (n_s * group), ni))]
+
+
+def _make_body(k, group, int4, dtype, t: Tuning):
+  specs = _weight_specs(int4, group, t)
+
+  def body(work_ref, x_ref, *refs):
+    stage = t.a_operand == "smem" and int4
+    w_refs, o_ref, o_smem = refs[:-3 if stage else -2], *refs[-3 if stage else -2:][:2]
+    w_stage = refs[-1] if stage else None
+    item, ni = lax.axis_index("w"), lax.axis_index("n")
+    grp, win, lo, size = (work_ref[i, item] for i in range(4))
+
+    def acc_scope(acc_ref):
+      def step(_, x_smem, *w_smem):
+        if int4:
+          _int4_step(acc_ref, x_smem, *w_smem, w_stage, group=group, block_k=t.block_k,
+                     dtype=dtype)
+        else:
+          _bf16_step(acc_ref, x_smem, *w_smem)
+
+      x_spec = plgpu.BlockSpec((pl.Element(t.rows), t.block_k), lambda kk: (pl.multiple_of(win, work.ALIGN), kk),
+                               transforms=_SWIZZLED)
+      w_specs = [plgpu.BlockSpec(s.block_shape, functools.partial(s.index_map, ni=ni),
+                                 transforms=s.transforms) for s in specs]
+      plgpu.emit_pipeline(step, grid=(k // t.block_k,), in_specs=[x_spec, *w_specs],
+                          max_concurrent_steps=t.stages)(
+                              x_ref, *(r.at[grp] for r in w_refs))
+      return acc_ref[...]
+
+    @pl.when(size > 0)
+    def _():
+      acc = pl.run_scoped(acc_scope, plgpu.ACC((t.block_n, t.rows), jnp.float32))
+      o_smem.transpose((1, 0))[...] = acc.astype(o_smem.dtype)
+      plgpu.commit_smem()
+      _store_rows(o_smem, o_ref, win, lo, size, ni * t.block_n, t)
+
+  return body
+
+
+@functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
+def grouped_matmul_mgpu(x_mk, weights, group_sizes, *, tuning: Tuning, interpret=False):
+  """out [M, N] in x.dtype. weights: (w [G, K, N],) bf16, or (q int4 [G, N, K], scale [G, K/S, N])."""
+  m, k = x_mk.shape
+  int4 = len(weights) == 2
+  n = weights[0].shape[1] if int4 else weights[0].shape[2]
+  group = k // weights[1].shape[1] if int4 else None
+  if not supports(x_mk, k, n, group, tuning):
+    raise ValueError(f"unsupported: {x_mk.dtype=} {k=} {n=} {group=} {tuning=}")
+  if int4:
+    weights = (weights[0], weights[1].astype(x_mk.dtype))
+  if interpret and int4 and tuning.a_operand == "registers":
+    raise ValueError("GPU interpret mode's wgmma takes SMEM operands only (jax 0.11.2): "
+                     "use Tuning(a_operand='smem') to interpret the INT4 kernel")
+  items = work.work_list(group_sizes, m, tuning.rows)
+  scratch = [plgpu.SMEM((tuning.rows, tuning.block_n), x_mk.dtype)]
+  if int4 and tuning.a_operand == "smem":
+    scratch.append(plgpu.SMEM((2, tuning.block_n, CHUNK), x_mk.dtype, transforms=_SWIZZLED))
+  fn = plgpu.kernel(
+      _make_body(k, group or 0, int4, x_mk.dtype, tuning),
+      out_type=jax.ShapeDtypeStruct((m, n), x_mk.dtype),
+      scratch_types=scratch,
+      grid=(items.shape[1], n // tuning.block_n), grid_names=("w", "n"),
+      interpret=plgpu.InterpretGPUParams() if interpret else None)
+  return fn(items, x_mk, *weights)

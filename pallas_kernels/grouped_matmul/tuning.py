@@ -1,0 +1,51 @@
+"""Tuning knobs of the grouped expert matmul and the shape heuristic that picks them."""
+
+import dataclasses
+
+NUM_SMS = 132  # H200 SXM
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  """Static kernel configuration (one compiled kernel per value).
+
+  rows: R, token rows per work item = the wgmma N dimension (multiple of 8, <= 256).
+  block_n: output columns per CTA = wgmma M (64 or 128: one or two 64-row wgmma groups).
+  block_k: K per pipeline step (multiple of 64; the INT4 path dequantises it 64 columns at a time).
+  stages: pipeline steps in flight (SMEM ring depth).
+  a_operand: INT4 only: the dequantised W^T goes to wgmma from "registers" or through "smem".
+  """
+  rows: int = 32
+  block_n: int = 128
+  block_k: int = 256
+  stages: int = 4
+  a_operand: str = "registers"
+
+  def __post_init__(self):
+    if self.rows % 8 or not 8 <= self.rows <= 256:
+      raise ValueError(f"{self.rows=} must be a multiple of 8 in [8, 256]")
+    if self.block_n not in (64, 128):
+      raise ValueError(f"{self.block_n=} must be 64 or 128")
+    if self.block_k % 64 or self.block_k <= 0:
+      raise ValueError(f"{self.block_k=} must be a positive multiple of 64")
+    if self.stages < 2:
+      raise ValueError(f"{self.stages=} must be >= 2")
+    if self.a_operand not in ("registers", "smem"):
+      raise ValueError(f"{self.a_operand=} must be 'registers' or 'smem'")
+
+
+def default_tuning(m: int, g: int, k: int, n: int, int4: bool, interpret: bool = False) -> Tuning:
+  """R from the expected rows per touched expert (+7 for the 8-aligned window), capped at 64.
+
+  INT4 weight tiles are 4x smaller than bf16 ones, so INT4 takes 4x longer K steps for the same
+  bytes per step (bf16 [128, 128] = INT4 [128, 256] x 2 in SMEM terms; both fit 4 stages).
+  """
+  per_expert = -(-m // max(min(g, m), 1)) + 7
+  rows = 8
+  while rows < min(per_expert, 64):
+    rows *= 2
+  block_k = 256 if int4 else 128
+  while k % block_k:
+    block_k //= 2
+  return Tuning(rows=rows, block_k=max(block_k, 64), block_n=128 if n % 128 == 0 else 64,
+                a_operand="smem" if interpret else "registers")
