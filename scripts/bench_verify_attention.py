@@ -34,7 +34,8 @@ flags.DEFINE_bool("must_show_first", True, "run the issue's must-show shapes bef
 flags.DEFINE_integer("reps", 20, "timed repetitions (median reported)")
 flags.DEFINE_float("budget_s", 300.0, "stop starting new shapes after this many seconds")
 flags.DEFINE_string("json_out", "", "JSON lines output")
-flags.DEFINE_string("tunings", "", "extra kernel variants: ';'-separated k=v,k=v (e.g. shared_p=0)")
+flags.DEFINE_string("tunings", "", "extra kernel variants for every shape: ';'-separated k=v,k=v")
+flags.DEFINE_bool("probe_variants", True, "time the PROBES variants on their shapes (notes/kernel.md)")
 flags.DEFINE_bool("skip_xla", False, "do not time the XLA baseline")
 flags.DEFINE_string("cache_dir", "/tmp/kdtree_jax_compile_cache", "persistent compilation cache")
 
@@ -43,6 +44,11 @@ C, R, L2_BYTES = 576, 512, 60e6
 MUST_SHOW = [(1, 1, 8, 46000), (1, 1, 8, 131072), (1, 8, 8, 46000), (1, 16, 8, 46000),
              (1, 64, 8, 46000), (1, 64, 64, 46000), (1, 8, 64, 46000), (1, 16, 64, 46000),
              (1, 32, 64, 46000)]
+# Knob variants timed beside the default on a few shapes (predictions in notes/kernel.md).
+PROBES = {(1, 1, 8, 46000): "num_splits=66;bf16_partials=0",
+          (1, 16, 8, 46000): "num_splits=33;bf16_partials=0;shared_p=0",
+          (1, 64, 8, 46000): "num_splits=8;shared_p=0",
+          (1, 64, 64, 46000): "num_splits=1;shared_p=0"}
 
 
 def xla_baseline(q, cache, lengths, tree_mask, *, scale):
@@ -119,7 +125,8 @@ def bench_shape(b, n, h, l, ceil, scale=1.0 / math.sqrt(C)):
   byts, flops, floor_us = shape_cost(b, n, h, l, sets[0][2], ceil)
   ref = jax.jit(lambda *a: reference.tree_verify_attention_reference(*a, scale=scale)[0])(*sets[0])
   rows = []
-  for name, t in parse_tunings(FLAGS.tunings, b, n, h, l):
+  spec = FLAGS.tunings + (";" + PROBES.get((b, n, h, l), "") if FLAGS.probe_variants else "")
+  for name, t in parse_tunings(spec, b, n, h, l):
     fn = lambda q, c, le, m, t=t: api.tree_verify_attention(q, c, le, m, scale=scale,
                                                               backend="pallas", tuning=t)
     err, finite = check(jax.jit(fn)(*sets[0]), ref)

@@ -43,15 +43,21 @@ def glue_bytes(b, n, h, l, r=512):
   return {"words": words, "merge": merge}, s
 
 
+def partial_mb(b, n, h, s, r=512):
+  """The floor of the split partials' traffic: written once by the kernel, read once by the merge
+  (bf16 O + f32 LSE), 0 with one split."""
+  return 0.0 if s == 1 else 2 * b * s * n * h * (2 * r + 4) / 1e6
+
+
 def main(_):
   bw = _TBPS.value * 1e6  # bytes per us
   print(f"{'shape BxNxHxL':>16} {'splits':>6} {'words KB':>9} {'merge MB':>9} "
-        f"{'merge us at ' + str(_TBPS.value) + ' TB/s':>20}")
+        f"{'merge us at ' + str(_TBPS.value) + ' TB/s':>20} {'partials MB (w+r, bf16)':>24}")
   for shape in _SHAPES.value:
     b, n, h, l = (int(x) for x in shape.split("x"))
     costs, s = glue_bytes(b, n, h, l)
     print(f"{shape:>16} {s:>6} {costs['words'] / 1e3:9.2f} {costs['merge'] / 1e6:9.2f} "
-          f"{costs['merge'] / bw:20.2f}")
+          f"{costs['merge'] / bw:20.2f} {partial_mb(b, n, h, s):24.2f}")
 
 
 if __name__ == "__main__":
