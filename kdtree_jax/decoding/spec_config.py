@@ -1,10 +1,14 @@
 """Static settings of one decoding run (hashable: part of the jit cache key)."""
 
 import dataclasses
+from typing import Any
 
+from kdtree_jax.cli import UsageError
 from kdtree_jax.decoding.sampling import SamplingConfig
 
 MODES = ("ar", "chain", "ddtree")
+# budget="auto": tree node counts compiled (8k - 1 nodes: with the root, x 8 heads = 64k rows).
+AUTO_NODE_COUNTS = (7, 15, 31, 63)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -12,7 +16,7 @@ class SpecConfig:
   """mode: 'ar' (no draft), 'chain' (DFlash greedy block), 'ddtree' (best-first tree of `budget`)."""
 
   mode: str = "ddtree"
-  budget: int = 32
+  budget: int | str = 32  # or 'auto': per step, the width of most tokens per modelled second
   block_size: int = 16
   max_new_tokens: int = 128
   sampling: SamplingConfig = SamplingConfig()
@@ -20,16 +24,27 @@ class SpecConfig:
   # Benchmarks with random weights only: the target "agrees" with the draft along the first-child
   # spine for `forced_accept` nodes (a fixed acceptance pattern). -1 = real acceptance.
   forced_accept: int = -1
+  # budget='auto' only: a decoding.budget.AutoBudget (node counts, cost table, acceptance
+  # calibration); None = default node counts and the analytic cost of the run's own target.
+  auto: Any = None
 
   def __post_init__(self):
     if self.mode not in MODES:
-      raise ValueError(f"mode {self.mode!r} must be one of {MODES}")
-    if self.mode == "ddtree" and self.budget < 1:
-      raise ValueError(f"{self.budget=} must be >= 1 for ddtree")
+      raise UsageError("mode", f"{self.mode!r} is not a mode; choose one of {', '.join(MODES)}")
+    if isinstance(self.budget, str) and self.budget != "auto":
+      raise UsageError("budget", f"{self.budget!r} is not a budget; give a node count (e.g. 32) "
+                       "or 'auto'")
+    if self.budget == "auto" and self.mode != "ddtree":
+      raise UsageError("budget", f"'auto' chooses DDTree widths; it needs mode 'ddtree', not "
+                       f"{self.mode!r}")
+    if self.mode == "ddtree" and self.budget != "auto" and self.budget < 1:
+      raise UsageError("budget", f"{self.budget} is too small; ddtree verifies budget >= 1 "
+                       "tree nodes per step (e.g. 32)")
     if self.mode != "ar" and self.block_size < 2:
-      raise ValueError(f"{self.block_size=} must be >= 2 to draft anything")
+      raise UsageError("draft.block_size", f"{self.block_size} is too small; mode "
+                       f"{self.mode!r} drafts block_size - 1 >= 1 tokens per step")
     if self.max_new_tokens < 1:
-      raise ValueError(f"{self.max_new_tokens=} must be >= 1")
+      raise UsageError("max_new_tokens", f"{self.max_new_tokens} is too small; it must be >= 1")
 
   @property
   def depth(self) -> int:
@@ -39,7 +54,14 @@ class SpecConfig:
   @property
   def verify_width(self) -> int:
     """N: tree nodes verified per step, root (the bonus token) included."""
-    return {"ar": 1, "chain": self.block_size, "ddtree": self.budget + 1}[self.mode]
+    return {"ar": 1, "chain": self.block_size, "ddtree": self.max_budget + 1}[self.mode]
+
+  @property
+  def max_budget(self) -> int:
+    """Tree nodes built per step: `budget`, or the largest compiled width of budget='auto'."""
+    if self.budget != "auto":
+      return self.budget
+    return self.auto.max_nodes if self.auto is not None else AUTO_NODE_COUNTS[-1]
 
   @property
   def commit_width(self) -> int:

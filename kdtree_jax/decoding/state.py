@@ -21,6 +21,7 @@ class DecodeState:
   steps []: steps taken; accepted [S, B]: tokens committed per step (0 once done).
   capacity []: logical max_len; rows are committed up to it in every mode (the cache has N
     more physical rows of tree scratch, rounded up to a multiple of 64 for the kernel's tiles).
+  widths [S]: tree nodes verified per step (budget='auto' only; None otherwise).
   """
 
   cache: LatentCache
@@ -35,3 +36,4 @@ class DecodeState:
   steps: jax.Array
   accepted: jax.Array
   capacity: jax.Array
+  widths: Any = None

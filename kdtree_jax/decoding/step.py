@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from kdtree_jax import tree as ddtree
 from kdtree_jax.cache import compact_rows
-from kdtree_jax.decoding import sampling
+from kdtree_jax.decoding import budget, sampling
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.decoding.state import DecodeState
 from kdtree_jax.draft import model as draft_model
@@ -56,13 +56,14 @@ def draft_block_phase(dcfg, dparams, tparams, spec: SpecConfig, state: DecodeSta
 
 
 def tree_phase(spec: SpecConfig, draft_logits_bdv, batch: int) -> Tree:
-  """The verify tree: root only ('ar'), the greedy chain, or the DDTree of `budget` nodes."""
+  """The verify tree: root only ('ar'), the greedy chain, or the DDTree of `budget` nodes (of
+  the largest compiled width for budget='auto': the verify step picks a prefix of it)."""
   if spec.mode == "ar":
     return Tree(jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0), jnp.int32),
                 jnp.full((batch, 1), -1, jnp.int32), jnp.ones((batch, 1, 1), bool))
   if spec.mode == "chain":
     return Tree(*jax.vmap(ddtree.build_chain)(draft_logits_bdv))
-  return Tree(*jax.vmap(lambda x: ddtree.build_ddtree(x, spec.budget))(draft_logits_bdv))
+  return Tree(*jax.vmap(lambda x: ddtree.build_ddtree(x, spec.max_budget))(draft_logits_bdv))
 
 
 def verify_phase(tcfg, tparams, spec: SpecConfig, state: DecodeState, tree: Tree, tap_layers):
@@ -140,8 +141,28 @@ def commit_phase(spec: SpecConfig, eos_id, state: DecodeState, cache, draft_cach
       steps=state.steps + 1)
 
 
-def speculative_step(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: DecodeState):
-  """The whole step as one pure function (jit it, or run it inside the device loop)."""
+def verify_chosen_width(tcfg, tparams, dcfg, spec: SpecConfig, state: DecodeState, tree: Tree,
+                        draft_logits, tap_layers, width_index=None):
+  """Verify phase; budget='auto' verifies the prefix of the tree chosen by `budget.verify_auto`.
+
+  Returns (logits, cache, taps, tree as verified, nodes verified or None).
+  """
+  verify = lambda tr: verify_phase(tcfg, tparams, spec, state, tr, tap_layers)
+  if spec.budget != "auto":
+    return (*verify(tree), tree, None)
+  auto = budget.resolve(spec.auto, tcfg, dcfg)
+  logits, cache, taps, tree, rec = budget.verify_auto(auto, tree, draft_logits, state, verify,
+                                                      width_index)
+  return logits, cache, taps, tree, rec["nodes"]
+
+
+def speculative_step(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: DecodeState,
+                     width_index=None):
+  """The whole step as one pure function (jit it, or run it inside the device loop).
+
+  width_index (budget='auto' only; traced int or None): verify this compiled width instead of
+  the chosen one (step-cost calibration).
+  """
   key, sub = jax.random.split(state.key)
   tap_layers = () if spec.mode == "ar" else tuple(dcfg.target_layer_ids)
   b = state.bonus.shape[0]
@@ -152,10 +173,14 @@ def speculative_step(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: Deco
   with jax.named_scope("tree"):
     tree = tree_phase(spec, draft_logits, b)
   with jax.named_scope("verify"):
-    logits, cache, taps = verify_phase(tcfg, tparams, spec, state, tree, tap_layers)
+    logits, cache, taps, tree, nodes = verify_chosen_width(
+        tcfg, tparams, dcfg, spec, state, tree, draft_logits, tap_layers, width_index)
   with jax.named_scope("accept"):
     room = jnp.maximum(state.capacity - cache.lengths - 1, 0)
     path, a, nxt = accept_phase(spec, tree, logits, sub, room)
   with jax.named_scope("commit"):
-    return commit_phase(spec, tcfg.eos_token_id, state, cache, draft_cache, tree, taps, path, a,
-                        nxt, key)
+    new = commit_phase(spec, tcfg.eos_token_id, state, cache, draft_cache, tree, taps, path, a,
+                       nxt, key)
+  if nodes is not None and state.widths is not None:  # budget='auto': the width verified
+    new = new.replace(widths=state.widths.at[state.steps].set(nodes))
+  return new
