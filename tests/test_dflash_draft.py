@@ -215,7 +215,7 @@ def test_checkpoint_round_trip_and_sharded(tmp_path):
   (shard / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
   (shard / "config.json").write_text((tmp_path / "a" / "config.json").read_text())
   _, params3 = draft.load_dflash_checkpoint(str(shard), dtype=jnp.bfloat16)
-  assert params3["layers"]["q_proj"].dtype == jnp.bfloat16
+  assert params3["layers"][0]["q_proj"].dtype == jnp.bfloat16
   jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x, np.float32), y, rtol=1e-2),
                params3, params)
 

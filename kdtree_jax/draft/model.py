@@ -1,18 +1,22 @@
 """DFlash draft forward: pure functions over a params pytree (Qwen3-style layers).
 
 Letters: B batch, T new ctx tokens, C cache rows, S block tokens, A anchors, D hidden,
-H query heads, G kv heads, E head_dim, F ffn, V vocab, Y draft layers.
+H query heads, G kv heads, R = H/G heads per kv head, E head_dim, F ffn, V vocab, Y layers.
 
-Params (HF Linear [out, in] stored as [in, out]; per-layer tensors stacked on a leading Y):
-  fc [n_tap*D, D], hidden_norm [D], norm [D], layers: q_proj [Y, D, H*E], k_proj / v_proj
-  [Y, D, G*E], o_proj [Y, H*E, D], q_norm / k_norm [Y, E], input_layernorm /
-  post_attention_layernorm [Y, D], gate_proj / up_proj [Y, D, F], down_proj [Y, F, D].
+Params (HF Linear [out, in] stored as [in, out]): fc [n_tap*D, D], hidden_norm [D], norm [D],
+layers: a tuple of Y dicts (one per layer, so no step slices a stacked weight): q_proj
+[D, H*E], k_proj / v_proj [D, G*E], o_proj [H*E, D], q_norm / k_norm [E], input_layernorm /
+post_attention_layernorm [D], gate_proj / up_proj [D, F], down_proj [F, D].
 
-Attention rule (z-lab inference, SpecForge training): a block query at position p sees ctx
-keys of committed tokens at positions < the block start, and the block's own keys (all of
-them; only earlier ones in causal layers: sliding layers unless config.is_causal says
-otherwise). Sliding layers additionally keep only keys with p - key_pos < sliding_window
-(left bound only, as SpecForge; z-lab adds a right bound that bites only if window < block).
+Attention rule: z-lab's reference (github.com/z-lab/dflash dflash/model.py, run by its
+dflash_generate on transformers 4.57.1's flash-attention path; notes/dflash_reference.md). A
+block query at position p sees the ctx keys of committed tokens (positions < the block start)
+and every key of its own block, in every layer (non-causal; causal only if config.is_causal).
+Sliding layers keep only keys with |p - key_pos| < window, on ctx and block keys alike.
+
+Inference attention: the ctx part reads the cache in place (bf16 when the cache is bf16, f32
+scores and softmax statistics) and the block part attends to the block's own K/V; the two are
+merged through their log-sum-exps, so no step copies or concatenates the ctx K/V.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from kdtree_jax.draft.config import DraftConfig
 
 @struct.dataclass
 class DraftCache:
-  """Dense draft ctx K/V: k, v = one [B, C, G, E] buffer per draft layer (k normed + roped),
-  pos [B, C], ctx_len [B]. Separate per-layer buffers are written in place (see cache.py)."""
+  """Dense draft ctx K/V: k, v = one [B, G, C, E] buffer per draft layer (k normed + roped;
+  kv heads before rows so attention reads each head's rows as one contiguous matrix), pos [B, C],
+  ctx_len [B]. Separate per-layer buffers are written in place (see cache.py)."""
 
   k: tuple
   v: tuple
@@ -37,7 +42,7 @@ class DraftCache:
 
 def init_draft_cache(cfg: DraftConfig, batch: int, max_ctx: int, dtype=jnp.bfloat16) -> DraftCache:
   """Empty cache. Keep max_ctx >= longest context + T (materialize writes T rows at ctx_len)."""
-  shape = (batch, max_ctx, cfg.num_key_value_heads, cfg.head_dim)
+  shape = (batch, cfg.num_key_value_heads, max_ctx, cfg.head_dim)
   layers = range(cfg.num_hidden_layers)
   return DraftCache(k=tuple(jnp.zeros(shape, dtype) for _ in layers),
                     v=tuple(jnp.zeros(shape, dtype) for _ in layers),
@@ -50,17 +55,20 @@ def init_draft_params(rng, cfg: DraftConfig, target_hidden: int, n_taps: int, dt
   _check_target(cfg, target_hidden)
   if n_taps != cfg.n_taps:
     raise ValueError(f"{n_taps=} != len(cfg.target_layer_ids)={cfg.n_taps}")
-  D, Y, E, F = cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim, cfg.intermediate_size
+  D, E, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
   HE, GE = cfg.num_attention_heads * E, cfg.num_key_value_heads * E
-  shapes = dict(q_proj=(Y, D, HE), k_proj=(Y, D, GE), v_proj=(Y, D, GE), o_proj=(Y, HE, D),
-                gate_proj=(Y, D, F), up_proj=(Y, D, F), down_proj=(Y, F, D))
-  keys = jax.random.split(rng, len(shapes) + 1)
+  shapes = dict(q_proj=(D, HE), k_proj=(D, GE), v_proj=(D, GE), o_proj=(HE, D),
+                gate_proj=(D, F), up_proj=(D, F), down_proj=(F, D))
+  norms = dict(q_norm=E, k_norm=E, input_layernorm=D, post_attention_layernorm=D)
+  fc_key, *layer_keys = jax.random.split(rng, cfg.num_hidden_layers + 1)
   normal = lambda k, s: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype)
-  layers = {n: normal(k, s) for (n, s), k in zip(shapes.items(), keys[1:])}
-  for n, d in (("q_norm", E), ("k_norm", E), ("input_layernorm", D), ("post_attention_layernorm", D)):
-    layers[n] = jnp.ones((Y, d), dtype)
-  return dict(fc=normal(keys[0], (n_taps * D, D)), hidden_norm=jnp.ones((D,), dtype),
-              norm=jnp.ones((D,), dtype), layers=layers)
+
+  def layer(key):
+    lp = {n: normal(k, s) for (n, s), k in zip(shapes.items(), jax.random.split(key, len(shapes)))}
+    return lp | {n: jnp.ones((d,), dtype) for n, d in norms.items()}
+
+  return dict(fc=normal(fc_key, (n_taps * D, D)), hidden_norm=jnp.ones((D,), dtype),
+              norm=jnp.ones((D,), dtype), layers=tuple(layer(k) for k in layer_keys))
 
 
 def _check_target(cfg: DraftConfig, target_hidden: int):
@@ -107,56 +115,77 @@ def _kv(lp, cfg, x_btd, pos_bt):
   return k, v
 
 
-def _layer_params(params, i):
-  """Layer i's slice of the stacked layer params."""
-  return jax.tree.map(lambda a: a[i], params["layers"])
-
-
 def materialize_context(params, cfg: DraftConfig, cache: DraftCache, taps_btf, positions_bt,
                         num_valid_b) -> DraftCache:
   """Append ctx K/V of T new committed tokens at rows [ctx_len, ctx_len+T); ctx_len += num_valid."""
   c = context_feature(params, cfg, taps_btf)
-  ks, vs = zip(*(_kv(_layer_params(params, i), cfg, c, positions_bt)
-                 for i in range(cfg.num_hidden_layers)))
 
-  def put(dst_cge, src_tge, at):
-    return jax.lax.dynamic_update_slice(dst_cge, src_tge.astype(dst_cge.dtype), (at, 0, 0))
+  def put(dst_gce, src_tge, at):
+    src_gte = jnp.swapaxes(src_tge, 0, 1).astype(dst_gce.dtype)
+    return jax.lax.dynamic_update_slice(dst_gce, src_gte, (0, at, 0))
 
   put_b = jax.vmap(put)
+  ks, vs = [], []
+  for lp, k_cache, v_cache in zip(params["layers"], cache.k, cache.v):
+    k, v = _kv(lp, cfg, c, positions_bt)
+    ks.append(put_b(k_cache, k, cache.ctx_len))
+    vs.append(put_b(v_cache, v, cache.ctx_len))
   pos = jax.vmap(lambda p, s, at: jax.lax.dynamic_update_slice(p, s, (at,)))(
       cache.pos, positions_bt.astype(jnp.int32), cache.ctx_len)
-  return DraftCache(k=tuple(put_b(d, s, cache.ctx_len) for d, s in zip(cache.k, ks)),
-                    v=tuple(put_b(d, s, cache.ctx_len) for d, s in zip(cache.v, vs)),
-                    pos=pos, ctx_len=cache.ctx_len + num_valid_b.astype(jnp.int32))
+  return DraftCache(k=tuple(ks), v=tuple(vs), pos=pos,
+                    ctx_len=cache.ctx_len + num_valid_b.astype(jnp.int32))
 
 
 def _window_ok(q_pos, k_pos, window):
-  """Sliding-window visibility |q_pos - k_pos| < window (all True for full attention)."""
-  return jnp.ones_like(q_pos - k_pos, bool) if window is None else jnp.abs(q_pos - k_pos) < window
+  """Sliding-window visibility |q_pos - k_pos| < window (None: full attention, all visible)."""
+  return None if window is None else jnp.abs(q_pos - k_pos) < window
 
 
-def _attend(q_bshe, k_bkge, v_bkge, mask_bsk):
-  """GQA softmax attention in f32 -> [B, S, H*E]."""
+def _both(a, b):
+  """a & b where None means all True."""
+  return b if a is None else a if b is None else a & b
+
+
+def _partial_attention(q_bgrse, k_bgke, v_bgke, ok_bsk, scale):
+  """Unnormalised softmax attention over one key set; inputs in the K/V dtype, f32 statistics.
+
+  Returns o [B, G, R, S, E] = sum_k exp(s - m) v, m [B, G, R, S] (row max, -inf if no key is
+  visible) and l [B, G, R, S] = sum_k exp(s - m). ok_bsk (None: all visible) broadcasts over S.
+  """
+  s = jnp.einsum("bgrse,bgke->bgrsk", q_bgrse.astype(k_bgke.dtype), k_bgke,
+                 preferred_element_type=jnp.float32) * scale
+  if ok_bsk is not None:
+    s = jnp.where(ok_bsk[:, None, None], s, -jnp.inf)
+  m = jnp.max(s, axis=-1)
+  p = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m)[..., None])
+  o = jnp.einsum("bgrsk,bgke->bgrse", p.astype(v_bgke.dtype), v_bgke,
+                 preferred_element_type=jnp.float32)
+  return o, m, jnp.sum(p, axis=-1)
+
+
+def _merged_attention(q_bshe, parts, scale):
+  """Softmax attention over the union of key sets [(k_bgke, v_bgke, ok_bsk)], merged through
+  their log-sum-exps (every query must see at least one key) -> [B, S, H*E] in q's dtype."""
   B, S, H, E = q_bshe.shape
-  G = k_bkge.shape[2]
-  q = q_bshe.reshape(B, S, G, H // G, E).astype(jnp.float32)
-  s = jnp.einsum("bsgre,bkge->bgrsk", q, k_bkge.astype(jnp.float32)) * E ** -0.5
-  s = jnp.where(mask_bsk[:, None, None], s, -jnp.inf)
-  p = jax.nn.softmax(s, axis=-1)
-  o = jnp.einsum("bgrsk,bkge->bsgre", p, v_bkge.astype(jnp.float32))
-  return o.reshape(B, S, H * E).astype(q_bshe.dtype)
+  G = parts[0][0].shape[1]
+  q = q_bshe.reshape(B, S, G, H // G, E).transpose(0, 2, 3, 1, 4)
+  outs = [_partial_attention(q, k, v, ok, scale) for k, v, ok in parts]
+  m = jnp.max(jnp.stack([m for _, m, _ in outs]), axis=0)
+  num = sum(o * jnp.exp(mi - m)[..., None] for o, mi, _ in outs)
+  den = sum(l * jnp.exp(mi - m) for _, mi, l in outs)
+  o = (num / den[..., None]).transpose(0, 3, 1, 2, 4).reshape(B, S, H * E)
+  return o.astype(q_bshe.dtype)
 
 
-def _layer(lp, cfg, x_bsd, q_pos_bs, ctx_k, ctx_v, ctx_ok_bsc, blk_ok_bss):
-  """One draft decoder layer: block queries over [ctx keys | block keys]."""
+def _layer(lp, cfg, x_bsd, q_pos_bs, ctx_parts, blk_ok_bss):
+  """One draft decoder layer: block queries over the ctx key sets and the block's own keys."""
   B, S, _ = x_bsd.shape
   h = rms_norm(x_bsd, lp["input_layernorm"], cfg.rms_norm_eps)
   q = (h @ lp["q_proj"]).reshape(B, S, cfg.num_attention_heads, cfg.head_dim)
   q = rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), q_pos_bs, cfg.rope_theta)
   kb, vb = _kv(lp, cfg, h, q_pos_bs)
-  k = jnp.concatenate([ctx_k.astype(kb.dtype), kb], axis=1)
-  v = jnp.concatenate([ctx_v.astype(vb.dtype), vb], axis=1)
-  o = _attend(q, k, v, jnp.concatenate([ctx_ok_bsc, blk_ok_bss], axis=-1))
+  blk = (jnp.swapaxes(kb, 1, 2), jnp.swapaxes(vb, 1, 2), blk_ok_bss)
+  o = _merged_attention(q, [*ctx_parts, blk], cfg.head_dim ** -0.5)
   x_bsd = x_bsd + o @ lp["o_proj"]
   h = rms_norm(x_bsd, lp["post_attention_layernorm"], cfg.rms_norm_eps)
   return x_bsd + (jax.nn.silu(h @ lp["gate_proj"]) * (h @ lp["up_proj"])) @ lp["down_proj"]
@@ -177,12 +206,12 @@ def _embed(params, cfg, tokens, embed_vd):
   return embed_vd[tokens].astype(params["fc"].dtype)
 
 
-def _block_mask(cfg, i, q_pos_bs, k_pos_bs, same_bss):
-  """Block-key visibility for layer i: same block, causal if the layer is, within window."""
-  ok = same_bss & _window_ok(q_pos_bs[:, :, None], k_pos_bs[:, None, :], cfg.window(i))
-  if cfg.causal(i):
-    ok = ok & (k_pos_bs[:, None, :] <= q_pos_bs[:, :, None])
-  return ok
+def _block_mask(cfg, i, q_pos_bs, same_bss=None):
+  """Block-key visibility for layer i (None: all visible): same block, |q - k| < window,
+  earlier-or-equal keys only if the config asks for causal blocks."""
+  q, k = q_pos_bs[:, :, None], q_pos_bs[:, None, :]
+  ok = _both(same_bss, _window_ok(q, k, cfg.window(i)))
+  return _both(ok, k <= q) if cfg.causal(i) else ok
 
 
 def make_block(cfg: DraftConfig, bonus_b):
@@ -196,26 +225,28 @@ def make_block(cfg: DraftConfig, bonus_b):
 
 def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, start_b, embed_vd,
                 head_dv):
-  """One non-causal block [bonus, MASK...] at positions start.. over the ctx cache -> [B, S, V] f32."""
+  """One non-causal block [bonus, MASK...] at positions start.. over the ctx cache -> [B, S, V] f32.
+
+  Ctx keys are the cache rows < ctx_len (every row of its static capacity is read, masked).
+  """
   B, S = block_tokens_bs.shape
   x = _embed(params, cfg, block_tokens_bs, embed_vd)
   q_pos = start_b.astype(jnp.int32)[:, None] + jnp.arange(S, dtype=jnp.int32)
-  C = cache.k[0].shape[1]
-  live = (jnp.arange(C)[None, None, :] < cache.ctx_len[:, None, None])
-  same = jnp.ones((B, S, S), bool)
-  for i in range(cfg.num_hidden_layers):
-    ctx_ok = live & _window_ok(q_pos[:, :, None], cache.pos[:, None, :], cfg.window(i))
-    blk_ok = _block_mask(cfg, i, q_pos, q_pos, same)
-    x = _layer(_layer_params(params, i), cfg, x, q_pos, cache.k[i], cache.v[i], ctx_ok, blk_ok)
+  C = cache.pos.shape[1]
+  live = (jnp.arange(C)[None, :] < cache.ctx_len[:, None])[:, None, :]  # [B, 1, C]
+  for i, lp in enumerate(params["layers"]):
+    ctx_ok = _both(live, _window_ok(q_pos[:, :, None], cache.pos[:, None, :], cfg.window(i)))
+    x = _layer(lp, cfg, x, q_pos, [(cache.k[i], cache.v[i], ctx_ok)], _block_mask(cfg, i, q_pos))
   return _logits(params, cfg, x, head_dv)
 
 
 def draft_train_forward(params, cfg: DraftConfig, ctx_taps_bsf, anchors_ba, block_tokens_bak,
                         embed_vd, head_dv):
-  """Training forward (DFlash recipe): A blocks per row, one masked attention -> [B, A, K, V] f32.
+  """Training forward (DFlash recipe): A blocks per row, one forward -> [B, A, K, V] f32.
 
   Block a sits at positions anchors[a] + 0..K-1; it sees ctx keys at positions < anchors[a]
-  (ctx row j = position j) and its own block keys; nothing else.
+  (ctx row j = position j) and its own block keys; nothing else. Same layers and attention
+  rule as draft_block.
   """
   B, Sc, _ = ctx_taps_bsf.shape
   _, A, K = block_tokens_bak.shape
@@ -227,10 +258,9 @@ def draft_train_forward(params, cfg: DraftConfig, ctx_taps_bsf, anchors_ba, bloc
   blk_id = jnp.repeat(jnp.arange(A), K)
   same = jnp.broadcast_to(blk_id[:, None] == blk_id[None, :], (B, A * K, A * K))
   before = ctx_pos[:, None, :] < anchor_q[:, :, None]
-  for i in range(cfg.num_hidden_layers):
-    lp = _layer_params(params, i)
+  for i, lp in enumerate(params["layers"]):
     ctx_k, ctx_v = _kv(lp, cfg, c, ctx_pos)
-    ctx_ok = before & _window_ok(q_pos[:, :, None], ctx_pos[:, None, :], cfg.window(i))
-    blk_ok = _block_mask(cfg, i, q_pos, q_pos, same)
-    x = _layer(lp, cfg, x, q_pos, ctx_k, ctx_v, ctx_ok, blk_ok)
+    ctx_ok = _both(before, _window_ok(q_pos[:, :, None], ctx_pos[:, None, :], cfg.window(i)))
+    ctx = (jnp.swapaxes(ctx_k, 1, 2), jnp.swapaxes(ctx_v, 1, 2), ctx_ok)
+    x = _layer(lp, cfg, x, q_pos, [ctx], _block_mask(cfg, i, q_pos, same))
   return _logits(params, cfg, x, head_dv).reshape(B, A, K, -1)
