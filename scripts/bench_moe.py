@@ -1,61 +1,224 @@
-"""The routed-expert FFN of one MoE layer at verify size: XLA ragged_dot vs the Mosaic grouped
-GEMM, bf16 experts vs INT4-resident experts (dequantised by XLA in front of the GEMM, or inside our
-fused Mosaic kernel, pallas_kernels/int4_matmul); checked against an f32 reference, CUPTI-timed.
+"""Routed experts on one GPU's share of K2.6 (top-8 over 384 experts, 48 held here), CUPTI-timed.
 
-  python scripts/bench_moe.py --tokens 65 --experts 48 --topk 8 --hidden 7168 --ffn 2048
+Three parts, in order of value (a time box loses the least):
+  1. `ffn`: the routed-expert FFN (3 grouped GEMMs + glue) at T in --tokens, bf16 and INT4,
+     our kernel vs XLA `ragged_dot` vs JAX's `ragged_dot_mgpu`: experts touched, weight bytes
+     needed, us, TB/s and % of the copy bandwidth measured in the same run.
+  2. `tune`: one grouped GEMM (gate, INT4 and bf16) at T in --tune_tokens for each --tunings.
+  3. `layer`: the whole MoE layer (router + routed + shared + glue) vs its weight-streaming floor.
+Every output is checked against the f32 XLA reference first. One JSON line per row in --out.
+
+  python scripts/bench_moe.py --out runs/bench_moe.jsonl
 """
 
-import os
-import sys
+import json
+import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from absl import app, flags  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from kdtree_jax import config as C
+from kdtree_jax import roofline
+from kdtree_jax.model import experts, int4, moe
+from kdtree_jax.model import params as P
+from pallas_kernels.grouped_matmul import Tuning, grouped_matmul
 
-from kdtree_jax import roofline  # noqa: E402
-from kdtree_jax.model import experts, int4  # noqa: E402
-
-_T = flags.DEFINE_integer("tokens", 65, "Tokens (verify width x batch).")
-_E = flags.DEFINE_integer("experts", 48, "Routed experts on this device.")
+_T = flags.DEFINE_list("tokens", ["1", "9", "17", "33", "65"], "Token counts (verify widths).")
+_TUNE_T = flags.DEFINE_list("tune_tokens", ["1", "65"], "Token counts of the tuning sweep.")
+_E = flags.DEFINE_integer("experts", 384, "Experts the router scores.")
+_EL = flags.DEFINE_integer("local", 48, "Experts held on this GPU (the first `local`).")
 _K = flags.DEFINE_integer("topk", 8, "Experts per token.")
 _D = flags.DEFINE_integer("hidden", 7168, "Hidden size.")
 _F = flags.DEFINE_integer("ffn", 2048, "Expert width.")
+_FORMATS = flags.DEFINE_list("formats", ["int4", "bf16"], "Expert weight formats.")
+_IMPLS = flags.DEFINE_list("impls", ["pallas", "xla", "mgpu"], "Grouped matmuls to compare.")
+_TUNINGS = flags.DEFINE_list(
+    "tunings", ["r16n128k256s4", "r16n64k256s4", "r16n128k128s4", "r16n128k512s3", "r8n128k256s6",
+                "r32n128k256s4", "r16n128k256s4smem"],
+    "Tuning sweep: rR nBN kBK sSTAGES [smem] (bf16 rows use kBK/2).")
+_PARTS = flags.DEFINE_list("parts", ["ffn", "tune", "layer"], "Parts to run, in this order.")
+_OUT = flags.DEFINE_string("out", "runs/bench_moe.jsonl", "JSON lines output.")
+_REPS = flags.DEFINE_integer("reps", 20, "CUPTI repetitions (median).")
+
+
+def _route(key, t):
+  """Independent top-k of E experts per token; pairs outside the local stack contribute 0."""
+  scores = jax.random.uniform(key, (t, _E.value))
+  idx = jnp.argsort(-scores, axis=1)[:, :_K.value].astype(jnp.int32)
+  return idx, jax.random.uniform(jax.random.fold_in(key, 1), (t, _K.value), jnp.float32)
+
+
+def _weights(fmt):
+  e, d, f = _EL.value, _D.value, _F.value
+  ks = jax.random.split(jax.random.key(7), 3)
+  shapes = [(e, d, f), (e, d, f), (e, f, d)]
+  q = [int4.random_int4(k, s, 0.02) for k, s in zip(ks, shapes)]
+  return q if fmt == "int4" else [int4.dequantize(m, jnp.bfloat16) for m in q]
+
+
+def _expert_bytes(fmt):
+  """Bytes of one expert's three matrices (INT4: 0.5 B per weight + one bf16 scale per 32)."""
+  n = 3 * _D.value * _F.value
+  return n * (0.5 + 2 / 32) if fmt == "int4" else 2 * n
+
+
+def _mgpu_ffn(x, idx, w, gate, up, down):
+  """The expert FFN on JAX's ragged_dot_mgpu (bf16 only), same glue as ours."""
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # pylint: disable=import-outside-toplevel
+  blocks = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+  rd = lambda a, b, s: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, **blocks)
+  t, k = idx.shape
+  mine = idx.reshape(-1) < gate.shape[0]
+  key = jnp.where(mine, idx.reshape(-1), gate.shape[0])
+  order = jnp.argsort(key, stable=True)
+  sizes = jnp.bincount(key, length=gate.shape[0] + 1)[:-1].astype(jnp.int32)
+  xs = x[order // k]
+  h = jax.nn.silu(rd(xs, gate, sizes)) * rd(xs, up, sizes)
+  y = rd(h, down, sizes).astype(jnp.float32)
+  y = jnp.where(mine[order][:, None], y * w.reshape(-1)[order][:, None], 0.0)
+  return jnp.zeros((t, x.shape[1]), jnp.float32).at[order // k].add(y)
+
+
+def _time_us(fn, *args):
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=import-outside-toplevel
+  if jax.default_backend() != "gpu":
+    return 1e6 * roofline.wall_time_s(fn, *args, reps=3, warmup=1)
+  _, ts = profiler.measure(fn, iterations=_REPS.value)(*args)
+  return 1e3 * sorted(ts)[len(ts) // 2]
+
+
+def _rel(a, b):
+  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def _emit(rows, row, sink):
+  rows.append(row)
+  sink.write(json.dumps(row) + "\n")
+  sink.flush()
+  print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+        flush=True)
+
+
+def part_ffn(ceil, sink, rows):
+  for fmt in _FORMATS.value:
+    ws = _weights(fmt)
+    ref_ws = [int4.dequantize(m, jnp.float32) if fmt == "int4" else m.astype(jnp.float32)
+              for m in ws]
+    for t in map(int, _T.value):
+      idx, w = _route(jax.random.key(t), t)
+      x = jax.random.normal(jax.random.key(100 + t), (t, _D.value), jnp.bfloat16)
+      ref = experts.expert_ffn(x.astype(jnp.float32), idx, w, *ref_ws, impl="xla")
+      touched = int(jnp.unique(jnp.where(idx < _EL.value, idx, -1)).size - jnp.any(idx >= _EL.value))
+      need = touched * _expert_bytes(fmt)
+      for impl in _IMPLS.value:
+        if impl == "mgpu" and fmt != "bf16":
+          continue
+        fn = (jax.jit(_mgpu_ffn) if impl == "mgpu" else
+              jax.jit(lambda x, i, w, ws, impl=impl: experts.expert_ffn(x, i, w, *ws, impl=impl)))
+        args = (x, idx, w, *ws) if impl == "mgpu" else (x, idx, w, ws)
+        row = dict(part="ffn", fmt=fmt, impl=impl, T=t, experts_touched=touched,
+                   bytes_needed=need)
+        try:
+          row["rel_err"] = _rel(fn(*args), ref)
+          row["us"] = _time_us(fn, *args)
+        except Exception as ex:  # one failing variant must not hide the rest
+          row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+        else:
+          row["tbps"] = need / row["us"] / 1e6
+          row["pct_copy"] = 100 * row["tbps"] / ceil["copy_tbps"]
+          row["pct_floor_plus_10us"] = 100 * (need / ceil["copy_tbps"] / 1e6 + 10) / row["us"]
+        _emit(rows, row, sink)
+
+
+def _parse_tuning(s, fmt):
+  smem = s.endswith("smem")
+  s = s.removesuffix("smem")
+  r, rest = s[1:].split("n")
+  n, rest = rest.split("k")
+  k, st = rest.split("s")
+  k = int(k) if fmt == "int4" else int(k) // 2
+  return Tuning(rows=int(r), block_n=int(n), block_k=k, stages=int(st),
+                a_operand="smem" if smem else "registers")
+
+
+def part_tune(ceil, sink, rows):
+  for fmt in _FORMATS.value:
+    gate = _weights(fmt)[0]
+    ops = (gate.packed, gate.scale) if fmt == "int4" else (gate,)
+    for t in map(int, _TUNE_T.value):
+      idx, _ = _route(jax.random.key(t), t)
+      key = jnp.where(idx.reshape(-1) < _EL.value, idx.reshape(-1), _EL.value)
+      sizes = jnp.bincount(key, length=_EL.value + 1)[:-1].astype(jnp.int32)
+      x = jax.random.normal(jax.random.key(5), (t * _K.value, _D.value), jnp.bfloat16)
+      ref = grouped_matmul(x, ops, sizes, backend="xla")
+      live = int(sizes.sum())
+      need = int((sizes > 0).sum()) * _expert_bytes(fmt) / 3
+      for name in _TUNINGS.value:
+        tun = _parse_tuning(name, fmt)
+        row = dict(part="tune", fmt=fmt, T=t, tuning=name, bytes_needed=need)
+        fn = jax.jit(lambda x, ops, s, tun=tun: grouped_matmul(x, ops, s, backend="pallas",
+                                                             tuning=tun))
+        try:
+          row["rel_err"] = _rel(fn(x, ops, sizes)[:live], ref[:live])
+          row["us"] = _time_us(fn, x, ops, sizes)
+        except Exception as ex:
+          row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+        else:
+          row["tbps"] = need / row["us"] / 1e6
+          row["pct_copy"] = 100 * row["tbps"] / ceil["copy_tbps"]
+        _emit(rows, row, sink)
+
+
+def part_layer(ceil, sink, rows):
+  """The whole MoE layer of bench_k26 (INT4 routed experts) at T=65 vs its weight floor."""
+  cfg = C.bench_k26(layers=2).replace(n_routed_experts=_E.value, num_local_experts=_EL.value,
+                                      hidden_size=_D.value, moe_intermediate_size=_F.value,
+                                      num_experts_per_tok=_K.value)
+  p = P.init_params(jax.random.key(0), cfg, jnp.bfloat16, int4_experts=True)["layers"][1]["moe"]
+  for t in map(int, _T.value):
+    x = jax.random.normal(jax.random.key(t), (t, cfg.hidden_size), jnp.bfloat16)
+    fn = jax.jit(lambda p, x: moe.moe(p, cfg, x))
+    idx, _ = moe.route(p, cfg, x)
+    touched = int(jnp.unique(jnp.where(idx < _EL.value, idx, -1)).size - jnp.any(idx >= _EL.value))
+    other = sum(v.nbytes for v in jax.tree.leaves([p["router"], p["bias"], p.get("shared", {})]))
+    need = touched * _expert_bytes("int4") + other
+    row = dict(part="layer", fmt="int4", T=t, experts_touched=touched, bytes_needed=need)
+    try:
+      row["us"] = _time_us(fn, p, x)
+    except Exception as ex:
+      row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+    else:
+      row["floor_us"] = need / ceil["copy_tbps"] / 1e6
+      row["x_floor"] = row["us"] / row["floor_us"]
+    _emit(rows, row, sink)
+
+
+def _table(rows):
+  print("\npart  fmt  impl/tuning        T  touched      us    TB/s  %copy  note")
+  for r in rows:
+    name = r.get("impl", r.get("tuning", "moe"))
+    print(f"{r['part']:5} {r['fmt']:4} {name:18} {r['T']:3} {r.get('experts_touched', '-')!s:>7} "
+          f"{r.get('us', float('nan')):8.1f} {r.get('tbps', float('nan')):6.2f} "
+          f"{r.get('pct_copy', float('nan')):6.1f}  "
+          f"{r.get('error', '') or ('x floor %.2f' % r['x_floor'] if 'x_floor' in r else '')}")
 
 
 def main(_):
-  t, e, k, d, f = _T.value, _E.value, _K.value, _D.value, _F.value
-  ks = jax.random.split(jax.random.key(0), 6)
-  x = jax.random.normal(ks[0], (t, d), jnp.bfloat16)
-  idx = jnp.argsort(jax.random.uniform(ks[1], (t, e)), axis=1)[:, :k].astype(jnp.int32)
-  w = jax.random.uniform(ks[2], (t, k), jnp.float32)
-  mats = [jax.random.normal(ks[3 + i], s, jnp.float32) * 0.02
-          for i, s in enumerate([(e, d, f), (e, d, f), (e, f, d)])]
-  q = [int4.quantize(np.asarray(m)) for m in mats]
-  deq = [int4.dequantize(m, jnp.bfloat16) for m in q]
-  ref = experts.expert_ffn(x.astype(jnp.float32), idx, w,
-                           *[m.astype(jnp.float32) for m in deq])
-  ceil = roofline.measure_ceilings()
-  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=import-outside-toplevel
-  print(f"T={t} E={e} K={k} D={d} F={f}; copy {ceil['copy_tbps']:.2f} TB/s")
-  # int4 "auto": dequantised by XLA in front of the Mosaic bf16 GEMM; "mosaic": the fused kernel.
-  rows = [("bf16", "xla", deq), ("bf16", "mosaic", deq), ("int4", "xla", q), ("int4", "auto", q),
-          ("int4", "mosaic", q)]
-  for wname, impl, ws in rows:
-    fn = jax.jit(lambda x, idx, w, ws, impl=impl: experts.expert_ffn(x, idx, w, *ws, impl=impl))
-    try:
-      out = fn(x, idx, w, ws)
-      err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-      _, ts = profiler.measure(fn, iterations=20)(x, idx, w, ws)
-      us = 1e3 * sorted(ts)[len(ts) // 2]
-    except Exception as ex:  # report and continue: one failing variant must not hide the rest
-      print(f"{wname:>5} {impl:>7}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
-      continue
-    nbytes = sum(m.packed.size // 2 + m.scale.nbytes if wname == "int4" else m.nbytes for m in ws)
-    print(f"{wname:>5} {impl:>7}: {us:8.1f} us  rel err {err:.2e}  weights {nbytes / 1e9:.2f} GB"
-          f"  {nbytes / us / 1e6:.2f} TB/s ({100 * nbytes / us / 1e6 / ceil['copy_tbps']:.0f}% of copy)")
+  import os  # pylint: disable=import-outside-toplevel
+  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
+  t0 = time.time()
+  ceil = roofline.measure_ceilings(small=jax.default_backend() != "gpu")
+  print(f"copy {ceil['copy_tbps']:.2f} TB/s, bf16 {ceil['mm_tflops']:.0f} TFLOP/s", flush=True)
+  rows = []
+  with open(_OUT.value, "w") as sink:
+    sink.write(json.dumps(dict(part="ceilings", **ceil)) + "\n")
+    for part in _PARTS.value:
+      {"ffn": part_ffn, "tune": part_tune, "layer": part_layer}[part](ceil, sink, rows)
+      print(f"[{time.time() - t0:.0f} s] part {part} done", flush=True)
+  _table(rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The one GPU measurement entry point: runs the named parts, each under its own time box, on one
+# device call; every part logs to $OUT/raw/<part>.log and writes its JSON lines beside it; at the
+# end raw/ is packed into $OUT/results.tgz (a device call returns at most 8 files; if the call is
+# cut off before that, raw/ comes back as it is).
+#   bash scripts/gpu_measure.sh OUT_DIR PART[:SECONDS] ...
+# Parts (single-GPU parts see GPU 0 only):
+#   moe_tests   grouped-matmul kernel GPU tests (bf16 + INT4, every code path)
+#   moe_bench   scripts/bench_moe.py: routed FFN per T, tuning sweep, whole MoE layer
+#   verify      scripts/gpu_verify_kernel.sh: tree-verify tests, per-kernel times, bench table
+#   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
+#   draft       scripts/bench_draft.py: the two draft phases at K2.6 draft width
+#   calibrate   scripts/calibrate_step_cost.py on configs/bench_k26_full.py
+#   sharding    scripts/check_sharding_gpu.py over all visible GPUs (2 on nvidia-h200-x2)
+# A persistent compilation cache ($OUT/../xla_cache, or JAX_COMPILATION_CACHE_DIR) is shared by
+# the parts of one call so each program compiles once.
+set -uo pipefail
+OUT=${1:?usage: gpu_measure.sh OUT_DIR PART[:SECONDS] ...}
+shift
+RAW="$OUT/raw"
+mkdir -p "$RAW"
+source "$(dirname "$0")/gpu_env.sh"
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/kdtree_xla_cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+quiet() { grep -v "^[IW][0-9]\{4\}" ; }
+one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
+
+run_part() {
+  local part=$1 secs=$2
+  case $part in
+    moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu tests/test_grouped_matmul_kernel.py ;;
+    moe_bench) one_gpu timeout "$secs" python3 scripts/bench_moe.py --out "$RAW/bench_moe.jsonl" ;;
+    verify) one_gpu timeout "$secs" bash scripts/gpu_verify_kernel.sh "$RAW" ;;
+    k26_full) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" ;;
+    draft) one_gpu timeout "$secs" python3 scripts/bench_draft.py --out "$RAW/bench_draft.jsonl" ;;
+    calibrate) one_gpu timeout "$secs" python3 scripts/calibrate_step_cost.py \
+                 --config configs/bench_k26_full.py --out "$RAW/step_cost_bench_k26_full.json" ;;
+    sharding) timeout "$secs" python3 scripts/check_sharding_gpu.py --out "$RAW/sharding.jsonl" ;;
+    *) echo "unknown part $part"; return 2 ;;
+  esac
+}
+
+echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$(nvidia-smi -L | wc -l)"
+for arg in "$@"; do
+  part=${arg%%:*}
+  secs=${arg#*:}
+  [ "$secs" = "$arg" ] && secs=300
+  t0=$(date +%s)
+  echo "== part $part (time box ${secs} s)"
+  run_part "$part" "$secs" 2>&1 | quiet > "$RAW/$part.log"
+  rc=${PIPESTATUS[0]}
+  echo "== part $part exit $rc after $(( $(date +%s) - t0 )) s"
+  tail -n 25 "$RAW/$part.log"
+done
+tar czf "$OUT/results.tgz" -C "$RAW" . && rm -rf "$RAW"
