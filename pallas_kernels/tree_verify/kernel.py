@@ -105,26 +105,34 @@ class _Ctx:
     self.__dict__.update(kw)
 
 
-def _visible(c, tile, shape):
+def _tile_words(c, tile):
+  """The 3 mask words (3 x [64] row vectors) a masked tile's tree keys can touch, from GMEM.
+  Issued before the tile's barrier wait, so their latency hides behind the KV load."""
+  w0 = lax.div(jnp.maximum(_tile_start(tile, c.t) - c.length, 0), masks.WORD)
+  rows = _row_tile(c.m_idx)
+  return w0, [plgpu.load(c.words_ref.at[c.b, w0 + j, rows], layout=_ROW, optimized=False)
+              for j in range(3)]
+
+
+def _visible(c, tile, words, shape):
   """[64, T] bool for a masked tile: key pos < len, or a tree key len + k (pos < E) whose bit k
-  is set in this row's mask words. The tile's tree keys span 3 words from w0 at most."""
-  start = _tile_start(tile, c.t)
-  pos = start + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  is set in this row's mask words (words from `_tile_words`: w0 and 3 row vectors)."""
+  w0, vecs = words
+  pos = _tile_start(tile, c.t) + plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                                        layout=plgpu.Layout.WGMMA)
   k = pos - c.length
-  w0 = lax.div(jnp.maximum(start - c.length, 0), masks.WORD)
-  words = [_bcast_rows(plgpu.load(c.words_ref.at[c.b, w0 + j, _row_tile(c.m_idx)], layout=_ROW,
-                                  optimized=False), shape) for j in range(3)]
   widx = lax.shift_right_arithmetic(k, 5) - w0
-  word = jnp.where(widx == 0, words[0], jnp.where(widx == 1, words[1], words[2]))
+  vecs = [_bcast_rows(v, shape) for v in vecs]
+  word = jnp.where(widx == 0, vecs[0], jnp.where(widx == 1, vecs[1], vecs[2]))
   bit = lax.shift_right_logical(word, k & (masks.WORD - 1)) & 1
   return (pos < c.length) | ((k >= 0) & (pos < c.end) & (bit != 0))
 
 
-def _softmax_update(c, s, tile, carry, masked):
-  """Mask (masked tiles only), online-softmax update; returns (p, alpha, (m, l))."""
+def _softmax_update(c, s, tile, carry, words):
+  """Mask (masked tiles: words given), online-softmax update; returns (p, alpha, (m, l))."""
   m, l = carry
-  if masked:
-    s = jnp.where(_visible(c, tile, s.shape), s, -jnp.inf)
+  if words is not None:
+    s = jnp.where(_visible(c, tile, words, s.shape), s, -jnp.inf)
   m_new = jnp.maximum(m, s.max(axis=1))
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet: p = 0
   alpha = jnp.exp2(m - m_use)
@@ -160,10 +168,11 @@ def _step_scorer(c, w, i, carry, masked):
   acc, m, l = carry
   tile = c.lo + i
   slot = lax.rem(i, c.t.stages)
+  words = _tile_words(c, tile) if masked else None
   plgpu.barrier_wait(c.kv_bar.at[slot])
   kv = c.kv_smem.at[slot]
   s = _scores(c.q_smem, kv) * c.scale_log2
-  p, alpha, (m, l) = _softmax_update(c, s, tile, (m, l), masked)
+  p, alpha, (m, l) = _softmax_update(c, s, tile, (m, l), words)
   p16 = p.astype(c.dtype)
   a = p16
   if c.t.shared_p:
