@@ -57,10 +57,16 @@ def measure_context(run, tp, dp, st, gen):
               kernel_us=kernel_us, host_gap_us=None if kern is None else 1e3 * ms - kernel_us)
 
 
-def time_contexts(tcfg, tparams, dcfg, dparams, spec, ctxs, dtype, batch=1, gen=16):
-  """One compiled device loop for `spec`; one row per context (see the module docstring)."""
-  big = bench_state(tcfg, dcfg, spec, batch, max(ctxs), dtype, steps=4 * gen + 16)
-  run = loop_program(tcfg, dcfg, spec)
+def loop_state_steps(gen: int) -> int:
+  """Committed-row room a throughput state needs: warm-up, two timed chunks, a CUPTI chunk."""
+  return 4 * gen + 16
+
+
+def time_contexts(tcfg, tparams, dcfg, dparams, spec, ctxs, dtype, batch=1, gen=16, run=None):
+  """One compiled device loop for `spec` (`run`, e.g. a compiled `loop_program`, or jitted
+  here); one row per context (see the module docstring)."""
+  big = bench_state(tcfg, dcfg, spec, batch, max(ctxs), dtype, steps=loop_state_steps(gen))
+  run = run or loop_program(tcfg, dcfg, spec)
   rows = []
   for ctx in ctxs:
     m = measure_context(run, tparams, dparams, clone(at_context(big, spec, ctx)), gen)

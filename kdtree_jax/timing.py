@@ -68,3 +68,89 @@ def kernel_ms(fn, args, feed=same_args, iters=10):
   finally:
     timings = ext._cupti_get_timings(True)  # pylint: disable=protected-access
   return sum(t for _, t in timings or []) / iters, args
+
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+class CompileCounter:
+  """Counts XLA backend compiles (and their seconds) and persistent-cache hits while active:
+
+    with CompileCounter() as cc:
+      ...
+    cc.compiles, cc.compile_s, cc.cache_hits
+  """
+
+  _active: list = []
+  _installed = False
+
+  def __init__(self):
+    self.compiles, self.compile_s, self.cache_hits = 0, 0.0, 0
+
+  @classmethod
+  def _install(cls):
+    if cls._installed:
+      return
+    jax.monitoring.register_event_duration_secs_listener(cls._on_duration)
+    jax.monitoring.register_event_listener(cls._on_event)
+    cls._installed = True
+
+  @classmethod
+  def _on_duration(cls, event, secs, **_):
+    if event == BACKEND_COMPILE_EVENT:
+      for c in cls._active:
+        c.compiles += 1
+        c.compile_s += secs
+
+  @classmethod
+  def _on_event(cls, event, **_):
+    if event == CACHE_HIT_EVENT:
+      for c in cls._active:
+        c.cache_hits += 1
+
+  def __enter__(self):
+    self._install()
+    CompileCounter._active.append(self)
+    return self
+
+  def __exit__(self, *exc):
+    CompileCounter._active.remove(self)
+    return False
+
+  def as_dict(self):
+    return dict(xla_compiles=self.compiles, xla_compile_s=self.compile_s, cache_hits=self.cache_hits)
+
+
+class Deadline:
+  """A wall-clock budget for a whole benchmark run: `left()` seconds remain; `box(fn, limit)`
+  runs fn in a worker thread for at most min(limit, left()) seconds.
+
+  A call that runs past its box is abandoned, not stopped (XLA compiles cannot be interrupted):
+  it keeps a CPU busy until the process exits, so callers end with `os._exit` once results
+  are written.
+  """
+
+  def __init__(self, seconds: float):
+    self.end = time.perf_counter() + seconds
+
+  def left(self) -> float:
+    return self.end - time.perf_counter()
+
+  def box(self, fn, limit: float | None = None):
+    """(result, seconds, status): status 'ok', 'timeout' or 'error: ...'."""
+    import concurrent.futures  # pylint: disable=import-outside-toplevel
+    wait = self.left() if limit is None else min(limit, self.left())
+    if wait <= 0:
+      return None, 0.0, "timeout"
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    t0 = time.perf_counter()
+    fut = pool.submit(fn)
+    try:
+      return fut.result(timeout=wait), time.perf_counter() - t0, "ok"
+    except concurrent.futures.TimeoutError:
+      return None, time.perf_counter() - t0, "timeout"
+    except Exception as e:  # pylint: disable=broad-except
+      return None, time.perf_counter() - t0, f"error: {type(e).__name__}: {e}"[:500]
+    finally:
+      pool.shutdown(wait=False)

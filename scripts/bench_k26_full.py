@@ -1,0 +1,215 @@
+"""K2.6 at full depth on one GPU's share, in one time-boxed run: compile time, phase tables,
+throughput vs context, host gap. Everything goes to <out_dir>/bench_k26_full.jsonl as it is
+measured; a short table, most valuable rows first, is printed last.
+
+  python scripts/bench_k26_full.py --config configs/bench_k26_full.py --out_dir runs/k26_full
+
+Parts, in order (each compile counted and time-boxed; the run stops cleanly at --time_budget_s):
+  1. compile, per mode: the prefill program and the device loop (`loop.prefill_device`,
+     `loop.steps_device`, the programs `Stream` runs), seconds and XLA compile counts;
+  2. phase tables at bench.profile_ctx: `ar`, then ddtree at bench.profile_budgets[0];
+  3. throughput vs context (bench.ctxs) for each mode, with kernel time and host gap per step;
+  4. phase tables for the other budgets.
+The config's `bench` section chooses the sizes (configs/bench_tiny.py runs it on a CPU).
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from kdtree_jax import profiling, roofline, runtime, throughput, timing  # noqa: E402
+from kdtree_jax.bench_state import bench_state  # noqa: E402
+from kdtree_jax.decoding import loop  # noqa: E402
+from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
+from kdtree_jax.models import DTYPES, load_draft, load_target  # noqa: E402
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "bench_k26_full.py")
+_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Bench config.")
+_OUT = flags.DEFINE_string("out_dir", None, "Output folder (bench_k26_full.jsonl).", required=True)
+_BUDGET_S = flags.DEFINE_float("time_budget_s", 530.0, "Wall-clock budget of the whole run.")
+runtime.define_flags()
+
+
+class Recorder:
+  """JSON lines, written (and flushed) as each result arrives."""
+
+  def __init__(self, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    self.path = os.path.join(out_dir, "bench_k26_full.jsonl")
+    self.file = open(self.path, "w")  # pylint: disable=consider-using-with
+    self.rows = []
+
+  def add(self, kind, **row):
+    row = dict(kind=kind, **row)
+    self.rows.append(row)
+    self.file.write(json.dumps(row, default=str) + "\n")
+    self.file.flush()
+    return row
+
+
+def _spec(c, mode, budget=None):
+  return SpecConfig(mode=mode, budget=budget or c.bench.budget, block_size=c.block_size,
+                    max_new_tokens=4096, attn_backend=c.attn_backend,
+                    forced_accept=c.forced_accept)
+
+
+def _loop_capacity(c, spec):
+  return max(c.bench.ctxs) + spec.commit_width * throughput.loop_state_steps(c.bench.gen)
+
+
+def compile_mode(m, c, spec, deadline, rec):
+  """Compiles prefill + device loop for `spec`; records both; returns the compiled loop or None."""
+  tcfg, tp, dcfg, dp, dtype = m
+  max_len = _loop_capacity(c, spec)
+  kw = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
+  prompts = jax.ShapeDtypeStruct((1, c.bench.prompt_len), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+  state = jax.eval_shape(lambda: bench_state(tcfg, dcfg, spec, 1, max(c.bench.ctxs), dtype,
+                                             steps=throughput.loop_state_steps(c.bench.gen)))
+  programs = {
+      "prefill": lambda: loop.prefill_device.lower(tp, dp, prompts, lengths, jax.random.key(0),
+                                                   max_len=max_len, cache_dtype=dtype, **kw),
+      "loop": lambda: loop.steps_device.lower(tp, dp, state, jnp.int32(0), **kw)}
+  compiled = {}
+  for part, lower in programs.items():
+    def build(lower=lower):
+      with timing.CompileCounter() as cc:
+        t0 = deadline.left()
+        lowered = lower()
+        t1 = deadline.left()
+        exe = lowered.compile()
+      return exe, t0 - t1, t1 - deadline.left(), cc.as_dict()
+    out, secs, status = deadline.box(build, c.bench.compile_box_s)
+    exe, lower_s, compile_s, counts = out if out else (None, None, None, {})
+    row = rec.add("compile", mode=spec.mode, budget=_budget(spec), part=part, seconds=secs,
+                  lower_s=lower_s, compile_s=compile_s, status=status, max_len=max_len, **counts)
+    print(f"compile {spec.mode:>6} {part:>7}: {secs:7.1f} s ({status}) {counts}", flush=True)
+    compiled[part] = exe if row["status"] == "ok" else None
+  return compiled["loop"]
+
+
+def _budget(spec):
+  return spec.budget if spec.mode == "ddtree" else None
+
+
+def phase_table(m, c, spec, ceil, deadline, rec):
+  """One phase table at bench.profile_ctx (compiles counted; boxed). Returns False on timeout."""
+  tcfg, tp, dcfg, dp, dtype = m
+
+  def run():
+    with timing.CompileCounter() as cc:
+      state = profiling.bench_state(tcfg, dcfg, spec, 1, c.bench.profile_ctx, dtype)
+      rows = profiling.profile_step(tcfg, tp, dcfg, dp, spec, state, ceil, reps=c.bench.reps)
+    return rows, cc.as_dict()
+
+  out, secs, status = deadline.box(run)
+  rows, counts = out if out else ([], {})
+  rec.add("phases", mode=spec.mode, budget=_budget(spec), ctx=c.bench.profile_ctx, ceil=ceil,
+          seconds=secs, status=status, rows=profiling.as_dicts(rows), **counts)
+  title = f"phase table: {spec.mode} budget={_budget(spec)} ctx={c.bench.profile_ctx}"
+  print(f"\n== {title} ({status}, {secs:.1f} s, {counts})", flush=True)
+  if rows:
+    print(profiling.format_table(rows), flush=True)
+  return status == "ok"
+
+
+def throughput_rows(m, c, spec, compiled_loop, deadline, rec):
+  """Throughput vs context with the compiled loop. Returns False on timeout."""
+  tcfg, tp, dcfg, dp, dtype = m
+  run = lambda tp_, dp_, st, until: compiled_loop(tp_, dp_, st, jnp.int32(until))
+  out, secs, status = deadline.box(lambda: throughput.time_contexts(
+      tcfg, tp, dcfg, dp, spec, list(c.bench.ctxs), dtype, gen=c.bench.gen, run=run))
+  for r in out or []:
+    rec.add("throughput", **r)
+    print(f"ctx={r['ctx']:>7} {spec.mode:>6}: {r['ms_per_step']:8.3f} ms/step "
+          f"{r['accepted_per_step']:5.2f} tok/step {r['tokens_per_s']:9.1f} tok/s "
+          f"kernels {r['kernel_us']} us, gap {r['host_gap_us']} us/step", flush=True)
+  if status != "ok":
+    rec.add("throughput", mode=spec.mode, budget=_budget(spec), status=status, seconds=secs)
+  return status == "ok"
+
+
+def summary(rows) -> str:
+  """The short table: compile times, the first two phase tables, throughput, other budgets."""
+  out = ["", "==== summary (bench_k26_full) ====", "compile (s): mode budget part seconds status"]
+  for r in (r for r in rows if r["kind"] == "compile"):
+    out.append(f"  {r['mode']:>6} {str(r['budget']):>4} {r['part']:>7} {r['seconds']:8.1f} "
+               f"{r['status']} (XLA compiles {r.get('xla_compiles', '-')}, "
+               f"cache hits {r.get('cache_hits', '-')})")
+  tables = [r for r in rows if r["kind"] == "phases" and r["rows"]]
+  for t in tables[:2]:
+    out.append(f"phases {t['mode']} budget={t['budget']} ctx={t['ctx']}: phase ms floor %floor")
+    for p in t["rows"]:
+      out.append(f"  {p['phase']:<12}{p['ms']:9.3f}{p['floor_ms']:9.3f}{p['pct_roofline']:7.1f}")
+  out.append("throughput: ctx mode budget ms/step tok/step tok/s kernel_us gap_us")
+  for r in (r for r in rows if r["kind"] == "throughput" and "ctx" in r):
+    out.append(f"  {r['ctx']:>7} {r['mode']:>6} {str(r['budget']):>4} {r['ms_per_step']:9.3f} "
+               f"{r['accepted_per_step']:5.2f} {r['tokens_per_s']:9.1f} {_num(r['kernel_us'])} "
+               f"{_num(r['host_gap_us'])}")
+  out.append("fused step per table: mode budget step_ms floor_ms %floor")
+  for t in tables:
+    step = next(p for p in t["rows"] if p["phase"] == "step")
+    out.append(f"  {t['mode']:>6} {str(t['budget']):>4} {step['ms']:9.3f} {step['floor_ms']:9.3f} "
+               f"{step['pct_roofline']:7.1f}")
+  for r in (r for r in rows if r.get("status", "ok") != "ok"):
+    out.append(f"NOT DONE: {r['kind']} {r.get('mode')} {r.get('budget')} {r.get('part', '')}: "
+               f"{r['status']}")
+  return "\n".join(out)
+
+
+def _num(x):
+  return "-" if x is None else f"{x:9.1f}"
+
+
+def run_parts(m, c, deadline, rec):
+  """The parts in order of value; stops at the first measurement that runs out of time."""
+  modes = list(c.bench.modes)
+  first = [x for x in ("ar", "ddtree") if x in modes] + [x for x in modes if x not in ("ar", "ddtree")]
+  loops = {mode: compile_mode(m, c, _spec(c, mode), deadline, rec) for mode in first}
+  ceil = roofline.measure_ceilings(small=jax.default_backend() == "cpu")
+  rec.add("ceilings", **ceil)
+  budgets = list(c.bench.profile_budgets)
+  specs = [_spec(c, "ar")] + [_spec(c, "ddtree", budgets[0])]
+  for spec in specs:
+    if not phase_table(m, c, spec, ceil, deadline, rec):
+      return
+  for mode in first:
+    if loops[mode] is not None and not throughput_rows(m, c, _spec(c, mode), loops[mode],
+                                                       deadline, rec):
+      return
+  for b in budgets[1:]:
+    if not phase_table(m, c, _spec(c, "ddtree", b), ceil, deadline, rec):
+      return
+
+
+def main(_):
+  c = _CONFIG.value
+  deadline = timing.Deadline(_BUDGET_S.value)
+  rec = Recorder(_OUT.value)
+  dtype = DTYPES[c.dtype]
+  with timing.CompileCounter() as cc:
+    tcfg, tp = load_target(c.target, dtype)
+    dcfg, dp = load_draft(c.draft, tcfg, dtype)
+    jax.block_until_ready((tp, dp))
+  rec.add("setup", device=jax.devices()[0].device_kind, layers=tcfg.num_hidden_layers,
+          runtime=str(runtime.applied()), load_s=_BUDGET_S.value - deadline.left(),
+          **cc.as_dict())
+  print(f"device={jax.devices()[0].device_kind} layers={tcfg.num_hidden_layers} "
+        f"loaded in {_BUDGET_S.value - deadline.left():.1f} s; {runtime.applied()}", flush=True)
+  run_parts((tcfg, tp, dcfg, dp, dtype), c, deadline, rec)
+  print(summary(rec.rows), flush=True)
+  print(f"results: {rec.path}", flush=True)
+  rec.file.close()
+  sys.stdout.flush()
+  os._exit(0)  # abandoned (timed-out) compiles may still run in worker threads
+
+
+if __name__ == "__main__":
+  app.run(main)

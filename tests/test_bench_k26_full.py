@@ -1,0 +1,56 @@
+"""scripts/bench_k26_full.py end to end at tiny size on a CPU (configs/bench_tiny.py): every part
+writes its JSON lines, compiles are counted, and the time box stops the run cleanly."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(out_dir, *args, timeout=600):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_k26_full.py"), "--config",
+         os.path.join(ROOT, "configs", "bench_tiny.py"), "--out_dir", str(out_dir),
+         "--compile_cache_dir=", *args]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [json.loads(x) for x in (out_dir / "bench_k26_full.jsonl").read_text().splitlines()]
+  return proc.stdout, rows
+
+
+def test_all_parts_at_tiny_size(tmp_path):
+  stdout, rows = _run(tmp_path)
+  compiles = [r for r in rows if r["kind"] == "compile"]
+  assert [(r["mode"], r["part"]) for r in compiles] == [
+      (m, p) for m in ("ar", "ddtree", "chain") for p in ("prefill", "loop")]
+  for r in compiles:  # cache off: every program is a fresh XLA compile, counted
+    assert r["status"] == "ok" and r["seconds"] > 0 and r["xla_compiles"] >= 1, r
+  tables = [(r["mode"], r["budget"]) for r in rows if r["kind"] == "phases"]
+  assert tables == [("ar", None), ("ddtree", 7), ("ddtree", 3)]
+  for t in (r for r in rows if r["kind"] == "phases"):
+    names = {p["phase"] for p in t["rows"]}
+    assert {"verify", "attention", "moe", "accept", "commit", "step"} <= names
+    assert t["mode"] == "ar" or {"draft_ctx", "draft_block", "tree"} <= names
+    assert all(p["ms"] > 0 for p in t["rows"] if p["phase"] != "rest"), t["rows"]
+    assert all(p["bytes"] > 0 and p["floor_ms"] > 0 for p in t["rows"]
+               if p["phase"] in ("verify", "attention", "moe", "step")), t["rows"]
+  tput = [r for r in rows if r["kind"] == "throughput"]
+  assert [(r["mode"], r["ctx"]) for r in tput] == [
+      (m, c) for m in ("ar", "ddtree", "chain") for c in (32, 64)]
+  per_step = {"ar": 1.0, "chain": 4.0}  # forced acceptance 3 along the chain, + the root
+  for r in tput:
+    assert r["ms_per_step"] > 0 and r["accepted_per_step"] == per_step.get(r["mode"],
+                                                                          r["accepted_per_step"])
+  assert stdout.rstrip().splitlines()[-1].startswith("results:")
+  assert "==== summary" in stdout and "NOT DONE" not in stdout
+
+
+def test_time_box_stops_cleanly(tmp_path):
+  stdout, rows = _run(tmp_path, "--time_budget_s=0.1")
+  compiles = [r for r in rows if r["kind"] == "compile"]
+  assert compiles and all(r["status"] == "timeout" for r in compiles)
+  assert not [r for r in rows if r["kind"] == "throughput" and "ctx" in r]
+  assert "NOT DONE" in stdout and "==== summary" in stdout
