@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 
 from kdtree_jax import config as C  # noqa: E402
-from kdtree_jax import hlo_audit, models, profiling, roofline  # noqa: E402
+from kdtree_jax import hlo_audit, models, profiling, roofline, runtime  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.model.params import init_params  # noqa: E402
 
@@ -31,6 +31,7 @@ _ROWS = flags.DEFINE_integer("rows", 4096, "Context the bench state is sized for
 _MODES = flags.DEFINE_list("modes", ["ar", "chain", "ddtree"], "Modes.")
 _TIME_ROWS = flags.DEFINE_list("time_rows", [], "Also time the loop (ms/step at context 1000, "
                                "slope over 4 vs 24 steps) with caches sized for these rows.")
+runtime.define_flags()
 
 
 def _setup(mode, layers):

@@ -21,6 +21,7 @@ from kdtree_jax.decoding.loop import Stream, generate  # noqa: E402
 from kdtree_jax.decoding.sampling import SamplingConfig  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.models import DTYPES, load_models  # noqa: E402
+from kdtree_jax import runtime_flags  # noqa: E402,F401  (--compile_cache_dir, --command_buffers)
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "default.py")
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Run config (configs/*.py).")

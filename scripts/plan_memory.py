@@ -2,10 +2,12 @@
 
   python scripts/plan_memory.py --config configs/kimi_k2_6.py --mesh tensor=8
   python scripts/plan_memory.py --config configs/kimi_k2_6.py --mesh all --max_len 131072
+  python scripts/plan_memory.py --config configs/bench_k26_full.py --mesh data=1  # one GPU's share
 
 Abstract only (`jax.eval_shape` + the sharding rules over an AbstractMesh): no memory is
 allocated and any machine can plan for 8 x H200. Parameters in the config's dtype, and with
-INT4 routed experts (4 bits + a bf16 scale per 32 weights, compressed-tensors). Caches: the
+INT4 routed experts (4 bits + a bf16 scale per 32 weights, compressed-tensors; a config whose
+params already hold INT4 stacks is counted as it is, int4 at half a byte). Caches: the
 target latent cache (per layer [B, max_len + N, C]) and the draft cache, in the config's dtype.
 """
 
@@ -20,7 +22,7 @@ import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from kdtree_jax import models, sharding  # noqa: E402
+from kdtree_jax import models, runtime, sharding  # noqa: E402
 from kdtree_jax.cache import LatentCache  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.draft import model as draft_model  # noqa: E402
@@ -36,6 +38,7 @@ _HBM = flags.DEFINE_float("hbm_gb", 141.0, "Device memory, GB (1e9 bytes): H200 
 _HEADROOM = flags.DEFINE_float("headroom", 0.10, "Fraction of HBM kept free (XLA scratch, "
                                "fragmentation, CUDA context).")
 _JSON = flags.DEFINE_string("json_out", None, "Write the plan as JSON here.")
+runtime.define_flags()
 
 GB = 1e9
 INT4_BYTES = 0.5 + 2 / 32  # per weight: a nibble + one bf16 scale per group of 32
@@ -49,7 +52,7 @@ def per_device_bytes(tree, axes_fn, mesh, routed_bytes=None):
     spec = sharding.spec(axes_fn(path, x.ndim), x.shape, mesh)
     count = math.prod(jax.sharding.NamedSharding(mesh, spec).shard_shape(x.shape))
     routed = routed_bytes is not None and sharding.path_key(path) in ROUTED
-    total += count * (routed_bytes if routed else x.dtype.itemsize)
+    total += count * (routed_bytes if routed else jax.dtypes.itemsize_bits(x.dtype) / 8)
   return total
 
 
