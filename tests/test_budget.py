@@ -110,17 +110,55 @@ def test_chooser_prefers_tokens_per_ms():
   assert int(budget.choose_width(auto, expected, live, jnp.int32(0))[0]) == 1  # 3.5/2 > 1.5/1
 
 
-def test_calibration_fit_recovers_a_known_scale():
-  """Nodes accepted with probability 0.5 q at depth 1 and min(1, 2 q) at depth 2."""
+def test_calibration_fit_recovers_known_rates():
+  """Nodes accepted with a known probability per (width slot, q bin); the fit recovers it within
+  4 binomial standard errors, and empty cells fall back to the draft's q."""
   rng = np.random.default_rng(1)
-  depth = rng.integers(1, 3, 200000)
-  q = rng.uniform(0.01, 0.4, depth.shape)
-  acc = rng.uniform(size=depth.shape) < np.where(depth == 1, 0.5, 2.0) * q
-  cal = budget.fit_calibration(np.log(q), depth, acc, max_depth=2)
-  assert cal.scale[0][0] == pytest.approx(0.5, rel=0.03)
-  assert cal.scale[1][0] == pytest.approx(2.0, rel=0.03)
-  p = cal.node_prob(jnp.log(jnp.array([0.1, 0.1])), jnp.array([1, 2]))
-  np.testing.assert_allclose(np.asarray(p), [0.05, 0.2], rtol=0.03)
+  s, n = 4000, 15
+  logq = np.log(rng.choice([0.05, 0.5], size=(s, n)))
+  truth = np.where(np.arange(n)[None] < 7, 0.8, 0.3) * (np.exp(logq) > 0.1) + 0.02
+  acc = rng.uniform(size=(s, n)) < truth
+  cal = budget.fit_calibration(logq, np.ones((s, n), int), acc, bounds=(7,), edges=(-1.0,))
+  for slot, width, high in ((0, 7, 0.82), (1, 8, 0.32)):
+    for b, want in ((0, 0.02), (1, high)):
+      se = np.sqrt(want * (1 - want) / (s * width / 2))
+      assert abs(cal.rate[slot][b] - want) < 4 * se + 1e-3, (slot, b, cal.rate[slot][b], want)
+  empty = budget.AcceptCalibration((7,), (-1.0,), ((-1.0, 0.5), (0.2, 0.3)))
+  p = empty.node_prob(jnp.log(jnp.full((1, 8), 0.05)))
+  np.testing.assert_allclose(np.asarray(p[0, :2]), [0.05, 0.05], rtol=1e-6)  # slot 0, bin 0
+  np.testing.assert_allclose(np.asarray(p[0, 7]), 0.2, rtol=1e-6)
+
+
+def test_calibrated_acceptance_is_honest_on_held_out_prompts():
+  """The trained pair (k2tiny, f32, greedy), DDTree order verified at 63 nodes, 96 tokens per
+  prompt: calibrate on 8 held-out windows, test on 6 others. For every compiled width n, per step
+  d = observed - expected tokens of the first n nodes. Tolerance, from the data: |mean d| <= 3
+  standard errors, sd(d) / sqrt(steps) (a 3-sigma test of zero bias; steps taken as
+  independent). The band must be under 15% of the observed mean (else the test has no power),
+  and DDTree's raw surrogate (uncalibrated q) must fail it (the test can fail)."""
+  from kdtree_jax import data, run_config  # pylint: disable=import-outside-toplevel
+  from kdtree_jax.decoding import accept_trace  # pylint: disable=import-outside-toplevel
+  from kdtree_jax.models import load_models  # pylint: disable=import-outside-toplevel
+  m = load_models(run_config.trained_pair())
+  held = data.build_corpus().eval
+  starts = np.linspace(0, len(held) - 193, 14).astype(int)
+  prompts = [list(map(int, held[s0:s0 + 192])) for s0 in starts]
+  spec = SpecConfig(mode="ddtree", budget=63, block_size=m.dcfg.block_size, max_new_tokens=96)
+  collect = lambda ps: accept_trace.collect(m.tcfg, m.tparams, m.dcfg, m.dparams, spec, ps, 512)
+  fit_recs, test_recs = collect(prompts[0::2][:8] + prompts[1::2][6:]), collect(prompts[1::2][:6])
+  cal = accept_trace.fit(fit_recs, (7, 15, 31, 63))
+  raw_fails = 0
+  for n in (7, 15, 31, 63):
+    obs = accept_trace.prefix_accept(test_recs, n)
+    for c in (cal, budget.AcceptCalibration()):
+      d = obs - accept_trace.prefix_expected(test_recs, n, c)
+      band = 3 * d.std() / np.sqrt(len(d))
+      assert band < 0.15 * obs.mean(), (n, band, obs.mean())
+      if c is cal:
+        assert abs(d.mean()) <= band, (n, d.mean(), band)
+      else:
+        raw_fails += abs(d.mean()) > band
+  assert raw_fails == 4
 
 
 @pytest.mark.parametrize("nodes,cost", [((3, 7, 15), None), ((3, 7, 15), ((1.0, 5.0, 50.0),)),

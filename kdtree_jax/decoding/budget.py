@@ -5,8 +5,8 @@ DDTree pops nodes best-first, so its first n nodes are the best n-node tree for 
 against `build_ddtree(logits, n)`): one tree of the largest compiled size is built and a prefix
 of it verified. Under DDTree's surrogate a node u is accepted with probability q(u), the product
 of the draft's marginals along its path, so a prefix of n - 1 nodes accepts 1 + sum q(u) tokens
-in expectation (root/bonus included). `AcceptCalibration` corrects q per depth (and optionally
-per bin of log q) against acceptance observed in an eval run; `step_cost` models the step time
+in expectation (root/bonus included). `AcceptCalibration` replaces q by the acceptance rate
+observed in an eval run (per bin of q and width increment of the node's index); `step_cost` models the step time
 per width. The chosen width is data; `lax.switch` runs the verify compiled at that width, so the
 step compiles once.
 
@@ -27,50 +27,63 @@ from kdtree_jax.decoding.spec_config import AUTO_NODE_COUNTS
 DEFAULT_CONTEXTS = (0, 4096, 16384, 65536, 262144)
 
 
+# Path log-prob bin edges of the acceptance calibration (finer near certainty).
+DEFAULT_EDGES = (-8.0, -6.0, -5.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.7, -0.4, -0.2, -0.1,
+                 -0.05)
+
+
 @dataclasses.dataclass(frozen=True)
 class AcceptCalibration:
-  """P(node accepted) = min(1, scale[depth - 1][bin] * q(node)); bins split log q at `edges`.
-
-  Empty `scale` = the draft's own probabilities (DDTree's surrogate, uncalibrated).
+  """P(node accepted) = rate[slot][bin]: slot = which compiled-width increment the node's index
+  in DDTree's order falls in (index < bounds[0], < bounds[1], ...), bin = its path log-prob q
+  between `edges`. Empty `rate` (or a cell with rate < 0: nothing observed) = q itself,
+  DDTree's surrogate. Slots rather than depths: with per-depth cells the nodes of short prefixes
+  were under-predicted by 0.4-1.0 tokens even on the data fitted (WORKSPACE.md, issue 15).
   """
 
+  bounds: tuple[int, ...] = ()
   edges: tuple[float, ...] = ()
-  scale: tuple[tuple[float, ...], ...] = ()
+  rate: tuple[tuple[float, ...], ...] = ()
 
-  def node_prob(self, logq, depth):
-    """Calibrated acceptance probability of nodes with path log-prob `logq`, depth >= 1."""
-    q = jnp.exp(logq)
-    if not self.scale:
+  def node_prob(self, logq_bn):
+    """Calibrated acceptance probability of the nodes (in DDTree order) of each row."""
+    q = jnp.exp(logq_bn)
+    if not self.rate:
       return q
-    table = jnp.asarray(self.scale, jnp.float32)
-    d = jnp.clip(depth - 1, 0, table.shape[0] - 1)
-    b = jnp.searchsorted(jnp.asarray(self.edges, jnp.float32), logq) if self.edges else 0
-    return jnp.minimum(1.0, table[d, b] * q)
+    table = jnp.asarray(self.rate, jnp.float32)
+    slot = jnp.searchsorted(jnp.asarray(self.bounds, jnp.int32), jnp.arange(logq_bn.shape[-1]),
+                            side="right")
+    b = jnp.searchsorted(jnp.asarray(self.edges, jnp.float32), logq_bn)
+    r = table[slot, b]
+    return jnp.where(r >= 0, r, q)
 
   def to_dict(self):
-    return dict(edges=list(self.edges), scale=[list(s) for s in self.scale])
+    return dict(bounds=list(self.bounds), edges=list(self.edges), rate=[list(r) for r in self.rate])
 
   @classmethod
   def from_dict(cls, d):
-    return cls(tuple(d["edges"]), tuple(tuple(float(x) for x in s) for s in d["scale"]))
+    return cls(tuple(int(x) for x in d["bounds"]), tuple(float(x) for x in d["edges"]),
+               tuple(tuple(float(x) for x in r) for r in d["rate"]))
 
 
-def fit_calibration(logq, depth, accepted, max_depth, edges=(), prior=1.0) -> AcceptCalibration:
-  """Ratio estimator per (depth, log-q bin): (accepted + prior) / (sum q + prior).
-
-  logq, depth, accepted: flat arrays over the nodes of recorded trees (depth 0 = padding,
-  ignored). `prior` pseudo-nodes with scale 1 keep sparse cells near the draft's own q.
-  """
-  logq, depth, accepted = (np.asarray(x).ravel() for x in (logq, depth, accepted))
+def fit_calibration(logq_sn, depth_sn, accepted_sn, bounds, edges=DEFAULT_EDGES,
+                    prior=1.0) -> AcceptCalibration:
+  """Acceptance rate per (slot, bin) over recorded steps' nodes [S, N] (DDTree order; depth 0 =
+  padding, ignored), shrunk toward the cell's mean q by `prior` pseudo-nodes:
+  (accepted + prior * mean q) / (nodes + prior); -1 where no node was seen."""
+  logq, depth, acc = (np.asarray(x) for x in (logq_sn, depth_sn, accepted_sn))
+  slot = np.broadcast_to(np.searchsorted(np.asarray(bounds), np.arange(logq.shape[1]),
+                                         side="right"), logq.shape)
+  b = np.searchsorted(np.asarray(edges, float), logq)
   ok = depth > 0
-  b = np.searchsorted(np.asarray(edges, float), logq) if edges else np.zeros_like(depth)
-  hits = np.zeros((max_depth, len(edges) + 1))
-  mass = np.zeros_like(hits)
-  np.add.at(hits, (depth[ok] - 1, b[ok]), accepted[ok].astype(float))
-  np.add.at(mass, (depth[ok] - 1, b[ok]), np.exp(logq[ok]))
-  scale = (hits + prior) / (mass + prior)
-  return AcceptCalibration(tuple(float(e) for e in edges),
-                           tuple(tuple(float(x) for x in row) for row in scale))
+  shape = (len(bounds) + 1, len(edges) + 1)
+  hits, count, qsum = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+  np.add.at(hits, (slot[ok], b[ok]), acc[ok].astype(float))
+  np.add.at(count, (slot[ok], b[ok]), 1.0)
+  np.add.at(qsum, (slot[ok], b[ok]), np.exp(logq[ok]))
+  rate = np.where(count > 0, (hits + prior * qsum / np.maximum(count, 1)) / (count + prior), -1.0)
+  return AcceptCalibration(tuple(int(x) for x in bounds), tuple(float(e) for e in edges),
+                           tuple(tuple(float(x) for x in row) for row in rate))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,19 +149,28 @@ def load(path: str) -> AutoBudget:
 
 
 # ---- on device ----------------------------------------------------------------------------
-def node_logq(draft_logits_lv, node_tokens_n, depths_n, vis_nn):
-  """Path log-prob (sum of the draft's log-marginals root -> node) of every tree node [N-1]."""
+def node_own_logq(draft_logits_lv, node_tokens_n, depths_n):
+  """The draft's log-marginal of every node's token at its depth [N-1] (0 for padding)."""
   logp_lv = jax.nn.log_softmax(draft_logits_lv.astype(jnp.float32), axis=-1)
   own = logp_lv[jnp.maximum(depths_n - 1, 0), node_tokens_n]
-  own = jnp.where(depths_n > 0, own, 0.0)
-  own1 = jnp.concatenate([jnp.zeros((1,), own.dtype), own])
-  return jnp.sum(jnp.where(vis_nn[1:], own1[None, :], 0.0), axis=1)
+  return jnp.where(depths_n > 0, own, 0.0)
+
+
+def path_sum(values_n, vis_nn):
+  """Sum of a per-node value over each node's path (itself and its ancestors, root excluded)."""
+  v1 = jnp.concatenate([jnp.zeros(values_n.shape[:-1] + (1,), values_n.dtype), values_n], -1)
+  return jnp.sum(jnp.where(vis_nn[..., 1:, :], v1[..., None, :], 0.0), axis=-1)
+
+
+def node_logq(draft_logits_lv, node_tokens_n, depths_n, vis_nn):
+  """DDTree's score of every node: path log-prob under the draft's marginals [N-1]."""
+  return path_sum(node_own_logq(draft_logits_lv, node_tokens_n, depths_n), vis_nn)
 
 
 def expected_accept(calibration, logq_bn, depths_bn):
   """[B, N]: expected tokens committed by verifying the first n tree indices (root + n - 1
-  nodes), n = 1..N: 1 + the calibrated acceptance mass of the nodes."""
-  p = jnp.where(depths_bn > 0, calibration.node_prob(logq_bn, depths_bn), 0.0)
+  nodes, DDTree order), n = 1..N: 1 + the sum of those nodes' acceptance probabilities."""
+  p = jnp.where(depths_bn > 0, calibration.node_prob(logq_bn), 0.0)
   return 1.0 + jnp.concatenate([jnp.zeros_like(p[:, :1]), jnp.cumsum(p, axis=1)], axis=1)
 
 
