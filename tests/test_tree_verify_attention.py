@@ -30,11 +30,11 @@ def random_tree_mask(rng, b, n):
   return mask
 
 
-def make_inputs(b, n, h, l, lengths, seed=0, dtype=jnp.bfloat16):
+def make_inputs(b, n, h, l, lengths, seed=0, dtype=jnp.bfloat16, c=C):
   """Random q [B, N, H, C], cache [B, L, C], lengths [B], tree mask [B, N, N]."""
   kq, kc = jax.random.split(jax.random.key(seed))
-  q = jax.random.normal(kq, (b, n, h, C), jnp.float32).astype(dtype)
-  cache = jax.random.normal(kc, (b, l, C), jnp.float32).astype(dtype)
+  q = jax.random.normal(kq, (b, n, h, c), jnp.float32).astype(dtype)
+  cache = jax.random.normal(kc, (b, l, c), jnp.float32).astype(dtype)
   mask = random_tree_mask(np.random.default_rng(seed), b, n)
   return q, cache, jnp.asarray(lengths, jnp.int32), jnp.asarray(mask)
 
@@ -171,6 +171,11 @@ class TestKernelSmall:
       assert np.isfinite(lse[:, 0]).all()
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])
+
+  def test_small_latent_width(self):
+    """C = 192, R = 128 (the tiny configs' MLA): 64-wide output halves per warpgroup."""
+    q, cache, ln, mask = make_inputs(2, 4, 8, 136, [100, 132], seed=9, c=192)
+    check_against_reference(q, cache, ln, mask, Tuning(num_splits=2))
 
   def test_public_api_bit_identical(self):
     q, cache, ln, mask = make_inputs(2, 2, 16, 100, [90, 33], seed=3)
