@@ -54,7 +54,7 @@ _DRAFT_LAYER = {"q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"),
                 "up_proj": ("embed", "mlp"), "down_proj": ("mlp", "embed")}
 
 # Parameter path (ints dropped, "/"-joined) -> logical axes. Target: model/params.py; draft:
-# draft/model.py (a tuple of per-layer dicts, like the target's layers).
+# draft/model.py (a list of per-layer dicts, like the target's layers).
 PARAM_AXES = {
     "embed": ("vocab", "embed"), "lm_head": ("embed", "vocab"), "final_norm": ("norm",),
     "layers/attn_norm": ("norm",), "layers/mlp_norm": ("norm",),

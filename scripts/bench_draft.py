@@ -35,6 +35,7 @@ flags.DEFINE_integer("loop_steps", 16, "draft_ctx commits per timed program (cac
 flags.DEFINE_string("out_dir", "results/bench_draft", "writes bench_draft.jsonl here")
 flags.DEFINE_string("cache_dir", "/tmp/jax_cache", "persistent compilation cache")
 flags.DEFINE_bool("small", False, "tiny draft and ceilings (CPU smoke run)")
+flags.DEFINE_bool("probe_cudnn", True, "GPU: also time one layer's ctx attention, XLA vs cuDNN")
 
 
 def draft_setup(small):
@@ -141,6 +142,42 @@ def bench_block(cfg, params, embed, head, b, ctx, reps):
   return timed_us(prog, (params, cache, block, start, embed, head), reps)
 
 
+def ctx_attention_probe(cfg, b, ctx, reps):
+  """One layer's ctx attention alone: this draft's XLA partial (all C rows, masked) vs cuDNN
+  flash attention (jax._src, BNTH layout = the cache's, kv_seqlen = ctx_len: reads only ctx
+  rows). Rows with times and the relative error between the two; an 'error' row if cuDNN fails."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=import-outside-toplevel
+  S, H, G, E = cfg.block_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+  cache = filled_cache(cfg, b, ctx + S, ctx)
+  k, v, scale = cache.k[0], cache.v[0], E ** -0.5
+  q = jax.random.normal(jax.random.key(5), (b, H, S, E), jnp.bfloat16)
+  live = (jnp.arange(ctx + S)[None, :] < cache.ctx_len[:, None])[:, None, :]
+
+  def xla(q, k, v, live):
+    o, m, l = model._partial_attention(q.reshape(b, G, H // G, S, E), k, v, live, scale)  # pylint: disable=protected-access
+    return (o / l[..., None]).reshape(b, H, S, E), (m + jnp.log(l)).reshape(b, H, S)
+
+  def cudnn(q, k, v, ctx_len):
+    return fa.dot_product_attention(
+        q, k, v, q_seqlen=jnp.full((b,), S, jnp.int32), kv_seqlen=ctx_len, scale=scale,
+        mask_type=fa.MaskType.PADDING, qkv_layout="BNTH", return_residual=True)
+
+  rows = [dict(impl="xla", us=timed_us(jax.jit(xla), (q, k, v, live), reps)[0])]
+  try:
+    ref, got = jax.jit(xla)(q, k, v, live), jax.jit(cudnn)(q, k, v, cache.ctx_len)
+    err = float(jnp.linalg.norm((got[0] - ref[0]).astype(jnp.float32)) /
+                jnp.linalg.norm(ref[0].astype(jnp.float32)))
+    lse_err = float(jnp.max(jnp.abs(got[1].reshape(ref[1].shape) - ref[1])))
+    us = timed_us(jax.jit(cudnn), (q, k, v, cache.ctx_len), reps)[0]
+    rows.append(dict(impl="cudnn", us=us, rel_err=err, lse_abs_err=lse_err))
+  except Exception as e:  # pylint: disable=broad-except
+    rows.append(dict(impl="cudnn", error=f"{type(e).__name__}: {str(e)[:300]}"))
+  kv_bytes = 2 * b * G * ctx * E * 2
+  for r in rows:
+    r.update(phase="ctx_attention_1layer", ctx=ctx, batch=b, kv_bytes=kv_bytes)
+  return rows
+
+
 def row(phase, ctx, us, timer, top, cost, ceil, cfg, b):
   nb, fl = cost
   floor_us = roofline.floor_s(nb, fl, ceil) * 1e6
@@ -168,16 +205,22 @@ def main(_):
     us, timer, top = bench_block(cfg, params, embed, head, b, ctx, FLAGS.reps)
     rows.append(row("draft_block", ctx, us, timer, top, block_cost(cfg, params, head, b, ctx),
                     ceil, cfg, b))
+    if FLAGS.probe_cudnn and jax.devices()[0].platform == "gpu":
+      rows += ctx_attention_probe(cfg, b, ctx, FLAGS.reps)
     print(f"ctx={ctx} done ({time.time() - t0:.0f} s)", flush=True)
   path = os.path.join(FLAGS.out_dir, "bench_draft.jsonl")
   with open(path, "w") as f:
     for r in rows:
       f.write(json.dumps(r) + "\n")
   for r in rows:
-    for name, us in r["top_kernels"]:
+    if r["phase"] == "ctx_attention_1layer":
+      print(f"  ctx attention, 1 layer, {r['impl']}: {r.get('us', float('nan')):.1f} us, "
+            f"K/V {r['kv_bytes'] / r['us'] / 1e6 if 'us' in r else float('nan'):.2f} TB/s "
+            f"{r.get('error', '')} rel err {r.get('rel_err', '-')}")
+    for name, us in r.get("top_kernels", ()):
       print(f"  {r['phase']:>11} {r['ctx']:>6} {us:9.1f} us  {name}")
   print(f"{'phase':>11} {'ctx':>6} {'us':>9} {'floor us':>9} {'x floor':>8} {'TB/s':>6} timer")
-  for r in rows:
+  for r in (r for r in rows if "floor_us" in r):
     print(f"{r['phase']:>11} {r['ctx']:>6} {r['us']:9.1f} {r['floor_us']:9.1f} "
           f"{r['x_floor']:8.2f} {r['tbps']:6.2f} {r['timer']}")
   print(f"wrote {path}")

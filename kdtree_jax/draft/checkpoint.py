@@ -94,11 +94,11 @@ def load_dflash_checkpoint(path: str, dtype=jnp.float32) -> tuple[DraftConfig, d
 
 
 def _to_params(cfg, tensors, dtype) -> dict:
-  """HF tensors -> params pytree ([in, out] linears, a tuple of per-layer dicts)."""
+  """HF tensors -> params pytree ([in, out] linears, a list of per-layer dicts)."""
   get = lambda name: jnp.asarray(tensors[name], dtype)
   lin = lambda name: get(name).T
-  layers = tuple({key: (get if key.endswith("norm") else lin)(_hf_name(key, i))
-                  for key in _ATTN + _MLP + _NORMS} for i in range(cfg.num_hidden_layers))
+  layers = [{key: (get if key.endswith("norm") else lin)(_hf_name(key, i))
+             for key in _ATTN + _MLP + _NORMS} for i in range(cfg.num_hidden_layers)]
   return dict(fc=lin(_hf_name("fc")), hidden_norm=get(_hf_name("hidden_norm")),
               norm=get(_hf_name("norm")), layers=layers)
 

@@ -4,7 +4,7 @@ Letters: B batch, T new ctx tokens, C cache rows, S block tokens, A anchors, D h
 H query heads, G kv heads, R = H/G heads per kv head, E head_dim, F ffn, V vocab, Y layers.
 
 Params (HF Linear [out, in] stored as [in, out]): fc [n_tap*D, D], hidden_norm [D], norm [D],
-layers: a tuple of Y dicts (one per layer, so no step slices a stacked weight): q_proj
+layers: a list of Y dicts (one per layer, so no step slices a stacked weight): q_proj
 [D, H*E], k_proj / v_proj [D, G*E], o_proj [H*E, D], q_norm / k_norm [E], input_layernorm /
 post_attention_layernorm [D], gate_proj / up_proj [D, F], down_proj [F, D].
 
@@ -68,7 +68,7 @@ def init_draft_params(rng, cfg: DraftConfig, target_hidden: int, n_taps: int, dt
     return lp | {n: jnp.ones((d,), dtype) for n, d in norms.items()}
 
   return dict(fc=normal(fc_key, (n_taps * D, D)), hidden_norm=jnp.ones((D,), dtype),
-              norm=jnp.ones((D,), dtype), layers=tuple(layer(k) for k in layer_keys))
+              norm=jnp.ones((D,), dtype), layers=[layer(k) for k in layer_keys])
 
 
 def _check_target(cfg: DraftConfig, target_hidden: int):
