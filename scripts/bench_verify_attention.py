@@ -30,7 +30,8 @@ flags.DEFINE_list("L", ["4096", "16384", "46000", "131072"], "cache lengths")
 flags.DEFINE_list("N", ["1", "8", "16", "32", "64"], "tree nodes")
 flags.DEFINE_list("H", ["8", "64"], "heads")
 flags.DEFINE_list("B", ["1", "4"], "batch sizes")
-flags.DEFINE_bool("must_show_first", True, "run the issue's must-show shapes before the grid")
+flags.DEFINE_bool("must_show_first", True,
+                  "run the issue's must-show shapes and the PROBES shapes before the grid")
 flags.DEFINE_integer("reps", 20, "timed repetitions (median reported)")
 flags.DEFINE_float("budget_s", 300.0, "stop starting new shapes after this many seconds")
 flags.DEFINE_string("json_out", "", "JSON lines output")
@@ -48,7 +49,9 @@ MUST_SHOW = [(1, 1, 8, 46000), (1, 1, 8, 131072), (1, 8, 8, 46000), (1, 16, 8, 4
 PROBES = {(1, 1, 8, 46000): "num_splits=66;bf16_partials=0",
           (1, 16, 8, 46000): "num_splits=33;bf16_partials=0;shared_p=0",
           (1, 64, 8, 46000): "num_splits=8;shared_p=0",
-          (1, 64, 64, 46000): "num_splits=1;shared_p=0"}
+          (1, 64, 64, 46000): "num_splits=1;shared_p=0",
+          (4, 1, 8, 46000): "num_splits=66",
+          (4, 16, 8, 46000): "num_splits=32"}
 
 
 def xla_baseline(q, cache, lengths, tree_mask, *, scale):
@@ -150,7 +153,8 @@ def bench_shape(b, n, h, l, ceil, scale=1.0 / math.sqrt(C)):
 
 def ordered_shapes():
   grid = list(itertools.product(*(map(int, v) for v in (FLAGS.B, FLAGS.N, FLAGS.H, FLAGS.L))))
-  first = [s for s in MUST_SHOW if s in grid] if FLAGS.must_show_first else []
+  first = [s for s in MUST_SHOW + list(PROBES) if s in grid] if FLAGS.must_show_first else []
+  first = list(dict.fromkeys(first))
   return first + [s for s in grid if s not in first]
 
 
