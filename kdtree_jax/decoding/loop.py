@@ -4,6 +4,7 @@
 (one dispatch; no host round trip between steps), and returns tokens and acceptance statistics.
 """
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -15,7 +16,8 @@ import numpy as np
 from kdtree_jax import sharding
 from kdtree_jax.api import check_tokens
 from kdtree_jax.cache import LatentCache
-from kdtree_jax.decoding import sampling
+from kdtree_jax.cli import UsageError
+from kdtree_jax.decoding import memory_bound, sampling
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.decoding.state import DecodeState
 from kdtree_jax.decoding.step import speculative_step
@@ -61,7 +63,8 @@ def init_state(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts_bs, lengt
       pending_count=jnp.zeros((b,), jnp.int32), out=out, n_out=jnp.ones((b,), jnp.int32),
       done=done, key=key, steps=jnp.zeros((), jnp.int32),
       accepted=jnp.zeros((spec.max_new_tokens, b), jnp.int32),
-      capacity=jnp.asarray(max_len, jnp.int32)))
+      capacity=jnp.asarray(max_len, jnp.int32),
+      widths=jnp.zeros((spec.max_new_tokens,), jnp.int32) if spec.budget == "auto" else None))
 
 
 def run_loop(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: DecodeState,
@@ -105,14 +108,24 @@ def steps_device(tparams, dparams, state, until, *, tcfg, dcfg, spec):
   return sharding.constrain_state(run_loop(tcfg, tparams, dcfg, dparams, spec, state, until))
 
 
+STOP_REASONS = ("eos", "max_new_tokens", "max_len")
+
+
 @dataclasses.dataclass
 class GenerationResult:
-  """Host-side result: per-row generated ids, tokens committed per step, timing."""
+  """Host-side result: per-row generated ids, tokens emitted per step (capped at what was
+  emitted), why each row stopped, and timing: `seconds` runs the compiled program (prefill
+  included) until the outputs are on the host; `compile_seconds` is tracing + compiling;
+  `warmup_seconds` an untimed first run (its one-time costs kept out of `seconds`), if any."""
 
   tokens: list[list[int]]
   accepted_per_step: list[list[int]]
   steps: int
   seconds: float
+  compile_seconds: float = 0.0
+  warmup_seconds: float = 0.0
+  stop_reasons: list[str] = dataclasses.field(default_factory=list)
+  widths_per_step: list[int] = dataclasses.field(default_factory=list)  # budget='auto' only
 
   @property
   def mean_accept_len(self) -> float:
@@ -127,10 +140,12 @@ class GenerationResult:
 def validate(tcfg, dcfg, spec: SpecConfig, prompts: list[list[int]], max_len: int):
   """Host-side checks with messages that say what to change."""
   if not prompts or any(len(p) == 0 for p in prompts):
-    raise ValueError("empty prompt: every row needs at least one token")
+    raise UsageError("prompt", "empty prompt: every row needs at least one token")
   longest = max(len(p) for p in prompts)
-  if longest > max_len:
-    raise ValueError(f"prompt length {longest} exceeds {max_len=}; raise --config.max_len")
+  if longest >= max_len:
+    raise UsageError("max_len", f"a prompt of {longest} tokens reaches or exceeds max_len "
+                     f"{max_len} (no room for a new token); raise --config.max_len above "
+                     f"{longest} or shorten --prompt")
   for p in prompts:
     check_tokens(np.asarray(p), tcfg.vocab_size)
   if spec.mode != "ar":
@@ -140,10 +155,28 @@ def validate(tcfg, dcfg, spec: SpecConfig, prompts: list[list[int]], max_len: in
     if spec.block_size != dcfg.block_size:
       raise ValueError(f"{spec.block_size=} differs from the draft's block_size {dcfg.block_size}")
     if spec.mode == "ddtree":
-      max_nodes = sum(min(spec.budget, tcfg.vocab_size) ** d for d in range(1, spec.depth + 1))
-      if spec.budget > max_nodes:
+      max_nodes = sum(min(spec.max_budget, tcfg.vocab_size) ** d for d in range(1, spec.depth + 1))
+      if spec.max_budget > max_nodes:
         raise ValueError(f"{spec.budget=} exceeds the {max_nodes} prefixes a depth-{spec.depth} "
                          "tree can hold")
+
+
+def length_warnings(tcfg, spec: SpecConfig, prompts: list[list[int]], max_len: int,
+                    trained_positions: int = 0) -> list[str]:
+  """What a run will not do as asked: stop at max_len early, or go past the trained positions."""
+  longest = max(len(p) for p in prompts)
+  out = []
+  if longest + spec.max_new_tokens > max_len + 1:  # the last new token needs no cache row
+    out.append(f"prompt ({longest} tokens) + --max_new_tokens {spec.max_new_tokens} exceeds "
+               f"--config.max_len {max_len}: at most {max_len - longest + 1} tokens will be "
+               "generated (stop_reason max_len)")
+  trained, source = ((trained_positions, "--config.trained_positions") if trained_positions
+                     else (tcfg.max_position_embeddings, "max_position_embeddings"))
+  reach = min(longest + spec.max_new_tokens - 1, max_len)  # positions fed to the target
+  if reach > trained:
+    out.append(f"positions up to {reach} go past the {trained} the target was trained on "
+               f"({source}); expect poor text and acceptance beyond position {trained}")
+  return out
 
 
 def check_draft_fits_target(dcfg, tcfg):
@@ -160,10 +193,16 @@ def check_draft_fits_target(dcfg, tcfg):
                      f"(vocab {tcfg.vocab_size})")
 
 
+def prompt_bucket(length: int, max_len: int) -> int:
+  """Padded prompt width: the next power of two >= 64 (at most max_len), so a new prompt length
+  reuses the compiled prefill + loop of its bucket instead of compiling another."""
+  return min(max_len, max(64, 1 << (length - 1).bit_length()))
+
+
 def _prepare(tcfg, tparams, dcfg, dparams, spec, prompts, max_len, mesh):
   """Validates, right-pads the prompts, and places params on the mesh (if any)."""
   validate(tcfg, dcfg, spec, prompts, max_len)
-  b, s = len(prompts), max(len(p) for p in prompts)
+  b, s = len(prompts), prompt_bucket(max(len(p) for p in prompts), max_len)
   padded = np.zeros((b, s), np.int32)
   for i, p in enumerate(prompts):
     padded[i, :len(p)] = p
@@ -175,56 +214,139 @@ def _prepare(tcfg, tparams, dcfg, dparams, spec, prompts, max_len, mesh):
   return jnp.asarray(padded), jnp.asarray(lengths), tparams, dparams
 
 
-def _result(spec, state, t0) -> GenerationResult:
+def stop_reason(tokens: list[int], eos_id, max_new_tokens: int, length: int,
+                max_len: int) -> str:
+  """Why a finished row stopped: eos, max_new_tokens or max_len (cache full)."""
+  if eos_id is not None and tokens and tokens[-1] == eos_id:
+    return "eos"
+  if len(tokens) >= max_new_tokens:
+    return "max_new_tokens"
+  if length >= max_len:
+    return "max_len"
+  return "unfinished"
+
+
+def capped_accepts(accepted: list[int], emitted: int) -> list[int]:
+  """Tokens per step, capped so they sum to the tokens emitted after the prefill's first one
+  (the device counts a whole accepted path even past max_new_tokens or an eos)."""
+  left, out = emitted - 1, []
+  for a in accepted:
+    take = min(a, left)
+    if take > 0:
+      out.append(take)
+    left -= take
+  return out
+
+
+def _result(spec, state, t0, max_len, eos_id, compile_s=0.0, warmup_s=0.0) -> GenerationResult:
   """Fetches the outputs; `seconds` runs from t0 until they are on the host (device work done)."""
-  out, n_out, acc, steps = sharding.to_host((state.out, state.n_out, state.accepted, state.steps))
+  out, n_out, acc, steps, lengths = sharding.to_host(
+      (state.out, state.n_out, state.accepted, state.steps, state.cache.lengths))
   seconds = time.perf_counter() - t0
   tokens = [list(map(int, out[i, :min(n_out[i], spec.max_new_tokens)])) for i in range(len(out))]
-  accepted = [[int(a) for a in acc[:steps, i] if a > 0] for i in range(len(out))]
+  accepted = [capped_accepts([int(a) for a in acc[:steps, i] if a > 0], len(tokens[i]))
+              for i in range(len(out))]
+  reasons = [stop_reason(t, eos_id, spec.max_new_tokens, int(n), max_len)
+             for t, n in zip(tokens, lengths)]
+  widths = [] if state.widths is None else sharding.to_host(state.widths)[:steps].tolist()
   return GenerationResult(tokens=tokens, accepted_per_step=accepted, steps=int(steps),
-                          seconds=seconds)
+                          seconds=seconds, compile_seconds=compile_s, warmup_seconds=warmup_s,
+                          stop_reasons=reasons,
+                          widths_per_step=widths)
+
+
+def _no_progress(label):
+  del label
+  return contextlib.nullcontext()
+
+
+def _size_field(spec) -> str:
+  """The flag a user lowers when the run does not fit."""
+  return "budget" if spec.mode == "ddtree" else "max_len"
+
+
+def compile_checked(jitted, args, statics, mesh, limit_gb=0.0, field="max_len",
+                    progress=_no_progress, label="compiling") -> float:
+  """Traces, checks the memory bound (before compiling), compiles; returns the seconds. Later
+  calls of `jitted` with these arguments reuse the compiled program (one compile)."""
+  t0 = time.perf_counter()
+  traced = jitted.trace(*args, **statics)
+  memory_bound.check_fits(traced, 1 if mesh is None else mesh.size, limit_gb, field)
+  with progress(label):
+    traced.lower().compile()
+  return time.perf_counter() - t0
 
 
 def generate(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts: list[list[int]],
-             max_len: int, seed: int = 0, cache_dtype=jnp.float32, mesh=None) -> GenerationResult:
+             max_len: int, seed: int = 0, cache_dtype=jnp.float32, mesh=None,
+             memory_limit_gb: float = 0.0, progress=_no_progress,
+             warmup: bool = False) -> GenerationResult:
   """Decodes a batch of (ragged) prompts in one dispatch. Tokens are exactly the target's.
 
   mesh: run sharded over it (params are placed by the rules unless already; caches and the
-  decode state are created sharded inside the program).
+  decode state are created sharded inside the program). Before compiling, the program's memory
+  bound is checked against memory_limit_gb (0: what the device has); progress(label) is a
+  context manager around the compile (e.g. `cli.progress`). warmup: run once untimed first (a
+  new program's first run pays one-time costs: 0.21 s vs 0.07 s for 32 k2tiny tokens, CPU).
   """
   prompts_bs, lengths_b, tparams, dparams = _prepare(tcfg, tparams, dcfg, dparams, spec, prompts,
                                                      max_len, mesh)
-  t0 = time.perf_counter()
+  statics = dict(tcfg=tcfg, dcfg=dcfg, spec=spec, max_len=max_len, cache_dtype=cache_dtype)
+  args = (tparams, dparams, prompts_bs, lengths_b, jax.random.key(seed))
   with sharding.use_mesh(mesh):
-    state = generate_device(tparams, dparams, prompts_bs, lengths_b, jax.random.key(seed),
-                            tcfg=tcfg, dcfg=dcfg, spec=spec, max_len=max_len,
-                            cache_dtype=cache_dtype)
-    return _result(spec, state, t0)
+    compile_s = compile_checked(generate_device, args, statics, mesh, memory_limit_gb,
+                                _size_field(spec), progress, f"compiling the {spec.mode} loop")
+    t0 = time.perf_counter()
+    if warmup:
+      jax.block_until_ready(generate_device(*args, **statics))
+    t1 = time.perf_counter()
+    state = generate_device(*args, **statics)
+    return _result(spec, state, t1, max_len, tcfg.eos_token_id, compile_s, t1 - t0)
 
 
 class Stream:
   """Iterates per-row lists of new tokens every `chunk_steps` device steps; `.result` at the end.
 
   Each chunk is one dispatch of the same compiled loop (the step bound is data); only the
-  output buffer comes back to the host between chunks.
+  output buffer comes back to the host between chunks. Both programs are compiled (memory
+  bound checked) and run once untimed (one step) before the first chunk: `.result.seconds` is
+  the decode alone, `.result.compile_seconds` the compile.
   """
 
   def __init__(self, tcfg, tparams, dcfg, dparams, spec, prompts, max_len, seed=0,
-               cache_dtype=jnp.float32, mesh=None, chunk_steps=8):
+               cache_dtype=jnp.float32, mesh=None, chunk_steps=8, memory_limit_gb=0.0,
+               progress=_no_progress):
     if chunk_steps < 1:
-      raise ValueError(f"{chunk_steps=} must be >= 1")
+      raise UsageError("stream", f"{chunk_steps} is too small; print every N >= 1 device steps")
     self._args = (tcfg, dcfg, spec, max_len, cache_dtype, mesh, chunk_steps, seed)
+    self._limits = (memory_limit_gb, progress)
     self._data = _prepare(tcfg, tparams, dcfg, dparams, spec, prompts, max_len, mesh)
     self.result: GenerationResult | None = None
+
+  def _warm(self, tparams, dparams, prefill_args, prefill_statics, statics):
+    """Compiles prefill and steps; runs each once untimed. (compile s, warm-up s)."""
+    _, _, spec, _, _, mesh, _, _ = self._args
+    limit_gb, progress = self._limits
+    field = _size_field(spec)
+    c1 = compile_checked(prefill_device, prefill_args, prefill_statics, mesh, limit_gb, field,
+                         progress, "compiling the prefill")
+    warm = prefill_device(*prefill_args, **prefill_statics)
+    c2 = compile_checked(steps_device, (tparams, dparams, warm, jnp.int32(1)), statics, mesh,
+                         limit_gb, field, progress, f"compiling the {spec.mode} loop")
+    t0 = time.perf_counter()
+    jax.block_until_ready(steps_device(tparams, dparams, warm, jnp.int32(1), **statics))
+    return c1 + c2, time.perf_counter() - t0
 
   def __iter__(self):
     tcfg, dcfg, spec, max_len, cache_dtype, mesh, chunk, seed = self._args
     prompts_bs, lengths_b, tparams, dparams = self._data
-    t0 = time.perf_counter()
+    statics = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
+    prefill_statics = dict(statics, max_len=max_len, cache_dtype=cache_dtype)
+    prefill_args = (tparams, dparams, prompts_bs, lengths_b, jax.random.key(seed))
     with sharding.use_mesh(mesh):
-      state = prefill_device(tparams, dparams, prompts_bs, lengths_b, jax.random.key(seed),
-                             tcfg=tcfg, dcfg=dcfg, spec=spec, max_len=max_len,
-                             cache_dtype=cache_dtype)
+      compile_s, warmup_s = self._warm(tparams, dparams, prefill_args, prefill_statics, statics)
+      t0 = time.perf_counter()
+      state = prefill_device(*prefill_args, **prefill_statics)
       sent = [0] * prompts_bs.shape[0]
       while True:
         out, n_out, done, steps = sharding.to_host((state.out, state.n_out, state.done,
@@ -236,6 +358,5 @@ class Stream:
         yield new
         if done.all() or steps >= spec.max_new_tokens:
           break
-        state = steps_device(tparams, dparams, state, jnp.int32(steps + chunk), tcfg=tcfg,
-                             dcfg=dcfg, spec=spec)
-      self.result = _result(spec, state, t0)
+        state = steps_device(tparams, dparams, state, jnp.int32(steps + chunk), **statics)
+      self.result = _result(spec, state, t0, max_len, tcfg.eos_token_id, compile_s, warmup_s)
