@@ -1,9 +1,25 @@
-"""Decode with speculative decoding (ar | chain | ddtree) on the shipped default or any config.
+"""Decode with speculative decoding (ar | chain | ddtree): the shipped trained pair by default.
 
-  python scripts/decode.py                                   # the shipped trained pair
-  python scripts/decode.py --config configs/tiny.py --mode chain --prompt "import os"
-  python scripts/decode.py --config.max_new_tokens=64 --json_out /tmp/out.json
-  python scripts/decode.py --mesh tensor=2,expert=4     # sharded over 8 devices
+Examples:
+  python scripts/decode.py                                  # k2tiny pair, ddtree, budget 32
+  python scripts/decode.py --mode chain --prompt "import os" --max_new_tokens 64
+  python scripts/decode.py --temperature 0.8 --top_p 0.95 --seed 1 --json_out /tmp/out.json
+  python scripts/decode.py --config configs/tiny.py --budget 16   # random tiny pair
+  python scripts/decode.py --mesh tensor=2,expert=4         # sharded over 8 devices
+
+The config file (--config, default configs/default.py) holds every setting; the flags below
+override it. Common fields, set as --config.<field>=<value> (all: kdtree_jax/run_config.py):
+  --config.max_len=512              cache rows for prompt + new tokens (run stops there: max_len)
+  --config.target.checkpoint=DIR    target checkpoint directory (HF or orbax)
+  --config.draft.checkpoint=DIR     DFlash draft checkpoint directory (HF or orbax)
+  --config.tokenizer=auto           auto | bytes | tiktoken
+  --config.trained_positions=512    warn past the positions the target was trained on
+  --config.memory_limit_gb=0        per-device memory checked before compiling (0 = the device's)
+
+Prints the text, then one line: mode, budget (ddtree only), tokens, steps, mean tokens per step,
+why it stopped (eos | max_new_tokens | max_len), decode tok/s and ms/step; compile time apart.
+A mistake prints one `error:` line (exit 2: flag or config, 1: file or checkpoint); --verbose
+adds the traceback and the INFO logs.
 """
 
 import json
@@ -12,51 +28,83 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 import jax  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
-from kdtree_jax import sharding  # noqa: E402
-from kdtree_jax.decoding.loop import Stream, generate  # noqa: E402
+from kdtree_jax import cli, run_config, sharding  # noqa: E402
+from kdtree_jax.decoding import loop  # noqa: E402
 from kdtree_jax.decoding.sampling import SamplingConfig  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.models import DTYPES, load_models  # noqa: E402
 from kdtree_jax import runtime_flags  # noqa: E402,F401  (--compile_cache_dir, --command_buffers)
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "default.py")
-_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Run config (configs/*.py).")
-_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (default: the config's).")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Tokens to generate.")
-_MODE = flags.DEFINE_enum("mode", None, ["ar", "chain", "ddtree"], "Decoding mode.")
-_BUDGET = flags.DEFINE_integer("budget", None, "DDTree node budget.")
-_TEMP = flags.DEFINE_float("temperature", None, "0 = greedy.")
-_TOP_P = flags.DEFINE_float("top_p", None, "Nucleus sampling mass.")
-_TOP_K = flags.DEFINE_integer("top_k", None, "Top-k sampling (0 = off).")
-_SEED = flags.DEFINE_integer("seed", None, "Sampling seed.")
-_DTYPE = flags.DEFINE_enum("dtype", None, list(DTYPES), "Parameter and cache dtype.")
-_JSON = flags.DEFINE_string("json_out", None, "Write a JSON summary here.")
-_STREAM = flags.DEFINE_integer("stream", 0, "Print text every N device steps (0: all at once, "
-                               "timed after a compile run; streamed timings include the compile "
-                               "and one host sync per chunk).")
+DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "configs",
+                                               "default.py"))
+_D = run_config.trained_pair()  # configs/default.py, for the defaults shown by --help
+_CONFIG = cli.define_config(DEFAULT_CONFIG, "Run config file (configs/*.py); every field can be "
+                            "overridden with --config.<field>=<value>.")
+_PROMPT = flags.DEFINE_string("prompt", None, f"Prompt text (default: {_D.prompt!r}).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None,
+                                f"Tokens to generate, >= 1 (default: {_D.max_new_tokens}).")
+_MODE = flags.DEFINE_enum("mode", None, list(run_config.MODES),
+                          f"ar: target alone; chain: draft block; ddtree: draft tree "
+                          f"(default: {_D.mode}).")
+_BUDGET = flags.DEFINE_integer("budget", None, f"DDTree nodes verified per step, >= 1; ddtree "
+                               f"only (default: {_D.budget}).")
+_TEMP = flags.DEFINE_float("temperature", None, f"0 = greedy (default: {_D.temperature}).")
+_TOP_P = flags.DEFINE_float("top_p", None, f"Nucleus mass in (0, 1] (default: {_D.top_p}).")
+_TOP_K = flags.DEFINE_integer("top_k", None, f"Top-k sampling, 0 = off (default: {_D.top_k}).")
+_SEED = flags.DEFINE_integer("seed", None, f"Sampling seed (default: {_D.seed}).")
+_DTYPE = flags.DEFINE_enum("dtype", None, list(DTYPES), "Parameter and cache dtype; float32 "
+                           "tokens equal ar exactly, bfloat16 may differ (default: float32).")
+_JSON = flags.DEFINE_string("json_out", None, "Write every setting and result as JSON here.")
+_STREAM = flags.DEFINE_integer("stream", 0, "Print text every N device steps (0: all at once). "
+                               "Compiles first; tok/s counts the decode only.")
 _MESH = flags.DEFINE_string("mesh", None, "Device mesh 'AXIS=N,...' over data/expert/tensor "
-                            "(e.g. tensor=8, expert=8, tensor=2,expert=4); '' = one device.")
+                            "(e.g. tensor=8, tensor=2,expert=4); '' = one device (default: '').")
+_FLAG_FIELDS = ((_PROMPT, "prompt"), (_MAX_NEW, "max_new_tokens"), (_MODE, "mode"),
+                (_BUDGET, "budget"), (_TEMP, "temperature"), (_TOP_P, "top_p"), (_TOP_K, "top_k"),
+                (_SEED, "seed"), (_DTYPE, "dtype"), (_MESH, "mesh"))
 
 
-def _override(c):
-  """Explicit flags win over the config file."""
-  for flag, field in ((_PROMPT, "prompt"), (_MAX_NEW, "max_new_tokens"), (_MODE, "mode"),
-                      (_BUDGET, "budget"), (_TEMP, "temperature"), (_TOP_P, "top_p"),
-                      (_TOP_K, "top_k"), (_SEED, "seed"), (_DTYPE, "dtype")):
+def _settings():
+  """The run config, explicit flags over the config file, validated."""
+  c = cli.load_config(_CONFIG)
+  for flag, field in _FLAG_FIELDS:
     if flag.value is not None:
       setattr(c, field, flag.value)
-  return c
+  if _STREAM.value < 0:
+    raise cli.UsageError("stream", f"{_STREAM.value} is negative; 0 = no streaming, N >= 1 = "
+                         "print every N device steps")
+  out_dir = os.path.dirname(os.path.abspath(_JSON.value)) if _JSON.value else None
+  if out_dir and not os.path.isdir(out_dir):
+    raise cli.UsageError("json_out", f"directory {out_dir!r} does not exist; give a path in an "
+                         "existing directory")
+  if c.tokenizer == "none":
+    raise cli.UsageError("tokenizer", "'none' cannot encode --prompt; use auto or bytes")
+  return run_config.validate(c)
+
+
+def _mesh(c):
+  sharding.maybe_initialize_distributed()
+  if not c.mesh:
+    return None
+  try:
+    mesh = sharding.make_mesh(c.mesh)
+  except ValueError as e:
+    raise cli.UsageError("mesh", str(e)) from e
+  print(f"mesh {dict(mesh.shape)}: {jax.device_count()} devices in {jax.process_count()} "
+        f"process(es)")
+  return mesh
 
 
 def _stream(tokenizer, prompt, stream):
   """Prints the text as chunks of steps come back from the device; returns the result."""
-  print(prompt, end="", flush=True)
-  ids, shown = [], 0
+  ids, shown, started = [], 0, False
   for delta in stream:
+    if not started:  # compiled by now: the text starts after the progress lines
+      print(prompt, end="", flush=True)
+      started = True
     ids.extend(delta[0])
     text = tokenizer.decode(ids)
     print(text[shown:], end="", flush=True)
@@ -65,42 +113,60 @@ def _stream(tokenizer, prompt, stream):
   return stream.result
 
 
+def _summary(c, spec, res, text):
+  """Every setting of the run and its results (budget only where it applies)."""
+  steps = len(res.accepted_per_step[0])
+  return dict(
+      mode=c.mode, budget=c.budget if c.mode == "ddtree" else None,
+      block_size=spec.block_size if c.mode != "ar" else None, temperature=c.temperature,
+      top_p=c.top_p, top_k=c.top_k, seed=c.seed, dtype=c.dtype, max_new_tokens=c.max_new_tokens,
+      max_len=c.max_len, mesh=c.mesh, attn_backend=c.attn_backend,
+      target=c.target.checkpoint or f"preset:{c.target.preset}",
+      draft=c.draft.checkpoint or (f"preset:{c.draft.preset}" if c.draft.preset else None),
+      prompt=c.prompt, tokens=res.tokens[0], text=text, stop_reason=res.stop_reasons[0],
+      steps=steps, accepted_per_step=res.accepted_per_step[0],
+      mean_accept_len=res.mean_accept_len, tokens_per_s=res.tokens_per_s,
+      seconds=res.seconds, ms_per_step=1e3 * res.seconds / max(steps, 1),
+      compile_seconds=res.compile_seconds, warmup_seconds=res.warmup_seconds)
+
+
+def _print_summary(s):
+  budget = f" budget={s['budget']}" if s["budget"] is not None else ""
+  print(f"\n--- mode={s['mode']}{budget} tokens={len(s['tokens'])} steps={s['steps']} "
+        f"mean_accept_len={s['mean_accept_len']:.2f} stop_reason={s['stop_reason']} "
+        f"tokens/s={s['tokens_per_s']:.1f} ms/step={s['ms_per_step']:.2f} "
+        f"(decode only; compile {s['compile_seconds']:.1f} s, first run "
+        f"{s['warmup_seconds']:.2f} s untimed)")
+
+
 def main(argv):
   del argv
-  c = _override(_CONFIG.value)
-  sharding.maybe_initialize_distributed()
-  mesh_spec = _MESH.value if _MESH.value is not None else c.get("mesh", "")
-  mesh = sharding.make_mesh(mesh_spec) if mesh_spec else None
-  if mesh is not None:
-    print(f"mesh {dict(mesh.shape)}: {jax.device_count()} devices in {jax.process_count()} "
-          f"process(es)")
-  models = load_models(c, mesh)
+  c = _settings()
+  mesh = _mesh(c)
+  with cli.progress("loading the target and draft"):
+    models = load_models(c, mesh)
   block = models.dcfg.block_size if models.dcfg is not None else 2
   spec = SpecConfig(mode=c.mode, budget=c.budget, block_size=block,
                     max_new_tokens=c.max_new_tokens, attn_backend=c.attn_backend,
                     sampling=SamplingConfig(c.temperature, c.top_k, c.top_p))
-  prompt_ids = models.tokenizer.encode(c.prompt)
-  cache_dtype = DTYPES[c.dtype]
-  args = (models.tcfg, models.tparams, models.dcfg, models.dparams, spec, [prompt_ids])
-  kw = dict(max_len=c.max_len, seed=c.seed, cache_dtype=cache_dtype, mesh=mesh)
+  prompts = [models.tokenizer.encode(c.prompt)]
+  for warning in loop.length_warnings(models.tcfg, spec, prompts, c.max_len,
+                                      c.trained_positions):
+    print(f"warning: {warning}", file=sys.stderr, flush=True)
+  args = (models.tcfg, models.tparams, models.dcfg, models.dparams, spec, prompts)
+  kw = dict(max_len=c.max_len, seed=c.seed, cache_dtype=DTYPES[c.dtype], mesh=mesh,
+            memory_limit_gb=c.memory_limit_gb, progress=cli.progress)
   if _STREAM.value:
-    res = _stream(models.tokenizer, c.prompt, Stream(*args, **kw, chunk_steps=_STREAM.value))
+    res = _stream(models.tokenizer, c.prompt, loop.Stream(*args, **kw, chunk_steps=_STREAM.value))
   else:
-    generate(*args, **kw)  # compiles; the timed call below reuses the program
-    res = generate(*args, **kw)
+    res = loop.generate(*args, **kw, warmup=True)
     print(c.prompt + models.tokenizer.decode(res.tokens[0]))
-  text = models.tokenizer.decode(res.tokens[0])
-  steps = len(res.accepted_per_step[0])
-  print(f"\n--- mode={c.mode} budget={c.budget if c.mode == 'ddtree' else '-'} "
-        f"tokens={len(res.tokens[0])} steps={steps} mean_accept_len={res.mean_accept_len:.2f} "
-        f"tokens/s={res.tokens_per_s:.1f} ms/step={1e3 * res.seconds / max(steps, 1):.2f}")
+  summary = _summary(c, spec, res, models.tokenizer.decode(res.tokens[0]))
+  _print_summary(summary)
   if _JSON.value:
     with open(_JSON.value, "w") as f:
-      json.dump({"mode": c.mode, "budget": c.budget, "prompt": c.prompt, "tokens": res.tokens[0],
-                 "text": text, "steps": steps, "accepted_per_step": res.accepted_per_step[0],
-                 "mean_accept_len": res.mean_accept_len, "tokens_per_s": res.tokens_per_s,
-                 "seconds": res.seconds}, f, indent=1)
+      json.dump(summary, f, indent=1)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -1,0 +1,142 @@
+"""Every mistake a first-time user makes ends in one `error:` line naming the flag / field / file,
+exit status 2 (usage) or 1 (data), and no traceback; every run says why it stopped."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kdtree_jax.decoding import loop, memory_bound
+from kdtree_jax.tokenizer import ByteTokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DECODE = os.path.join(ROOT, "scripts", "decode.py")
+TINY = os.path.join(ROOT, "configs", "tiny.py")
+SHIPPED_DRAFT = os.path.join(ROOT, "checkpoints", "k2tiny", "draft")
+
+
+def decode(*args, timeout=240):
+  """scripts/decode.py on one CPU device; (exit status, stdout, stderr)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, DECODE, *args], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=timeout)
+  return proc.returncode, proc.stdout, proc.stderr
+
+
+def assert_one_line_error(result, status, named):
+  """Exit status, no traceback, and the last stderr line is `error: ...` naming `named`."""
+  code, _, err = result
+  last = err.strip().splitlines()[-1]
+  assert code == status, err[-2000:]
+  assert "Traceback" not in err, err[-2000:]
+  assert last.startswith("error: ") and named in last, last
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--budget", "0"], "--budget"),
+    (["--budget", "abc"], "--budget"),
+    (["--mode", "tree"], "--mode"),
+    (["--top_p", "1.5"], "--top_p"),
+    (["--max_new_tokens", "0"], "--max_new_tokens"),
+    (["--bugdet", "3"], "bugdet"),
+    (["--mesh", "tensor=3"], "--mesh"),
+    (["import os"], "import os"),
+])
+def test_flag_values(args, named):
+  assert_one_line_error(decode("--config", TINY, *args), 2, named)
+
+
+def test_config_file():
+  assert_one_line_error(decode("--config", "configs/no_such.py"), 2, "configs/no_such.py")
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--config.ckpt=x"], "--config.ckpt"),
+    (["--config", TINY, "--config.target.chekpoint=x"], "--config.target.chekpoint"),
+    (["--config", TINY, "--config.dtype=float16"], "--config.dtype"),
+    (["--config.max_len=4"], "--config.max_len"),
+])
+def test_config_field(args, named):
+  assert_one_line_error(decode(*args), 2, named)
+
+
+def test_checkpoint_file(tmp_path):
+  """A truncated draft safetensors file is named, with what is wrong."""
+  bad = tmp_path / "draft"
+  bad.mkdir()
+  shutil.copy(os.path.join(SHIPPED_DRAFT, "config.json"), bad / "config.json")
+  with open(os.path.join(SHIPPED_DRAFT, "model.safetensors"), "rb") as f:
+    (bad / "model.safetensors").write_bytes(f.read(5000))
+  result = decode(f"--config.draft.checkpoint={bad}")
+  assert_one_line_error(result, 1, str(bad / "model.safetensors"))
+  assert "truncated" in result[2].splitlines()[-1]
+
+
+@pytest.mark.parametrize("content", ["empty", "missing", "no_weights"])
+def test_checkpoint_directory(tmp_path, content):
+  path = tmp_path / "ckpt"
+  if content != "missing":
+    path.mkdir()
+  if content == "no_weights":
+    shutil.copy(os.path.join(SHIPPED_DRAFT, "config.json"), path / "config.json")
+  result = decode(f"--config.draft.checkpoint={path}")
+  assert_one_line_error(result, 1, str(path))
+  assert "--config.draft.checkpoint" in result[2].splitlines()[-1]
+  assert "tokenizer" not in result[2].splitlines()[-1]
+
+
+def test_memory_bound_before_compiling():
+  """budget 4096 needs 0.31 GB for one attention-score tensor [1, 4097, 4, 4672] f32: refused
+  before compiling under a 0.2 GB limit (budget 100000 needs 161 GB: WORKSPACE.md)."""
+  result = decode("--budget", "4096", "--max_new_tokens", "4", "--config.memory_limit_gb=0.2")
+  assert_one_line_error(result, 2, "--budget")
+  last = result[2].splitlines()[-1]
+  assert "GB per device" in last and "--config.memory_limit_gb is 0.20 GB" in last, last
+  assert "compiling" not in result[2]
+
+
+def test_stop_reason(tmp_path):
+  """32 new tokens asked, the cache (max_len 40) fills first: said on screen and in the JSON."""
+  max_len, reason = 40, "max_len"
+  out = tmp_path / "out.json"
+  code, stdout, err = decode("--mode", "ar", "--max_new_tokens", "32",
+                             f"--config.max_len={max_len}", "--json_out", str(out))
+  assert code == 0 and "Traceback" not in err, err[-2000:]
+  summary = json.loads(out.read_text())
+  assert summary["stop_reason"] == reason
+  assert f"stop_reason={reason}" in stdout.strip().splitlines()[-1]
+  prompt_len = len(ByteTokenizer().encode(summary["prompt"]))
+  # max_len cache rows hold the prompt and every new token but the last (emitted, not cached)
+  assert len(summary["tokens"]) == max_len - prompt_len + 1
+  assert summary["budget"] is None and summary["temperature"] == 0.0  # every setting recorded
+  assert "warning:" in err and "--config.max_len 40" in err  # warned before decoding
+
+
+def test_stop_reason_and_capped_accepts_rules():
+  eos = 7
+  assert loop.stop_reason([1, 2, eos], eos, 8, 10, 100) == "eos"
+  assert loop.stop_reason([1, 2, 3], eos, 3, 10, 100) == "max_new_tokens"
+  assert loop.stop_reason([1, 2], eos, 8, 100, 100) == "max_len"
+  # 1 token from the prefill, then steps of 5, 5, 5 accepted but only 8 more emitted
+  assert loop.capped_accepts([5, 5, 5], 9) == [5, 3]
+  assert loop.capped_accepts([2, 3], 6) == [2, 3]
+
+
+def test_memory_bound_counts_the_largest_intermediate():
+  def f(x_nd):
+    s_nn = x_nd @ x_nd.T  # the largest intermediate: 300 x 300 f32 = 360 kB
+    return s_nn.sum(axis=1)
+
+  x = jnp.ones((300, 8), jnp.float32)
+  bound = memory_bound.bound_of(jax.jit(f).trace(x), devices=1)
+  assert bound.largest == 300 * 300 * 4
+  assert bound.inputs == 300 * 8 * 4 and bound.outputs == 300 * 4
+  assert bound.per_device == 300 * 8 * 4 + 300 * 300 * 4
+  with pytest.raises(ValueError, match="budget"):
+    memory_bound.check_fits(jax.jit(f).trace(x), 1, limit_gb=100e3 / 1e9, field="budget")
