@@ -1,13 +1,15 @@
 """Train the DFlash draft of the `k2tiny` target (frozen; read from its HF checkpoint).
 
 GPU (one H200, ~2.5 min wall: stops at `steps` (4000) or `max_seconds` (140 s), whichever
-comes first; run after scripts/train_target.py, whose output it reads):
+comes first; run after scripts/train_target.py, whose output (runs/k2tiny/hf/target) it reads;
+--config.target_checkpoint=checkpoints/k2tiny/target trains against the shipped target):
   python scripts/train_draft.py --config configs/train_draft.py
 CPU reduced run (30 steps of 4 x 128 tokens, 8 blocks each; ~30 s; after the reduced target):
   python scripts/train_draft.py --config configs/train_draft.py:cpu
   (reads runs/k2tiny_cpu/target, writes runs/k2tiny_cpu/draft)
 Any field can be overridden, e.g. --config.steps=50 --config.batch=4 --config.anchors=8.
-Output: DFlash checkpoint (z-lab layout) in out_dir; orbax state + log.jsonl in work_dir.
+Output: DFlash checkpoint (z-lab layout) in out_dir (runs/k2tiny/hf/draft; checkpoints/ only
+with --write_checkpoints); orbax state + log.jsonl in work_dir.
 """
 
 import ml_collections
@@ -28,7 +30,7 @@ def draft_fields():
 def get_config(size: str = "full"):
   c = ml_collections.ConfigDict()
   c.draft = draft_fields()
-  c.target_checkpoint = "checkpoints/k2tiny/target"
+  c.target_checkpoint = "runs/k2tiny/hf/target"  # the target scripts/train_target.py wrote
   c.heldout_files = data.HELDOUT_FILES
   c.heldout_topics = data.HELDOUT_TOPICS
   c.overfit_one_batch = False  # debug / test: train on batch 0 every step
@@ -51,7 +53,7 @@ def get_config(size: str = "full"):
   c.eval_batches = 4
   c.eval_batch = 16
   c.ckpt_every = 1000
-  c.out_dir = "checkpoints/k2tiny/draft"
+  c.out_dir = "runs/k2tiny/hf/draft"
   c.work_dir = "runs/k2tiny/draft"
   c.save_dtype = "bfloat16"
   if size == "cpu":

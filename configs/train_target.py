@@ -7,8 +7,10 @@ CPU reduced run (same model, 30 steps of 8 x 128 tokens; ~1 min on 2 cores):
   python scripts/train_target.py --config configs/train_target.py:cpu
   (writes runs/k2tiny_cpu/target; the shipped checkpoints/k2tiny is left alone)
 Any field can be overridden, e.g. --config.steps=50 --config.batch=4 --config.seq_len=128.
-Output (paths relative to the repo root, run from there): HF checkpoint (bf16) in out_dir;
-orbax train state + log.jsonl in work_dir (a rerun with the same work_dir resumes).
+Output (paths relative to the repo root, run from there): HF checkpoint (bf16) in out_dir
+(runs/k2tiny/hf/target; the shipped checkpoints/k2tiny is only written with
+--write_checkpoints and --config.out_dir=checkpoints/k2tiny/target); orbax train state +
+log.jsonl in work_dir (a rerun with the same work_dir resumes).
 """
 
 import ml_collections
@@ -53,7 +55,7 @@ def get_config(size: str = "full"):
   c.eval_batches = 4
   c.eval_batch = 32
   c.ckpt_every = 1000
-  c.out_dir = "checkpoints/k2tiny/target"
+  c.out_dir = "runs/k2tiny/hf/target"
   c.work_dir = "runs/k2tiny/target"
   c.save_format = "bfloat16"
   if size == "cpu":

@@ -48,11 +48,11 @@ class DataError(ValueError):
 
 
 def flag_name(field: str) -> str:
-  """The command-line spelling of a config field: its own flag if the script has one."""
+  """The command-line spelling of a config field: its own flag if the user gave that flag."""
   if field.startswith("-"):
     return field
-  if field in flags.FLAGS and field != "config":
-    return f"--{field}"
+  if field in flags.FLAGS and field != "config" and flags.FLAGS[field].present:
+    return f"--{field}"  # the user gave the flag
   return f"--config.{field}"
 
 
@@ -63,6 +63,8 @@ def error_line(exc: BaseException) -> tuple[int, str]:
     return EXIT_USAGE, f"error: {where}{exc.problem}"
   if isinstance(exc, DataError):
     return EXIT_DATA, f"error: {exc}"
+  if isinstance(exc, app.UsageError):  # absl's: the scripts' messages name their flags
+    return EXIT_USAGE, f"error: {' '.join(str(exc).split())}"
   text = " ".join(str(exc).split()) or type(exc).__name__
   if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text:
     return EXIT_DATA, (f"error: out of device memory ({text[:200]}); lower --budget, "
@@ -156,9 +158,11 @@ def _override_error(exc, default) -> Exception:
   return UsageError("--config", f"{path}: {' '.join(str(exc).split())}")
 
 
-def load_config(holder):
-  """The config a `define_config` flag holds; an unreadable file -> UsageError naming it."""
+def load_config(holder, example: str = "configs/tiny.py"):
+  """The config a `define_config` flag holds; a missing or unreadable file -> UsageError."""
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  if holder.value is None:
+    raise UsageError("--config", f"is required: name a config file, e.g. --config {example}")
   try:
     config = holder.value
     config.keys()  # a file that failed to load raises on first use
@@ -218,6 +222,19 @@ def run(main):
       fail(e)
   quiet_logs(_verbose(sys.argv))
   app.run(guarded, flags_parser=_parse_flags)
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = os.path.join(REPO_ROOT, "checkpoints")
+
+
+def refuse_shipped_output(path: str, field: str, allow_flag: str, allowed: bool):
+  """UsageError when `path` lies in the repo's checkpoints/ (the shipped models) unless allowed."""
+  real = os.path.realpath(path if os.path.isabs(path) else os.path.join(os.getcwd(), path))
+  inside = os.path.commonpath([real, os.path.realpath(SHIPPED)]) == os.path.realpath(SHIPPED)
+  if inside and not allowed:
+    raise UsageError(field, f"{path!r} is inside checkpoints/, which holds the shipped models; "
+                     f"write elsewhere (e.g. runs/) or pass {allow_flag} to replace them")
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from kdtree_jax import sharding  # noqa: E402
+from kdtree_jax import cli, sharding  # noqa: E402
 from kdtree_jax.checkpoint import orbax_io  # noqa: E402
 from kdtree_jax.checkpoint.hf import default_put, load_hf_checkpoint  # noqa: E402
 from kdtree_jax.draft.checkpoint import load_dflash_checkpoint  # noqa: E402
@@ -100,4 +100,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -16,18 +16,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
-from kdtree_jax import data, plots  # noqa: E402
+from kdtree_jax import cli, data, plots  # noqa: E402
 from kdtree_jax.decoding.loop import generate  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.models import DTYPES, load_models  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "default.py")
-_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Run config (the pair).")
+_CONFIG = cli.define_config(DEFAULT_CONFIG, "Run config (the pair).")
 _BUDGETS = flags.DEFINE_list("budgets", ["8", "16", "32", "64", "128"], "DDTree budgets.")
 _PROMPTS = flags.DEFINE_integer("prompts", 8, "Held-out prompts.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 192, "Prompt bytes.")
@@ -70,7 +69,7 @@ def plot(rows, path):
 
 
 def main(_):
-  c = _CONFIG.value
+  c = cli.load_config(_CONFIG, "configs/k2tiny.py")
   models = load_models(c)
   prompts = held_out_prompts(_PROMPTS.value, _PROMPT_LEN.value)
   runs = [("ar", 1), ("chain", 1)] + [("ddtree", int(b)) for b in _BUDGETS.value]
@@ -100,4 +99,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -19,16 +19,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import flags  # noqa: E402
 
-from kdtree_jax import models, runtime, sharding  # noqa: E402
+from kdtree_jax import cli, models, runtime, sharding  # noqa: E402
 from kdtree_jax.cache import LatentCache  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.draft import model as draft_model  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "kimi_k2_6.py")
-_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Run config (configs/*.py).")
+_CONFIG = cli.define_config(DEFAULT_CONFIG, "Run config (configs/*.py).")
 _MESH = flags.DEFINE_string("mesh", None, "'AXIS=N,...', or 'all' (tensor=8, expert=8, "
                             "tensor=2,expert=4); default: the config's mesh.")
 _MAX_LEN = flags.DEFINE_integer("max_len", None, "Context length (default: the config's).")
@@ -164,7 +163,7 @@ def print_table(rows):
 
 def main(argv):
   del argv
-  c = _CONFIG.value
+  c = cli.load_config(_CONFIG, "configs/kimi_k2_6.py")
   max_len = _MAX_LEN.value or c.max_len
   mesh = _MESH.value or c.get("mesh", "") or "tensor=8"
   meshes = ["tensor=8", "expert=8", "tensor=2,expert=4"] if mesh == "all" else [mesh]
@@ -184,4 +183,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

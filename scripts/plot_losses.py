@@ -6,10 +6,14 @@
 
 import json
 import os
+import sys
 
-from absl import app, flags
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import matplotlib
+from absl import flags  # noqa: E402
+import matplotlib  # noqa: E402
+
+from kdtree_jax import cli  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -71,4 +75,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -12,13 +12,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from kdtree_jax import plots  # noqa: E402
+from kdtree_jax import cli, plots  # noqa: E402
 
 _INPUTS = flags.DEFINE_list("inputs", None, "Result files (default: .jsonl/.txt in results/).")
 _OUT = flags.DEFINE_string("out_dir", "plots", "Directory for the PNGs.")
@@ -73,4 +73,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -24,13 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
-from kdtree_jax import profiling  # noqa: E402
+from kdtree_jax import cli, profiling  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.models import DTYPES, load_draft, load_target  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Bench config (configs/bench_*.py).")
+_CONFIG = cli.define_config(None, "Bench config (configs/bench_*.py).")
 _MODE = flags.DEFINE_list("mode", ["ar", "chain", "ddtree"], "Modes (ar: once; chain: per block).")
 _BUDGETS = flags.DEFINE_list("budgets", ["8", "16", "32", "64"], "DDTree budgets.")
 _BLOCKS = flags.DEFINE_list("block_sizes", ["4", "8", "16"], "Draft block sizes.")
@@ -63,9 +62,7 @@ def sweep_point(tcfg, tp, dcfg, dp, spec, ctxs, dtype, batch, gen):
 
 
 def main(_):
-  c = _CONFIG.value
-  if c is None:
-    raise app.UsageError("--config is required (configs/bench_tiny.py on CPU, bench_k26.py on GPU)")
+  c = cli.load_config(_CONFIG, "configs/bench_tiny.py (CPU) or configs/bench_k26.py (GPU)")
   dtype = DTYPES[c.dtype]
   tcfg, tp = load_target(c.target, dtype)
   dcfg0, dp = load_draft(c.draft, tcfg, dtype)
@@ -101,4 +98,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

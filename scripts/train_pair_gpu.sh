@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Trains the k2tiny target, then its DFlash draft, on one H200 (~7 min wall: target capped at
 # 250 s of training, draft at 140 s, plus start-up), and copies the results to $OUT:
-#   $OUT/k2tiny.tar            checkpoints/k2tiny/{target,draft} (HF bf16 target, DFlash draft)
+#   $OUT/k2tiny.tar            k2tiny/{target,draft} (HF bf16 target, DFlash draft; from
+#                              runs/k2tiny/hf: untar into checkpoints/ to replace the shipped pair)
 #   $OUT/{target,draft}_log.jsonl, $OUT/{target,draft}_stdout.txt, $OUT/losses.png
 # Usage: OUT=/some/dir PY=python3 scripts/train_pair_gpu.sh   (RESUME=1 keeps runs/k2tiny)
 # Extra flags per script: TARGET_FLAGS="--config.max_seconds=200" DRAFT_FLAGS="...".
@@ -20,7 +21,7 @@ fi
 # shellcheck disable=SC2086
 "$PY" scripts/train_draft.py --config configs/train_draft.py ${DRAFT_FLAGS:-} \
   2>&1 | tee "$OUT/draft_stdout.txt"
-tar -cf "$OUT/k2tiny.tar" -C checkpoints k2tiny/target k2tiny/draft
+tar -cf "$OUT/k2tiny.tar" -C runs/k2tiny/hf --transform 's,^,k2tiny/,' target draft
 cp runs/k2tiny/target/log.jsonl "$OUT/target_log.jsonl"
 cp runs/k2tiny/draft/log.jsonl "$OUT/draft_log.jsonl"
 "$PY" scripts/plot_losses.py --logs "$OUT/target_log.jsonl,$OUT/draft_log.jsonl" \

@@ -62,12 +62,15 @@ def train(c, corpus=None):
 
 def main(argv):
   del argv
-  train(_CONFIG.value)
+  c = cli.load_config(_CONFIG, "configs/train_target.py:cpu")
+  cli.refuse_shipped_output(c.out_dir, "out_dir", "--write_checkpoints", _WRITE_SHIPPED.value)
+  train(c)
 
 
 if __name__ == "__main__":
-  from absl import app, logging  # noqa: E402
-  from ml_collections import config_flags  # noqa: E402
-  _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/train_target.py[:cpu]")
-  logging.set_verbosity(logging.WARNING)
-  app.run(main)
+  from absl import flags  # noqa: E402
+  from kdtree_jax import cli  # noqa: E402
+  _CONFIG = cli.define_config(None, "configs/train_target.py (GPU) or configs/train_target.py:cpu")
+  _WRITE_SHIPPED = flags.DEFINE_bool("write_checkpoints", False, "Allow --config.out_dir inside "
+                                     "checkpoints/ (replaces the shipped model).")
+  cli.run(main)
