@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kdtree_jax import roofline  # noqa: E402
-from pallas_kernels.tree_verify import api, reference  # noqa: E402
+from pallas_kernels.tree_verify import api, masks, reference  # noqa: E402
 from pallas_kernels.tree_verify.tuning import Tuning, default_tuning  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -137,6 +137,8 @@ def bench_shape(b, n, h, l, ceil, scale=1.0 / math.sqrt(C)):
     us = device_time_us(fn, sets, FLAGS.reps) if ok else float("nan")
     rows.append(dict(impl="pallas", variant=name, tuning=t.__dict__, rel_err=err, finite=finite,
                      us=us))
+  if FLAGS.probe_variants and (b, n, h, l) in MUST_SHOW:
+    rows.append(packed_mask_row(sets, h, scale, ref))
   del ref
   if not FLAGS.skip_xla:
     big = b * n * h * l * 4 > 4e9
@@ -149,6 +151,16 @@ def bench_shape(b, n, h, l, ceil, scale=1.0 / math.sqrt(C)):
              tbps=byts / r["us"] / 1e6, tflops=flops / r["us"] / 1e6,
              pct_roofline=100 * floor_us / r["us"], x_xla=xla_us / r["us"])
   return rows
+
+
+def packed_mask_row(sets, h, scale, ref):
+  """The default kernel with the tree mask packed outside the call (once per tree in a model
+  running many layers): the call is the kernel (+ the merge)."""
+  packed = [(q, c, le, masks.pack_tree_mask(m, h)) for q, c, le, m in sets]
+  fn = lambda q, c, le, pm: api.tree_verify_attention(q, c, le, pm, scale=scale, backend="pallas")
+  err, finite = check(jax.jit(fn)(*packed[0]), ref)
+  us = device_time_us(fn, packed, FLAGS.reps) if finite and err <= 1e-2 else float("nan")
+  return dict(impl="pallas", variant="packed mask", tuning=None, rel_err=err, finite=finite, us=us)
 
 
 def ordered_shapes():

@@ -177,6 +177,16 @@ class TestKernelSmall:
     q, cache, ln, mask = make_inputs(2, 4, 8, 136, [100, 132], seed=9, c=192)
     check_against_reference(q, cache, ln, mask, Tuning(num_splits=2))
 
+  def test_packed_mask_same_as_bool_mask(self):
+    """A mask packed once (pack_tree_mask) gives the bool mask's output bit for bit."""
+    q, cache, ln, mask = make_inputs(2, 9, 8, 130, [100, 121], seed=4)
+    t = Tuning(num_splits=2)
+    f = lambda m: api.tree_verify_attention(q, cache, ln, m, scale=0.1, backend=BACKEND, tuning=t)
+    np.testing.assert_array_equal(np.asarray(f(mask), np.float32),
+                                  np.asarray(f(masks.pack_tree_mask(mask, 8)), np.float32))
+    with pytest.raises(ValueError, match="pack_tree_mask"):
+      f(masks.pack_tree_mask(mask, 16))
+
   def test_public_api_bit_identical(self):
     q, cache, ln, mask = make_inputs(2, 2, 16, 100, [90, 33], seed=3)
     f = lambda: api.tree_verify_attention(q, cache, ln, mask, scale=0.1, backend=BACKEND,

@@ -15,12 +15,16 @@ BACKENDS = ("auto", "pallas", "interpret", "xla")
 def _check_shapes(q, cache, lengths, tree_mask):
   if q.ndim != 4 or cache.ndim != 3:
     raise ValueError(f"expected q [B, N, H, C] and cache [B, L, C]; got {q.shape=} {cache.shape=}")
-  b, n, _, c = q.shape
+  b, n, h, c = q.shape
   if cache.shape[0] != b or cache.shape[2] != c:
     raise ValueError(f"q {q.shape} and cache {cache.shape} disagree on batch or latent width")
   if lengths.shape != (b,):
     raise ValueError(f"{lengths.shape=} must be ({b},)")
-  if tree_mask.shape != (b, n, n):
+  if isinstance(tree_mask, masks.PackedTreeMask):
+    if (tree_mask.num_nodes, tree_mask.heads) != (n, h) or tree_mask.words.shape[0] != b:
+      raise ValueError(f"packed mask for {tree_mask.num_nodes=} {tree_mask.heads=} does not "
+                       f"match {q.shape=}; pack it with pack_tree_mask(mask, heads={h})")
+  elif tree_mask.shape != (b, n, n):
     raise ValueError(f"{tree_mask.shape=} must be ({b}, {n}, {n})")
 
 
@@ -64,7 +68,10 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
     q_rows = jnp.pad(q_rows, ((0, 0), (0, m - n * h), (0, 0)))
   if l % 8:
     cache = jnp.pad(cache, ((0, 0), (0, _round_up(l, 8) - l), (0, 0)))
-  words = masks.tree_mask_words(tree_mask, h, _round_up(m, BLOCK_M))
+  if isinstance(tree_mask, masks.PackedTreeMask):
+    words = tree_mask.words
+  else:
+    words = masks.tree_mask_words(tree_mask, h, _round_up(m, BLOCK_M))
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, l)
   out, lse = kernel.attention_kernel(q_rows, cache, lengths, words, n=n, scale=scale, tuning=t,
                                      value_dim=r, interpret=interpret)
@@ -81,12 +88,16 @@ def tree_verify_attention(q, cache, lengths, tree_mask, *, scale, backend="auto"
 
   q [B, N, H, C] (C = R + P, e.g. 512 + 64), cache [B, L, C] (values = first R columns),
   lengths [B] int32 committed prefix (the nodes' own rows sit at [len, len + N)),
-  tree_mask [B, N, N] bool (node i sees node j). Returns out [B, N, H, R] (and lse [B, N, H]).
+  tree_mask [B, N, N] bool (node i sees node j), or for the kernel backends a
+  masks.PackedTreeMask (pack_tree_mask(tree_mask, H): pack once, reuse over layers).
+  Returns out [B, N, H, R] (and lse [B, N, H]).
   tuning: optional tuning.Tuning for the kernel backends (default: tuning.default_tuning).
   """
   _check_shapes(q, cache, lengths, tree_mask)
   backend = resolve_backend(backend, q, value_dim)
   if backend == "xla":
+    if isinstance(tree_mask, masks.PackedTreeMask):
+      raise ValueError("the xla backend takes the bool tree mask, not a PackedTreeMask")
     out, lse = tree_verify_attention_reference(q, cache, lengths, tree_mask, scale=scale,
                                                value_dim=value_dim)
   else:

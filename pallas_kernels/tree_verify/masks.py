@@ -3,8 +3,13 @@
 Letters: B batch, N tree nodes, H heads, W = ceil(N / 32) words, M = row tiles * 64 padded rows.
 """
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_kernels.tree_verify.tuning import BLOCK_M, num_row_tiles
 
 WORD = 32
 EXTRA_WORDS = 2  # a KV tile spans at most 3 words from its first one: the kernel reads 3, never OOB
@@ -28,3 +33,20 @@ def tree_mask_words(tree_mask, h, m_pad):
   rows = jnp.repeat(lax.bitcast_convert_type(words, jnp.int32), h, axis=1)          # [B, N*H, W]
   rows = jnp.pad(rows, ((0, 0), (0, m_pad - n * h), (0, EXTRA_WORDS)))
   return rows.transpose(0, 2, 1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedTreeMask:
+  """A tree mask packed for a head count once (`pack_tree_mask`), for callers that run many
+  layers over the same tree; `tree_verify_attention` takes it in place of the bool mask."""
+  words: jax.Array                                   # [B, W + 2, M] int32
+  num_nodes: int = dataclasses.field(metadata=dict(static=True))
+  heads: int = dataclasses.field(metadata=dict(static=True))
+
+
+def pack_tree_mask(tree_mask, heads):
+  """[B, N, N] bool -> PackedTreeMask for `heads` heads (what the kernel path does per call)."""
+  n = tree_mask.shape[-1]
+  m_pad = num_row_tiles(n, heads) * BLOCK_M
+  return PackedTreeMask(tree_mask_words(tree_mask, heads, m_pad), n, heads)
