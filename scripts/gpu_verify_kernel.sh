@@ -6,14 +6,15 @@
 #   bash scripts/gpu_verify_kernel.sh "$OUT"
 set -uo pipefail
 OUT=${1:?usage: gpu_verify_kernel.sh OUT_DIR}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 source "$(dirname "$0")/gpu_env.sh"
 LOG="$OUT/verify_kernel.log"
 quiet() { grep -v "^[IW][0-9]\{4\}" ; }
 {
   echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null) $(nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader)"
   echo "== 1. GPU tests (time box 150 s)"
-  timeout 150 python3 -m pytest tests/test_tree_verify_attention.py -q -rs --durations=8 2>&1 | quiet
+  timeout 150 python3 -m pytest tests/test_tree_verify_attention.py tests/test_verify_attention_sharded.py \
+    -q -rs --durations=8 2>&1 | quiet
   echo "== exit $?"
   echo "== 2. per-kernel CUPTI times of one call (time box 45 s)"
   timeout 45 python3 scripts/profile_verify_kernel.py 2>&1 | quiet
