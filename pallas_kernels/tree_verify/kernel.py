@@ -121,7 +121,7 @@ def _visible(c, tile, words, shape):
   pos = _tile_start(tile, c.t) + plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                         layout=plgpu.Layout.WGMMA)
   k = pos - c.length
-  widx = lax.shift_right_arithmetic(k, 5) - w0
+  widx = lax.shift_right_arithmetic(k, masks.WORD_BITS) - w0
   vecs = [_bcast_rows(v, shape) for v in vecs]
   word = jnp.where(widx == 0, vecs[0], jnp.where(widx == 1, vecs[1], vecs[2]))
   bit = lax.shift_right_logical(word, k & (masks.WORD - 1)) & 1
@@ -325,6 +325,8 @@ def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning,
   t, r = tuning, value_dim
   if m % 8 or l % 8 or c % 64 or r % 128 or r // 2 > 256:
     raise ValueError(f"unsupported shapes {q_rows.shape=} {cache.shape=} {value_dim=}")
+  if t.block_kv > 64:
+    raise ValueError(f"{t.block_kv=}: a tile reads 3 mask words, enough for 64 keys only")
   tiles = -(-m // BLOCK_M)
   if words.shape[2] != tiles * BLOCK_M or words.shape[1] != masks.num_words(n) + masks.EXTRA_WORDS:
     raise ValueError(f"{words.shape=} does not match {n=} and {tiles} row tiles")

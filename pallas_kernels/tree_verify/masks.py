@@ -12,6 +12,7 @@ from jax import lax
 from pallas_kernels.tree_verify.tuning import BLOCK_M, num_row_tiles
 
 WORD = 32
+WORD_BITS = 5  # log2(WORD)
 EXTRA_WORDS = 2  # a KV tile spans at most 3 words from its first one: the kernel reads 3, never OOB
 
 
