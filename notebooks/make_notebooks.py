@@ -1,14 +1,21 @@
-"""Writes notebooks/*.ipynb (outputs cleared) from the cell sources below: edit here, then run
+"""Writes notebooks/*.ipynb from the cell sources below, executed (outputs and plots stored, so
+the repository shows them): edit here, then run from the repo root
 
-  .venv/bin/python notebooks/make_notebooks.py
+  .venv/bin/python notebooks/make_notebooks.py            # execute at full size (~minutes, CPU)
+  .venv/bin/python notebooks/make_notebooks.py --no_execute   # sources only, outputs cleared
+
+CI (tests/test_notebooks.py) checks the committed sources equal these, then re-executes them at
+small size (KDTREE_NB_SMALL=1).
 """
 
 import os
+import sys
 
 import nbformat
 from nbformat import v4
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 SETUP = '''\
 import os, sys
@@ -198,11 +205,26 @@ def build(cells):
   return nb
 
 
+def execute(nb, timeout_s=1800):
+  """Runs every cell at full size on one CPU device; keeps outputs, drops run timestamps."""
+  import nbclient  # pylint: disable=import-outside-toplevel
+  os.environ.pop("KDTREE_NB_SMALL", None)
+  os.environ.pop("XLA_FLAGS", None)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  nbclient.NotebookClient(nb, kernel_name="python3", timeout=timeout_s,
+                          resources={"metadata": {"path": ROOT}}).execute()
+  for cell in nb.cells:
+    cell.metadata.pop("execution", None)
+  return nb
+
+
 def main():
+  run = "--no_execute" not in sys.argv[1:]
   for name, cells in (("01_decode_and_tree.ipynb", DECODE), ("02_benchmarks.ipynb", BENCH)):
     path = os.path.join(HERE, name)
-    nbformat.write(build(cells), path)
-    print(f"wrote {path}")
+    nb = execute(build(cells)) if run else build(cells)
+    nbformat.write(nb, path)
+    print(f"wrote {path} ({'executed' if run else 'outputs cleared'})")
 
 
 if __name__ == "__main__":

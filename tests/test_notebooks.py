@@ -1,4 +1,5 @@
-"""The notebooks run end to end (small sizes) and draw; sweep.py writes one JSON line per point."""
+"""The notebooks are committed executed (plots visible), run again end to end at small size, and
+draw; sweep.py writes one JSON line per point."""
 
 import json
 import os
@@ -25,8 +26,14 @@ def test_notebook_runs(name, nb_env):
   nbformat = pytest.importorskip("nbformat")
   nbclient = pytest.importorskip("nbclient")
   nb = nbformat.read(os.path.join(ROOT, "notebooks", name), as_version=4)
-  assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
-      "committed notebooks keep outputs cleared (run notebooks/make_notebooks.py)"
+  code = [c for c in nb.cells if c.cell_type == "code"]
+  committed = [o for c in code for o in c.outputs]
+  assert any("image/png" in o.get("data", {}) for o in committed), \
+      f"{name} is committed without its plots (run notebooks/make_notebooks.py)"
+  assert not [o for o in committed if o.output_type == "error"], f"{name} was committed failing"
+  assert all(c.execution_count for c in code), f"{name} has cells that were not run"
+  for c in code:  # CI runs it again, at small size, from clean
+    c.outputs, c.execution_count = [], None
   client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=120,
                                    resources={"metadata": {"path": ROOT}})
   client.execute()
