@@ -35,9 +35,9 @@ _F = flags.DEFINE_integer("ffn", 2048, "Expert width.")
 _FORMATS = flags.DEFINE_list("formats", ["int4", "bf16"], "Expert weight formats.")
 _IMPLS = flags.DEFINE_list("impls", ["pallas", "xla", "mgpu"], "Grouped matmuls to compare.")
 _TUNINGS = flags.DEFINE_list(
-    "tunings", ["r16n128k256s4", "r16n64k256s4", "r16n128k128s4", "r16n128k512s3", "r8n128k256s6",
-                "r32n128k256s4", "r16n128k256s4smem"],
-    "Tuning sweep: rR nBN kBK sSTAGES [smem] (bf16 rows use kBK/2).")
+    "tunings", ["default", "r16n64k256s4", "r16n64k512s4", "r16n64k256s6", "r16n64k128s8",
+                "r8n64k256s4x7", "r8n64k256s4x4", "r8n64k256s4x2", "r16n128k256s4"],
+    "Tuning sweep: 'default' or rR nBN kBK sSTAGES [xSPLITS] [smem] (bf16 rows use kBK/2).")
 _PARTS = flags.DEFINE_list("parts", ["ffn", "tune", "layer"], "Parts to run, in this order.")
 _OUT = flags.DEFINE_string("out", "runs/bench_moe.jsonl", "JSON lines output.")
 _REPS = flags.DEFINE_integer("reps", 20, "CUPTI repetitions (median).")
@@ -134,13 +134,17 @@ def part_ffn(ceil, sink, rows):
 
 
 def _parse_tuning(s, fmt):
+  """'default' -> None; 'r16n64k256s4x2smem' -> Tuning (bf16 takes half the K step)."""
+  if s == "default":
+    return None
   smem = s.endswith("smem")
   s = s.removesuffix("smem")
   r, rest = s[1:].split("n")
   n, rest = rest.split("k")
-  k, st = rest.split("s")
+  k, rest = rest.split("s")
+  st, _, splits = rest.partition("x")
   k = int(k) if fmt == "int4" else int(k) // 2
-  return Tuning(rows=int(r), block_n=int(n), block_k=k, stages=int(st),
+  return Tuning(rows=int(r), block_n=int(n), block_k=k, stages=int(st), splits=int(splits or 1),
                 a_operand="smem" if smem else "registers")
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from kdtree_jax.model import experts, int4
-from pallas_kernels.grouped_matmul import (Tuning, grouped_matmul, grouped_matmul_reference,
+from pallas_kernels.grouped_matmul import (Tuning, gated_grouped_matmul, grouped_matmul,
+                                           grouped_matmul_reference,
                                            int4_grouped_matmul_reference, work)
 from pallas_kernels.grouped_matmul.tuning import default_tuning
 
@@ -65,6 +66,7 @@ CASES = [  # sizes, m, k, n, group, tuning
     ([7], 7, 128, 128, 32, Tuning(rows=8, block_n=128, block_k=128, stages=2)),
     ([20, 0, 44, 64], 140, 256, 128, 128, Tuning(rows=16, block_n=64, block_k=128, stages=3)),
     ([1, 0, 1, 1, 0, 1], 4, 256, 128, 32, Tuning(rows=8, block_n=64, block_k=256, stages=2)),
+    ([3, 0, 9], 13, 256, 64, 32, Tuning(rows=16, block_n=64, block_k=64, stages=2, splits=2)),
 ]
 
 
@@ -80,6 +82,22 @@ def test_kernel_interpret_matches_reference(sizes, m, k, n, group, tuning, fmt):
   got = grouped_matmul(x, ws, gs, backend="interpret", tuning=tuning)
   want = grouped_matmul(x, ws, gs, backend="xla")
   _check(got, want, sum(sizes))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_gated_kernel_interpret_matches_reference(fmt):
+  """gate and up in one call: two accumulators, silu(gate) * up in the epilogue."""
+  sizes, m, k, n = [5, 0, 12, 3], 20, 128, 128
+  x, w_a, q_a = _operands(m, k, n, len(sizes), 32, seed=3)
+  _, w_b, q_b = _operands(m, k, n, len(sizes), 32, seed=4)
+  gate, up = (q_a, q_b) if fmt == "int4" else (w_a, w_b)
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = Tuning(rows=16, block_n=64, block_k=64, stages=2, a_operand="smem")
+  got = gated_grouped_matmul(x, gate, up, gs, backend="interpret", tuning=t)
+  ref = lambda w: grouped_matmul_reference(x, w[0], gs, jnp.float32) if fmt == "bf16" else \
+      int4_grouped_matmul_reference(x, *w, gs, jnp.float32)
+  g, u = ref(gate), ref(up)
+  _check(got, jax.nn.silu(g) * u, sum(sizes))
 
 
 def test_int4_reference_equals_dequantised_matmul_in_f32():
@@ -127,8 +145,13 @@ def test_kernel_gpu_matches_reference(sizes, m, k, n, fmt, a_operand):
   ws = w_int4 if fmt == "int4" else w_bf16
   gs = jnp.asarray(sizes, jnp.int32)
   t = dataclasses.replace(default_tuning(m, len(sizes), k, n, fmt == "int4"), a_operand=a_operand)
-  _check(grouped_matmul(x, ws, gs, backend="pallas", tuning=t),
-         grouped_matmul(x, ws, gs, backend="xla"), sum(sizes))
+  want = grouped_matmul(x, ws, gs, backend="xla")
+  _check(grouped_matmul(x, ws, gs, backend="pallas", tuning=t), want, sum(sizes))
+  if k % (2 * t.block_k) == 0:  # split-K over 2 (f32 partials), whatever the default chose
+    t2 = dataclasses.replace(t, splits=2)
+    _check(grouped_matmul(x, ws, gs, backend="pallas", tuning=t2), want, sum(sizes))
+  gated = gated_grouped_matmul(x, ws, ws, gs, backend="pallas")
+  _check(gated, gated_grouped_matmul(x, ws, ws, gs, backend="xla"), sum(sizes))
 
 
 def test_bad_input_errors():

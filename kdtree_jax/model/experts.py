@@ -3,14 +3,15 @@
 import jax
 import jax.numpy as jnp
 
-from kdtree_jax.model.grouped_matmul import grouped_matmul
+from kdtree_jax.model.grouped_matmul import gated_grouped_matmul, grouped_matmul
 
 
 def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto"):
   """Experts [e0, e0 + E_l) on the (token, slot) pairs routed to them, dropless -> [T, D] f32.
 
   Pairs are sorted by expert (pairs for other experts go last and contribute 0), run through
-  grouped matmuls, weighted, and scatter-added back to their tokens.
+  the gated grouped matmul (gate and up in one call, SiLU-multiply fused) and the down grouped
+  matmul, weighted, and scatter-added back to their tokens.
   """
   t, k = idx_tk.shape
   e_l = gate_edf.shape[0]
@@ -21,8 +22,7 @@ def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto"
   token_of = order // k
   sizes = jnp.bincount(key, length=e_l + 1)[:e_l].astype(jnp.int32)
   xs = x_td[token_of]
-  h = (jax.nn.silu(grouped_matmul(xs, gate_edf, sizes, impl))
-       * grouped_matmul(xs, up_edf, sizes, impl))
+  h = gated_grouped_matmul(xs, gate_edf, up_edf, sizes, impl)
   y = grouped_matmul(h, down_efd, sizes, impl).astype(jnp.float32)
   y = jnp.where(mine[order][:, None], y * w_tk.reshape(-1)[order][:, None], 0.0)
   return jnp.zeros((t, x_td.shape[-1]), jnp.float32).at[token_of].add(y)

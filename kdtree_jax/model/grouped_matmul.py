@@ -10,6 +10,7 @@ of empty experts too (WORKSPACE.md).
 """
 
 from kdtree_jax.model.int4 import Int4Weight
+from pallas_kernels.grouped_matmul import gated_grouped_matmul as kernel_gated_matmul
 from pallas_kernels.grouped_matmul import grouped_matmul as kernel_grouped_matmul
 
 IMPLS = ("auto", "xla", "pallas", "interpret")
@@ -29,3 +30,11 @@ def grouped_matmul(x_mk, w_gkn, group_sizes, impl="auto"):
   if impl not in IMPLS:
     raise ValueError(f"{impl=} must be one of {IMPLS}")
   return kernel_grouped_matmul(x_mk, expert_operands(w_gkn), group_sizes, backend=impl)
+
+
+def gated_grouped_matmul(x_mk, gate_gkn, up_gkn, group_sizes, impl="auto"):
+  """silu(x @ gate[g]) * (x @ up[g]) per group: one kernel call on a GPU (fused epilogue)."""
+  if impl not in IMPLS:
+    raise ValueError(f"{impl=} must be one of {IMPLS}")
+  return kernel_gated_matmul(x_mk, expert_operands(gate_gkn), expert_operands(up_gkn),
+                             group_sizes, backend=impl)

@@ -19,8 +19,7 @@ def route(p, cfg: ModelConfig, x_td):
   Scores are sigmoid(x @ W_g) in f32; `bias` (e_score_correction_bias) shifts them for SELECTION
   only; the weights are the unbiased scores, optionally normalised, times routed_scaling_factor.
   """
-  logits = jnp.dot(x_td.astype(jnp.float32), p["router"].astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
+  logits = _router_logits(x_td, p["router"])
   scores = jax.nn.sigmoid(logits)
   choice = scores + p["bias"].astype(jnp.float32)
   if cfg.n_group > 1:
@@ -30,6 +29,16 @@ def route(p, cfg: ModelConfig, x_td):
   if cfg.norm_topk_prob:
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
   return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
+
+
+def _router_logits(x_td, router_de):
+  """x @ W_g in f32. HF computes it on f32 copies; for 16-bit x and W every product is exact in
+  f32, so a 16-bit matmul with f32 accumulation is the same sum (order aside) without the f32
+  copies or a 6-pass HIGHEST matmul. f32 inputs keep the f32 HIGHEST matmul (parity fixtures)."""
+  if x_td.dtype.itemsize == 2 and router_de.dtype == x_td.dtype:
+    return jnp.dot(x_td, router_de, preferred_element_type=jnp.float32)
+  return jnp.dot(x_td.astype(jnp.float32), router_de.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST)
 
 
 def _limit_groups(choice_te, n_group, topk_group):

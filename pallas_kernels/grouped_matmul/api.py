@@ -35,6 +35,25 @@ def _reference(x_mk, weights, group_sizes):
   return reference.grouped_matmul_reference(x_mk, weights[0], group_sizes)
 
 
+def _plan(x_mk, stacks, group_sizes, backend, tuning):
+  """Checks the operands; returns (backend, tuning) with "auto" and the default tuning resolved."""
+  shapes = [_check(x_mk, st, group_sizes) for st in stacks]
+  if len(set(shapes)) != 1 or len({len(st) for st in stacks}) != 1:
+    raise ValueError(f"gate and up stacks differ: {[[w.shape for w in st] for st in stacks]}")
+  k, n = shapes[0]
+  if backend not in BACKENDS:
+    raise ValueError(f"{backend=} must be one of {BACKENDS}")
+  from pallas_kernels.grouped_matmul import kernel  # pylint: disable=import-outside-toplevel
+  int4 = len(stacks[0]) == 2
+  tuning = tuning or default_tuning(x_mk.shape[0], stacks[0][0].shape[0], k, n, int4,
+                                    interpret=backend == "interpret", gated=len(stacks) == 2)
+  group = k // stacks[0][1].shape[1] if int4 else None
+  if backend == "auto":
+    ok = jax.default_backend() == "gpu" and kernel.supports(x_mk, k, n, group, tuning)
+    backend = "pallas" if ok else "xla"
+  return backend, tuning
+
+
 def grouped_matmul(x_mk, weights, group_sizes, *, backend="auto", tuning: Tuning | None = None):
   """out[rows of expert g] = x[rows of g] @ W[g]; rows of x sorted by expert.
 
@@ -44,17 +63,33 @@ def grouped_matmul(x_mk, weights, group_sizes, *, backend="auto", tuning: Tuning
   on a GPU when the shapes suit it). An expert with no rows costs the kernel no weight bytes.
   """
   weights = tuple(weights)
-  k, n = _check(x_mk, weights, group_sizes)
-  if backend not in BACKENDS:
-    raise ValueError(f"{backend=} must be one of {BACKENDS}")
-  from pallas_kernels.grouped_matmul import kernel  # pylint: disable=import-outside-toplevel
-  tuning = tuning or default_tuning(x_mk.shape[0], weights[0].shape[0], k, n, len(weights) == 2,
-                                    interpret=backend == "interpret")
-  group = k // weights[1].shape[1] if len(weights) == 2 else None
-  if backend == "auto":
-    ok = jax.default_backend() == "gpu" and kernel.supports(x_mk, k, n, group, tuning)
-    backend = "pallas" if ok else "xla"
+  backend, tuning = _plan(x_mk, [weights], group_sizes, backend, tuning)
   if backend == "xla":
     return _reference(x_mk, weights, group_sizes)
-  return kernel.grouped_matmul_mgpu(x_mk, weights, group_sizes, tuning=tuning,
+  from pallas_kernels.grouped_matmul import kernel  # pylint: disable=import-outside-toplevel
+  return kernel.grouped_matmul_mgpu(x_mk, (weights,), group_sizes, tuning=tuning,
+                                    interpret=backend == "interpret")
+
+
+def gated_grouped_matmul(x_mk, gate, up, group_sizes, *, backend="auto",
+                         tuning: Tuning | None = None):
+  """silu(x @ gate[g]) * (x @ up[g]) per expert, one kernel call (two accumulators, fused epilogue).
+
+  gate, up: weight tuples as in `grouped_matmul`. The XLA path rounds each product to x.dtype
+  before the SiLU-multiply; the kernel applies it to the f32 accumulators.
+  """
+  gate, up = tuple(gate), tuple(up)
+  if tuning is None and backend != "xla":
+    # Few live experts want split-K, which a nonlinear epilogue cannot have: two split calls.
+    _, single = _plan(x_mk, [gate], group_sizes, backend, None)
+    if single.splits > 1:
+      g = grouped_matmul(x_mk, gate, group_sizes, backend=backend, tuning=single)
+      u = grouped_matmul(x_mk, up, group_sizes, backend=backend, tuning=single)
+      return (jax.nn.silu(g.astype(jnp.float32)) * u).astype(x_mk.dtype)
+  backend, tuning = _plan(x_mk, [gate, up], group_sizes, backend, tuning)
+  if backend == "xla":
+    g = _reference(x_mk, gate, group_sizes)
+    return (jax.nn.silu(g) * _reference(x_mk, up, group_sizes)).astype(x_mk.dtype)
+  from pallas_kernels.grouped_matmul import kernel  # pylint: disable=import-outside-toplevel
+  return kernel.grouped_matmul_mgpu(x_mk, (gate, up), group_sizes, tuning=tuning,
                                     interpret=backend == "interpret")

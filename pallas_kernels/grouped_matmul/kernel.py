@@ -14,7 +14,9 @@ starting at any multiple of 8: `pl.Element`) and the expert's weight tile:
   operand (no SMEM round trip; `Tuning.a_operand="smem"` stages it through SMEM instead, which
   GPU interpret mode needs); the dequantisation of chunk j+1 overlaps the MMA of chunk j.
 The accumulator is stored transposed into SMEM [R, BN] and the item's `size` rows go to HBM with
-a ladder of power-of-two TMA stores.
+a ladder of power-of-two TMA stores. Two stacks (gate, up) run as one call: two accumulators over
+the same x tiles and silu(gate) * up in the epilogue. `Tuning.splits` > 1 splits K over a third
+grid axis (few items cannot fill 132 SMs) into partials (f32 as bf16 hi + lo) summed by XLA.
 """
 
 import functools
@@ -34,8 +36,8 @@ _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout array
 
 
 def supports(x_mk, k: int, n: int, group: int | None, t: Tuning) -> bool:
-  """bf16/f16 x; K a multiple of block_k; N of block_n; INT4 scale group 32 or a multiple of 64."""
-  return (x_mk.dtype in (jnp.bfloat16, jnp.float16) and k % t.block_k == 0
+  """bf16/f16 x; K a multiple of block_k x splits; N of block_n; INT4 group 32 or a multiple of 64."""
+  return (x_mk.dtype in (jnp.bfloat16, jnp.float16) and k % (t.block_k * t.splits) == 0
           and n % t.block_n == 0 and (group is None or group == 32 or group % CHUNK == 0))
 
 
@@ -90,74 +92,125 @@ def _store_rows(o_smem, o_ref, win, lo, size, col0, t: Tuning):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _weight_specs(int4: bool, group: int, t: Tuning):
-  """BlockSpecs of the weight operands (int4: q tile + scale rows; bf16: the swizzled tile)."""
+def _weight_specs(int4: bool, group: int, t: Tuning, k0):
+  """BlockSpecs of one expert stack's tiles at K step k0 + kk (INT4: q tile + scale rows)."""
   if not int4:
-    return [plgpu.BlockSpec((t.block_k, t.block_n), lambda kk, ni: (kk, ni), transforms=_SWIZZLED)]
+    return [plgpu.BlockSpec((t.block_k, t.block_n), lambda kk, ni: (k0 + kk, ni),
+                            transforms=_SWIZZLED)]
   n_s = max(t.block_k // group, 1)
-  return [plgpu.BlockSpec((t.block_n, t.block_k), lambda kk, ni: (ni, kk)),
-          plgpu.BlockSpec((n_s, t.block_n), lambda kk, ni: ((kk * t.block_k) // (n_s * group), ni))]
+  return [plgpu.BlockSpec((t.block_n, t.block_k), lambda kk, ni: (ni, k0 + kk)),
+          plgpu.BlockSpec((n_s, t.block_n),
+                          lambda kk, ni: (((k0 + kk) * t.block_k) // (n_s * group), ni))]
 
 
-def _make_body(k, group, int4, dtype, t: Tuning):
-  specs = _weight_specs(int4, group, t)
+def _bf16_parts(val, n, dtype):
+  """val as n 16-bit parts: (val,) rounded, or (hi, lo) with hi + lo = val to ~2^-17 relative.
+
+  Split-K partials must stay f32-exact, and Mosaic (jax 0.11.2) stores only 16-bit values
+  through the transposed SMEM view; hi/lo pairs carry the f32 partial instead.
+  """
+  hi = val.astype(dtype)
+  if n == 1:
+    return (hi,)
+  return hi, (val - hi.astype(jnp.float32)).astype(dtype)
+
+
+def _silu_mul(gate, up):
+  """silu(gate) * up on f32 registers (the gated FFN's epilogue)."""
+  return gate / (1.0 + jnp.exp(-gate)) * up
+
+
+def _make_body(k, group, int4, gated, dtype, t: Tuning):
+  per_stack = 2 if int4 else 1
+  n_stacks = 2 if gated else 1
+  k_steps = k // t.block_k // t.splits
+
+  n_out = 2 if t.splits > 1 else 1
 
   def body(work_ref, x_ref, *refs):
-    stage = t.a_operand == "smem" and int4
-    w_refs, o_ref, o_smem = refs[:-3 if stage else -2], *refs[-3 if stage else -2:][:2]
-    w_stage = refs[-1] if stage else None
-    item, ni = lax.axis_index("w"), lax.axis_index("n")
+    stacks = [refs[i * per_stack:(i + 1) * per_stack] for i in range(n_stacks)]
+    rest = refs[n_stacks * per_stack:]
+    o_refs, o_smems, w_stage = rest[:n_out], rest[n_out:2 * n_out], rest[2 * n_out:]
+    w_stage = w_stage[0] if w_stage else None
+    item, ni, si = lax.axis_index("w"), lax.axis_index("n"), lax.axis_index("s")
     grp, win, lo, size = (work_ref[i, item] for i in range(4))
+    k0 = si * k_steps
 
-    def acc_scope(acc_ref):
+    def acc_scope(*acc_refs):
       def step(_, x_smem, *w_smem):
-        if int4:
-          _int4_step(acc_ref, x_smem, *w_smem, w_stage, group=group, block_k=t.block_k,
-                     dtype=dtype)
-        else:
-          _bf16_step(acc_ref, x_smem, *w_smem)
+        for acc_ref, j in zip(acc_refs, range(n_stacks)):
+          tiles = w_smem[j * per_stack:(j + 1) * per_stack]
+          if int4:
+            _int4_step(acc_ref, x_smem, *tiles, w_stage, group=group, block_k=t.block_k,
+                       dtype=dtype)
+          else:
+            _bf16_step(acc_ref, x_smem, *tiles)
 
-      x_spec = plgpu.BlockSpec((pl.Element(t.rows), t.block_k), lambda kk: (pl.multiple_of(win, work.ALIGN), kk),
+      x_spec = plgpu.BlockSpec((pl.Element(t.rows), t.block_k),
+                               lambda kk: (pl.multiple_of(win, work.ALIGN), k0 + kk),
                                transforms=_SWIZZLED)
       w_specs = [plgpu.BlockSpec(s.block_shape, functools.partial(s.index_map, ni=ni),
-                                 transforms=s.transforms) for s in specs]
-      plgpu.emit_pipeline(step, grid=(k // t.block_k,), in_specs=[x_spec, *w_specs],
+                                 transforms=s.transforms)
+                 for s in _weight_specs(int4, group, t, k0)] * n_stacks
+      plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=[x_spec, *w_specs],
                           max_concurrent_steps=t.stages)(
-                              x_ref, *(r.at[grp] for r in w_refs))
-      return acc_ref[...]
+                              x_ref, *(r.at[grp] for st in stacks for r in st))
+      return tuple(a[...] for a in acc_refs)
 
     @pl.when(size > 0)
     def _():
-      acc = pl.run_scoped(acc_scope, plgpu.ACC((t.block_n, t.rows), jnp.float32))
-      o_smem.transpose((1, 0))[...] = acc.astype(o_smem.dtype)
-      plgpu.commit_smem()
-      _store_rows(o_smem, o_ref, win, lo, size, ni * t.block_n, t)
+      accs = pl.run_scoped(acc_scope, *[plgpu.ACC((t.block_n, t.rows), jnp.float32)] * n_stacks)
+      val = _silu_mul(*accs) if gated else accs[0]
+      for part, o_smem, o_ref in zip(_bf16_parts(val, n_out, o_smems[0].dtype), o_smems, o_refs):
+        o_smem.transpose((1, 0))[...] = part
+        plgpu.commit_smem()
+        _store_rows(o_smem, o_ref.at[si] if t.splits > 1 else o_ref, win, lo, size,
+                    ni * t.block_n, t)
 
   return body
 
 
+def _pad_rows(x_mk):
+  """Rows rounded up to a multiple of 8 (the tiled TMA of x needs it once M > 8)."""
+  m = x_mk.shape[0]
+  m_pad = m if m <= work.ALIGN else -(-m // work.ALIGN) * work.ALIGN
+  return x_mk if m_pad == m else jnp.pad(x_mk, ((0, m_pad - m), (0, 0)))
+
+
 @functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
-def grouped_matmul_mgpu(x_mk, weights, group_sizes, *, tuning: Tuning, interpret=False):
-  """out [M, N] in x.dtype. weights: (w [G, K, N],) bf16, or (q int4 [G, N, K], scale [G, K/S, N])."""
+def grouped_matmul_mgpu(x_mk, stacks, group_sizes, *, tuning: Tuning, interpret=False):
+  """out [M, N] in x.dtype; see module doc.
+
+  stacks: one expert stack, or two (gate, up: the kernel returns silu(x @ gate) * (x @ up));
+  each is (w [G, K, N],) bf16 or (q int4 [G, N, K], scale [G, K/S, N]).
+  """
   m, k = x_mk.shape
-  int4 = len(weights) == 2
-  n = weights[0].shape[1] if int4 else weights[0].shape[2]
-  group = k // weights[1].shape[1] if int4 else None
-  if not supports(x_mk, k, n, group, tuning):
-    raise ValueError(f"unsupported: {x_mk.dtype=} {k=} {n=} {group=} {tuning=}")
+  int4 = len(stacks[0]) == 2
+  n = stacks[0][0].shape[1] if int4 else stacks[0][0].shape[2]
+  group = k // stacks[0][1].shape[1] if int4 else None
+  gated = len(stacks) == 2
+  if not supports(x_mk, k, n, group, tuning) or (gated and tuning.splits > 1):
+    raise ValueError(f"unsupported: {x_mk.dtype=} {k=} {n=} {group=} {gated=} {tuning=}")
   if int4:
-    weights = (weights[0], weights[1].astype(x_mk.dtype))
+    stacks = tuple((q, s.astype(x_mk.dtype)) for q, s in stacks)
   if interpret and int4 and tuning.a_operand == "registers":
     raise ValueError("GPU interpret mode's wgmma takes SMEM operands only (jax 0.11.2): "
                      "use Tuning(a_operand='smem') to interpret the INT4 kernel")
+  x = _pad_rows(x_mk)
   items = work.work_list(group_sizes, m, tuning.rows)
-  scratch = [plgpu.SMEM((tuning.rows, tuning.block_n), x_mk.dtype)]
+  n_out = 2 if tuning.splits > 1 else 1
+  out_shape = (tuning.splits,) * (tuning.splits > 1) + (x.shape[0], n)
+  scratch = [plgpu.SMEM((tuning.rows, tuning.block_n), x_mk.dtype)] * n_out
   if int4 and tuning.a_operand == "smem":
     scratch.append(plgpu.SMEM((2, tuning.block_n, CHUNK), x_mk.dtype, transforms=_SWIZZLED))
   fn = plgpu.kernel(
-      _make_body(k, group or 0, int4, x_mk.dtype, tuning),
-      out_type=jax.ShapeDtypeStruct((m, n), x_mk.dtype),
+      _make_body(k, group or 0, int4, gated, x_mk.dtype, tuning),
+      out_type=(jax.ShapeDtypeStruct(out_shape, x_mk.dtype),) * n_out,
       scratch_types=scratch,
-      grid=(items.shape[1], n // tuning.block_n), grid_names=("w", "n"),
+      grid=(items.shape[1], n // tuning.block_n, tuning.splits), grid_names=("w", "n", "s"),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
-  return fn(items, x_mk, *weights)
+  outs = fn(items, x, *(a for st in stacks for a in st))
+  if tuning.splits == 1:
+    return outs[0][:m]
+  hi, lo = (o.astype(jnp.float32) for o in outs)  # split-K partials of the few rows
+  return (hi + lo).sum(axis=0)[:m].astype(x_mk.dtype)

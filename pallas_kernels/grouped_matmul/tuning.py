@@ -14,12 +14,14 @@ class Tuning:
   block_k: K per pipeline step (multiple of 64; the INT4 path dequantises it 64 columns at a time).
   stages: pipeline steps in flight (SMEM ring depth).
   a_operand: INT4 only: the dequantised W^T goes to wgmma from "registers" or through "smem".
+  splits: K split over this many CTAs (f32 partials summed after): for few live items.
   """
   rows: int = 32
   block_n: int = 128
   block_k: int = 256
   stages: int = 4
   a_operand: str = "registers"
+  splits: int = 1
 
   def __post_init__(self):
     if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -30,22 +32,41 @@ class Tuning:
       raise ValueError(f"{self.block_k=} must be a positive multiple of 64")
     if self.stages < 2:
       raise ValueError(f"{self.stages=} must be >= 2")
+    if self.splits < 1:
+      raise ValueError(f"{self.splits=} must be >= 1")
     if self.a_operand not in ("registers", "smem"):
       raise ValueError(f"{self.a_operand=} must be 'registers' or 'smem'")
 
 
-def default_tuning(m: int, g: int, k: int, n: int, int4: bool, interpret: bool = False) -> Tuning:
+def _splits(m: int, g: int, k: int, n_tiles: int, block_k: int) -> int:
+  """K splits so that ~2 CTAs per SM run when few experts are live.
+
+  Live items are estimated as min(G, max(1, M // 8)): a top-8 token touches ~1 of a 48-expert
+  share of 384 experts (K2.6 under expert=8), and at most G experts are live.
+  """
+  items = min(g, max(1, m // 8))
+  want = max(1, (2 * NUM_SMS) // (items * n_tiles))
+  steps = k // block_k
+  return max(d for d in range(1, min(want, 16) + 1) if steps % d == 0)
+
+
+def default_tuning(m: int, g: int, k: int, n: int, int4: bool, interpret: bool = False,
+                   gated: bool = False) -> Tuning:
   """R from the expected rows per touched expert (+7 for the 8-aligned window), capped at 64.
 
   INT4 weight tiles are 4x smaller than bf16 ones, so INT4 takes 4x longer K steps for the same
   bytes per step (bf16 [128, 128] = INT4 [128, 256] x 2 in SMEM terms; both fit 4 stages).
+  block_n 64 measured faster than 128 for INT4 (H200, T=65: 144 vs 153 us; WORKSPACE.md).
   """
   per_expert = -(-m // max(min(g, m), 1)) + 7
   rows = 8
   while rows < min(per_expert, 64):
     rows *= 2
-  block_k = 256 if int4 else 128
+  block_k = 256 if int4 else 64 if gated else 128  # gated bf16: two [BK, BN] tiles per stage
   while k % block_k:
     block_k //= 2
-  return Tuning(rows=rows, block_k=max(block_k, 64), block_n=128 if n % 128 == 0 else 64,
+  block_k = max(block_k, 64)
+  block_n = 64 if (int4 or n % 128) else 128
+  splits = 1 if gated else _splits(m, g, k, n // block_n, block_k)
+  return Tuning(rows=rows, block_k=block_k, block_n=block_n, splits=splits,
                 a_operand="smem" if interpret else "registers")
