@@ -12,6 +12,7 @@ Default: bench_k26's draft (K2.6 width, 3 layers, 32/8 heads, F 12288; V/8 head)
 
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -133,13 +134,32 @@ def bench_ctx(cfg, params, b, ctx, reps, steps):
   return (t_many - t_few) / (steps - few), timer, top
 
 
+def cache_sized_outputs(hlo_text, cache_shape):
+  """Computations of the optimized HLO that read a cache-shaped array and return one with the
+  cache's dims in any order (a transpose / convert / copy of the K or V cache: bytes the floor
+  does not have)."""
+  dims = lambda ds: sorted(d for d in ds if d != 1)
+  head = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*\w+\[([\d,]*)\]")
+  found = []
+  for line in hlo_text.splitlines():
+    m = head.match(line)
+    reads_cache = "[" + ",".join(map(str, cache_shape)) + "]" in line.split("->")[0]
+    if m and m.group(2) and reads_cache and dims(int(d) for d in m.group(2).split(",")) == dims(cache_shape):
+      found.append(m.group(1))
+  return found
+
+
 def bench_block(cfg, params, embed, head, b, ctx, reps):
-  """draft_block over ctx committed rows (cache capacity ctx + W, as the decode loop sizes it)."""
+  """draft_block over ctx committed rows (cache capacity ctx + W, as the decode loop sizes it).
+
+  Returns (us, timer, top kernels, names of computations that rewrite a whole cache buffer)."""
   cache = filled_cache(cfg, b, ctx + cfg.block_size, ctx)
   block = model.make_block(cfg, jnp.ones((b,), jnp.int32))
   start = jnp.full((b,), ctx, jnp.int32)
   prog = jax.jit(lambda p, c, t, s, e, h: model.draft_block(p, cfg, c, t, s, e, h))
-  return timed_us(prog, (params, cache, block, start, embed, head), reps)
+  args = (params, cache, block, start, embed, head)
+  rewrites = cache_sized_outputs(prog.lower(*args).compile().as_text(), cache.k[0].shape)
+  return (*timed_us(prog, args, reps), rewrites)
 
 
 def ctx_attention_probe(cfg, b, ctx, reps):
@@ -202,9 +222,9 @@ def main(_):
     us, timer, top = bench_ctx(cfg, params, b, ctx, FLAGS.reps, FLAGS.loop_steps)
     rows.append(row("draft_ctx", ctx, us, timer, top, ctx_cost(cfg, params, b, cfg.block_size),
                     ceil, cfg, b))
-    us, timer, top = bench_block(cfg, params, embed, head, b, ctx, FLAGS.reps)
+    us, timer, top, rewrites = bench_block(cfg, params, embed, head, b, ctx, FLAGS.reps)
     rows.append(row("draft_block", ctx, us, timer, top, block_cost(cfg, params, head, b, ctx),
-                    ceil, cfg, b))
+                    ceil, cfg, b) | dict(cache_sized_outputs=rewrites))
     if FLAGS.probe_cudnn and jax.devices()[0].platform == "gpu":
       rows += ctx_attention_probe(cfg, b, ctx, FLAGS.reps)
     print(f"ctx={ctx} done ({time.time() - t0:.0f} s)", flush=True)
@@ -223,6 +243,9 @@ def main(_):
   for r in (r for r in rows if "floor_us" in r):
     print(f"{r['phase']:>11} {r['ctx']:>6} {r['us']:9.1f} {r['floor_us']:9.1f} "
           f"{r['x_floor']:8.2f} {r['tbps']:6.2f} {r['timer']}")
+  for r in (r for r in rows if "cache_sized_outputs" in r):
+    print(f"draft_block ctx={r['ctx']}: computations writing a cache-sized array: "
+          f"{len(r['cache_sized_outputs'])} {r['cache_sized_outputs'][:4]}")
   print(f"wrote {path}")
 
 
