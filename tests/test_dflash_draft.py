@@ -351,3 +351,23 @@ def test_matches_reference_fixture_bf16(name):
   want = ref["logits"].astype(np.float64)
   assert np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want)
   assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.95
+
+
+def test_bench_draft_script_cpu(tmp_path):
+  """scripts/bench_draft.py --small runs on the CPU: both phases, floors from its cost model."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  cmd = [sys.executable, os.path.join(root, "scripts", "bench_draft.py"), "--small", "--ctx", "256",
+         "--reps", "3", "--loop_steps", "4", "--out_dir", str(tmp_path),
+         "--cache_dir", str(tmp_path / "cc")]
+  proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = [json.loads(line) for line in (tmp_path / "bench_draft.jsonl").read_text().splitlines()]
+  assert [r["phase"] for r in rows] == ["draft_ctx", "draft_block"]
+  for r in rows:
+    floor = max(r["bytes"] / (r["copy_tbps"] * 1e12), r["flops"] / (r["mm_tflops"] * 1e12)) * 1e6
+    assert r["bytes"] > 0 and r["flops"] > 0 and np.isclose(r["floor_us"], floor)
+    assert r["timer"] == "wall" and np.isfinite(r["us"])
+  assert isinstance(rows[1]["cache_sized_outputs"], list)
