@@ -45,8 +45,10 @@ def _splits(m: int, g: int, k: int, n_tiles: int, block_k: int) -> int:
   share of 384 experts (K2.6 under expert=8), and at most G experts are live.
   """
   items = min(g, max(1, m // 8))
-  want = max(1, (2 * NUM_SMS) // (items * n_tiles))
+  want = max(1, (2 * NUM_SMS) // max(items * n_tiles, 1))
   steps = k // block_k
+  if steps < 1 or k % block_k:
+    return 1  # shapes the kernel does not take (the XLA path runs)
   return max(d for d in range(1, min(want, 16) + 1) if steps % d == 0)
 
 
