@@ -75,8 +75,10 @@ def _candidate_pairs(n, k):
   (j' <= j, r' <= r): only pairs with (j + 1) * (r + 1) <= n can be among the top n
   (about n ln n of the n * k).
   """
-  pairs = [(j, r) for j in range(n) for r in range(k) if (j + 1) * (r + 1) <= n]
-  return np.array([p[0] for p in pairs], np.int32), np.array([p[1] for p in pairs], np.int32)
+  counts = np.minimum(k, n // np.arange(1, n + 1))  # ranks r < n // (j + 1) per parent j
+  j = np.repeat(np.arange(n, dtype=np.int32), counts)
+  r = np.arange(len(j)) - np.repeat(np.cumsum(counts) - counts, counts)
+  return j, r.astype(np.int32)
 
 
 def _level(lp_k, hi, lo, ok, lexrank, n):
