@@ -80,6 +80,9 @@ class ModelConfig:
   # expert_backend: the grouped expert matmul: "auto" (our Mosaic kernel on a GPU where the shapes
   # suit it, else XLA), "pallas", "interpret" (the kernel on CPU), "xla".
   expert_backend: str = "auto"
+  # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
+  # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
+  shared_intermediate_size: int | None = None
 
   def __post_init__(self):
     if self.first_k_dense_replace > self.num_hidden_layers:

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from kdtree_jax import config as model_config
-from kdtree_jax import sharding
+from kdtree_jax import bench_models, sharding
 from kdtree_jax.checkpoint import orbax_io
 from kdtree_jax.checkpoint.hf import load_hf_checkpoint
 from kdtree_jax.cli import DataError, UsageError
@@ -94,6 +94,8 @@ def load_target(c, dtype, mesh=None):
       return _restore_orbax(path, "target", dtype, mesh)
     put = None if mesh is None else sharding.loader_put(mesh, dtype)
     return load_hf_checkpoint(path, dtype=dtype, put=put)
+  if c.preset in bench_models.TARGET_PRESETS:  # one GPU's share of K2.6 (benchmarks)
+    return bench_models.load_target(c, dtype, mesh)
   if c.preset not in model_config.PRESETS:
     raise UsageError("target.preset", f"unknown preset {c.preset!r}; choose one of "
                      f"{', '.join(model_config.PRESETS)} or set --config.target.checkpoint")
@@ -115,6 +117,8 @@ def load_draft(c, tcfg, dtype, mesh=None):
     return dcfg, dparams
   if not c.preset:
     return None, None
+  if c.preset in bench_models.DRAFT_PRESETS:
+    return bench_models.load_draft(c, tcfg, dtype, mesh)
   n = tcfg.num_hidden_layers
   taps = tuple(sorted({0, n // 2, n - 1}))
   if c.preset == "tiny":

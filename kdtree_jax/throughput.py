@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import timing
-from kdtree_jax.bench_state import at_context, bench_state, clone
+from kdtree_jax.bench_state import at_context, bench_state
 from kdtree_jax.decoding import loop, step
 
 
@@ -65,11 +65,12 @@ def loop_state_steps(gen: int) -> int:
 def time_contexts(tcfg, tparams, dcfg, dparams, spec, ctxs, dtype, batch=1, gen=16, run=None):
   """One compiled device loop for `spec` (`run`, e.g. a compiled `loop_program`, or jitted
   here); one row per context (see the module docstring)."""
-  big = bench_state(tcfg, dcfg, spec, batch, max(ctxs), dtype, steps=loop_state_steps(gen))
   run = run or loop_program(tcfg, dcfg, spec)
   rows = []
-  for ctx in ctxs:
-    m = measure_context(run, tparams, dparams, clone(at_context(big, spec, ctx)), gen)
+  for ctx in ctxs:  # one state shape (sized for the longest context): one compiled loop
+    big = bench_state(tcfg, dcfg, spec, batch, max(ctxs), dtype, steps=loop_state_steps(gen))
+    m = measure_context(run, tparams, dparams, at_context(big, spec, ctx), gen)
+    del big
     rows.append(dict(mode=spec.mode, budget=spec.budget if spec.mode == "ddtree" else None,
                      block_size=spec.block_size if spec.mode != "ar" else None, ctx=ctx,
                      batch=batch, attn_backend=spec.attn_backend,

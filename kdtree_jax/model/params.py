@@ -33,7 +33,7 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict:
     e, el, f = cfg.n_routed_experts, cfg.experts_held, cfg.moe_intermediate_size
     moe = {"router": (d, e), "bias": (e,), "gate": (el, d, f), "up": (el, d, f), "down": (el, f, d)}
     if cfg.n_shared_experts:
-      fs = f * cfg.n_shared_experts
+      fs = cfg.shared_intermediate_size or f * cfg.n_shared_experts
       moe["shared"] = {"gate": (d, fs), "up": (d, fs), "down": (fs, d)}
     out["moe"] = moe
   return out
