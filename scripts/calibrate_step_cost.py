@@ -1,10 +1,11 @@
 """Step time vs verify width and context, measured: the table budget='auto' charges each width.
 
-Compiles the budget='auto' step once (the width is data: `speculative_step(width_index=...)`),
-then at every context (data too) and compiled width: the step's GPU kernel time (CUPTI, median
-of 10; GPU only) and its time per step inside the device while loop (slope over two step counts,
-what tokens/s sees); `ar` and `chain` the same way; the distinct routed experts the verify's
-router picks per MoE layer; and the analytic floor (`step_cost.AnalyticCost`, ceilings measured
+Compiles the budget='auto' device loop once (the width is data:
+`speculative_step(width_index=...)`), then at every context (data too) and compiled width: the
+time per step inside the device while loop (slope over two step counts: what tokens/s sees) and
+its GPU kernel time per step (CUPTI, GPU only); `ar` and `chain` the same way; the distinct
+routed experts the router picks per MoE layer in one verify of the largest tree (the first n + 1
+rows of it are a width-(n + 1) verify); and the analytic floor (`step_cost.AnalyticCost`, ceilings measured
 in the same run) beside each, with measured / analytic. One JSON (`--out_dir`/step_cost.json);
 copy it beside the config (`configs/X.step_cost.json`) to make it the run's cost table.
 
@@ -60,9 +61,10 @@ def per_step_ms(fn, args, steps):
   return (slope, "slope") if slope > 0 else (1e3 * t[b] / b, "total")
 
 
-def route_probe(tcfg, dcfg, spec, nodes):
-  """jit(tp, dp, state) -> expert ids [T, K] of every MoE layer in a verify of `nodes` + 1
-  tokens (draft -> tree -> prefix -> verify), recorded from the router while tracing."""
+def route_probe(tcfg, dcfg, spec):
+  """jit(tp, dp, state) -> expert ids [T, K] of every MoE layer in a verify of the largest
+  tree (draft -> tree -> verify), recorded from the router while tracing. A node sees only its
+  ancestors, so the first n + 1 rows are exactly the routes of a width-(n + 1) verify."""
   routes, orig = [], moe_module.route
 
   def recording(p, cfg, x):
@@ -73,7 +75,7 @@ def route_probe(tcfg, dcfg, spec, nodes):
   def probe(tp, dp, st):
     routes.clear()
     _, logits = step.draft_phase(dcfg, dp, tp, spec, st)
-    tree = budget.prefix_tree(step.tree_phase(spec, logits, st.bonus.shape[0]), nodes)
+    tree = step.tree_phase(spec, logits, st.bonus.shape[0])
     step.verify_phase(tcfg, tp, spec, st, tree, tuple(dcfg.target_layer_ids))
     return list(routes)
 
@@ -82,32 +84,37 @@ def route_probe(tcfg, dcfg, spec, nodes):
   def run(tp, dp, st):
     moe_module.route = recording
     try:
-      return jax.device_get(jitted(tp, dp, st))
+      return [np.asarray(i) for i in jax.device_get(jitted(tp, dp, st))]
     finally:
       moe_module.route = orig
   return run
 
 
-def distinct_experts(ids_per_layer):
-  return [len(np.unique(np.asarray(i))) for i in ids_per_layer]
+def distinct_experts(ids_per_layer, width):
+  """Distinct experts per MoE layer among the first `width` verify tokens (ids [T, K], batch 1)."""
+  return [len(np.unique(i[:width])) for i in ids_per_layer]
+
+
+def timed(fn, args_for, steps):
+  """(loop ms per step, 'slope' | 'total', GPU kernel ms per step or None) of a while loop."""
+  ms, how = per_step_ms(fn, args_for, steps)
+  kern, _ = timing.kernel_ms(fn, args_for(steps[1]), iters=1)
+  return ms, how, None if kern is None else kern / steps[1]
 
 
 def ddtree_rows(tcfg, tp, dcfg, dp, spec, big, analytic, ctxs, steps):
   """One row per (context, compiled width) of the budget='auto' step."""
   run_loop = loop_fn(tcfg, dcfg, spec)
-  one = jax.jit(lambda tp_, dp_, st, idx: step.speculative_step(tcfg, tp_, dcfg, dp_, spec, st,
-                                                                 width_index=idx))
-  probes = {n: route_probe(tcfg, dcfg, spec, n) for n in spec.auto.node_counts}
+  probe = route_probe(tcfg, dcfg, spec) if tcfg.num_moe_layers else None
   rows = []
   for ctx in ctxs:
     st = profiling.at_context(big, spec, ctx)
+    count = probe is not None and (ctx == ctxs[0] or _EXPERTS_ALL_CTX.value)
+    ids = probe(tp, dp, st) if count else None
     for i, nodes in enumerate(spec.auto.node_counts):
-      idx = jnp.int32(i)
-      ms, how = per_step_ms(run_loop, lambda n, st=st, idx=idx: (tp, dp, st, jnp.int32(n), idx),
-                               steps)
-      kern = timing.kernel_ms(one, (tp, dp, st, idx))[0]
-      count = tcfg.num_moe_layers and (ctx == ctxs[0] or _EXPERTS_ALL_CTX.value)
-      touched = distinct_experts(probes[nodes](tp, dp, st)) if count else []
+      args_for = lambda n, st=st, i=i: (tp, dp, st, jnp.int32(n), jnp.int32(i))
+      ms, how, kern = timed(run_loop, args_for, steps)
+      touched = distinct_experts(ids, nodes + 1) if count else []
       rows.append(row("ddtree", nodes + 1, ctx, ms, how, kern, analytic.ms(nodes + 1, ctx),
                       touched, tcfg))
       print(_fmt(rows[-1]), flush=True)
@@ -120,13 +127,12 @@ def mode_rows(tcfg, tp, dcfg, dp, c, mode, big_ctx, analytic, ctxs, steps):
                     attn_backend=c.attn_backend, forced_accept=c.forced_accept)
   big = profiling.bench_state(tcfg, dcfg, spec, 1, big_ctx, DTYPES[c.dtype], steps=max(steps) + 4)
   fn = profiling.while_steps_fn(tcfg, dcfg, spec)
-  one = jax.jit(lambda tp_, dp_, st: step.speculative_step(tcfg, tp_, dcfg, dp_, spec, st))
   rows = []
   for ctx in ctxs:
     st = profiling.at_context(big, spec, ctx)
-    ms, how = per_step_ms(fn, lambda n, st=st: (tp, dp, st, jnp.int32(n)), steps)
-    rows.append(row(mode, spec.verify_width, ctx, ms, how, timing.kernel_ms(one, (tp, dp, st))[0],
-                    analytic.mode_ms(mode, ctx), [], tcfg))
+    ms, how, kern = timed(fn, lambda n, st=st: (tp, dp, st, jnp.int32(n)), steps)
+    rows.append(row(mode, spec.verify_width, ctx, ms, how, kern, analytic.mode_ms(mode, ctx), [],
+                    tcfg))
     print(_fmt(rows[-1]), flush=True)
   return rows
 
@@ -164,8 +170,9 @@ def main(_):
   steps = tuple(int(s) for s in _STEPS.value)
   ceil = roofline.measure_ceilings(small=_SMALL.value)
   hw = step_cost.Hardware(copy_tbps=ceil["copy_tbps"], mm_tflops=ceil["mm_tflops"])
-  wbits = 8.0 * jnp.dtype(dtype).itemsize
-  share = step_cost.MeshShare(expert_bits=wbits, weight_bits=wbits, cache_bits=wbits)
+  wbytes = jnp.dtype(dtype).itemsize  # the config is one GPU's share: gpus=1, no collectives
+  share = step_cost.MeshShare(expert_bits=8 * profiling.expert_bytes_per_weight(tp, wbytes),
+                              weight_bits=8 * wbytes)
   analytic = step_cost.AnalyticCost(tcfg, dcfg, share, hw)
   auto = budget.AutoBudget(node_counts=tuple(int(n) for n in _NODES.value))
   spec = SpecConfig(mode="ddtree", budget="auto", block_size=c.block_size, max_new_tokens=4096,

@@ -6,9 +6,9 @@ against `build_ddtree(logits, n)`): one tree of the largest compiled size is bui
 of it verified. Under DDTree's surrogate a node u is accepted with probability q(u), the product
 of the draft's marginals along its path, so a prefix of n - 1 nodes accepts 1 + sum q(u) tokens
 in expectation (root/bonus included). `AcceptCalibration` replaces q by the acceptance rate
-observed in an eval run (per bin of q and width increment of the node's index); `step_cost` models the step time
-per width. The chosen width is data; `lax.switch` runs the verify compiled at that width, so the
-step compiles once.
+observed in an eval run (per bin of q and width slot of the node's index); `step_cost` models
+the step time per width. The chosen width is data; `lax.switch` runs the verify compiled at
+that width, so the step compiles once.
 
 Letters: B batch, L draft depth, V vocab, N verify width (root + nodes), W compiled widths.
 """

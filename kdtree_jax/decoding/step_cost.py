@@ -1,11 +1,10 @@
 """Modelled time of one decode step vs verify width N (root + tree nodes) and context length L.
 
 Two sources, one interface (`ms(n, ctx)`, `mode_ms(mode, ctx)`):
-- `AnalyticCost`: a roofline floor from bytes and FLOPs (`profiling.phase_costs` for attention,
-  non-expert weights and the draft) plus what it does not count: the distinct routed experts a
-  verify of N tokens touches, E * (1 - (1 - 1/E)^(K N)) (independent routing), at the expert
-  bytes of the mesh share, and the collectives (2 per layer + 1, and the draft's) when the
-  experts and heads are split over GPUs.
+- `AnalyticCost`: a roofline floor from the bytes and FLOPs of `profiling.phase_costs` (its MoE
+  bytes count the distinct routed experts a verify of N tokens touches,
+  E * (1 - (1 - 1/E)^(K N)) under independent routing), split over the GPUs of a mesh share,
+  plus the collectives (2 per layer + 1, and the draft's) when experts and heads are split.
 - `CalibratedCost`: a table of measured step times (`scripts/calibrate_step_cost.py`), read from
   a JSON beside the run config; linear in L between calibrated contexts (attention reads grow
   linearly with L) and in N between calibrated widths; no extrapolation in N.
@@ -36,16 +35,18 @@ class Hardware:
 
 @dataclasses.dataclass(frozen=True)
 class MeshShare:
-  """What one GPU holds: 1/gpus of heads, experts and weights; the latent cache whole.
+  """What one GPU of `gpus` reads: 1/gpus of the weights, heads and (touched) experts; the
+  latent cache whole (every head reads every row).
 
   expert_bits: bits per routed-expert weight incl. scales (INT4 + bf16 group-32 scales = 4.5).
   collectives: charge 2 all-reduces per layer + 1 (and the draft's) at `collective_us` each.
+  A config that already is one GPU's share (bench_k26_full: heads, local experts, vocab sliced)
+  takes gpus=1.
   """
 
   gpus: int = 1
   expert_bits: float = 16.0
   weight_bits: float = 16.0
-  cache_bits: float = 16.0
   collectives: bool = False
 
 
@@ -65,7 +66,10 @@ def _spec_for_width(mode: str, n: int, block_size: int):
 
 @dataclasses.dataclass(frozen=True)
 class AnalyticCost:
-  """Roofline floor of one step of `tcfg` (+ `dcfg` draft) on one GPU's share of a mesh."""
+  """Roofline floor of one step of `tcfg` (+ `dcfg` draft) on one GPU's share of a mesh: per
+  phase of `profiling.phase_costs` (bytes incl. the routed experts a verify of N tokens touches,
+  FLOPs) max(bytes / bandwidth, FLOPs / matmul rate) / gpus (the cache read stays whole), plus
+  collectives and a fixed per-step overhead."""
 
   tcfg: object
   dcfg: object
@@ -76,27 +80,18 @@ class AnalyticCost:
   def terms_ms(self, n: int, ctx: int, with_draft: bool = True) -> dict[str, float]:
     """Per-term floors (ms) of a step verifying n tokens at context ctx."""
     c, s, hw = self.tcfg, self.share, self.hw
-    mode = "ddtree" if with_draft else "ar"
-    spec = _spec_for_width(mode, n, self.dcfg.block_size if self.dcfg else 2)
-    pc = profiling.phase_costs(c, self.dcfg, spec, 1, ctx, wbytes=1)  # bytes in elements
-    wb, cb, eb = s.weight_bits / 8, s.cache_bits / 8, s.expert_bits / 8
+    spec = _spec_for_width("ddtree" if with_draft else "ar", n,
+                           self.dcfg.block_size if self.dcfg else 2)
+    pc = profiling.phase_costs(c, self.dcfg, spec, 1, ctx, wbytes=s.weight_bits / 8,
+                               expert_bytes=s.expert_bits / 8)
     att_b, att_f = pc["attention"]
-    f, fs = c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts
-    d, e = c.hidden_size, c.n_routed_experts
-    touched = experts_touched(e, c.num_experts_per_tok, n)
-    experts_b = c.num_moe_layers * touched * 3 * d * f * eb / s.gpus
-    moe_dense_b = c.num_moe_layers * (3 * d * fs + d * e) * wb / s.gpus
-    terms = {
-        "attention": _floor_ms(att_b * cb, att_f / s.gpus, hw),
-        "weights": _floor_ms(pc["rest"][0] * wb / s.gpus + moe_dense_b, 0, hw),
-        "experts": _floor_ms(experts_b, 0, hw),
-        "fixed": hw.fixed_us / 1e3,
-    }
-    layers = c.num_hidden_layers
-    collectives = 2 * layers + 1
+    terms = {"attention": _floor_ms(att_b, att_f / s.gpus, hw), "fixed": hw.fixed_us / 1e3}
+    phases = ("moe", "rest", "accept", "commit") + (
+        ("draft_ctx", "draft_block", "tree") if with_draft else ())
+    for p in phases:
+      terms[p] = _floor_ms(pc[p][0] / s.gpus, pc[p][1] / s.gpus, hw)
+    collectives = 2 * c.num_hidden_layers + 1
     if with_draft:
-      for p in ("draft_ctx", "draft_block"):
-        terms[p] = _floor_ms(pc[p][0] * wb / s.gpus, pc[p][1] / s.gpus, hw)
       collectives += 2 * self.dcfg.num_hidden_layers + 1
     terms["collectives"] = collectives * hw.collective_us / 1e3 if s.collectives else 0.0
     return terms
@@ -172,11 +167,47 @@ def load_calibration(path: str, key: str = "loop_ms") -> CalibratedCost:
   if missing:
     raise ValueError(f"{path}: no {key!r} for {missing[:3]} (kernel_ms exists only on GPU runs)")
   table = tuple(tuple(val[("ddtree", w, c)] for w in widths) for c in ctxs)
-  modes = tuple((m, tuple(val[(m, w, c)] for c in ctxs))
-                for m, w in sorted({(r["mode"], r["width"]) for r in rows if r["mode"] != "ddtree"}))
+  fixed = sorted({(r["mode"], r["width"]) for r in rows if r["mode"] != "ddtree"})
+  modes = tuple((m, tuple(val[(m, w, c)] for c in ctxs)) for m, w in fixed)
   return CalibratedCost(tuple(widths), tuple(ctxs), table, modes, source=f"calibrated:{path}")
 
 
 def calibration_path(config_path: str) -> str:
   """Where a run config's calibration lives: configs/x.py -> configs/x.step_cost.json."""
   return os.path.splitext(config_path)[0] + ".step_cost.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlusCollectives:
+  """A one-GPU cost (calibrated or analytic) plus the collectives an N-GPU mesh adds per step
+  (`analytic`'s 'collectives' term: 2 all-reduces per layer + 1, and the draft's)."""
+
+  base: object
+  analytic: AnalyticCost
+
+  @property
+  def source(self) -> str:
+    return f"{self.base.source} + collectives x{self.analytic.share.gpus} GPUs (analytic)"
+
+  def ms(self, n: int, ctx: int) -> float:
+    return self.base.ms(n, ctx) + self.analytic.terms_ms(n, ctx)["collectives"]
+
+  def mode_ms(self, mode: str, ctx: int) -> float:
+    extra = self.analytic.terms_ms(1 if mode == "ar" else 2, ctx, with_draft=mode != "ar")
+    return self.base.mode_ms(mode, ctx) + extra["collectives"]
+
+
+def k26_models(calibration_json: str | None = None) -> dict:
+  """{'1gpu': one GPU's share of full K2.6 (8-way split, INT4 experts, no collectives),
+  '8gpu': the 8 x H200 projection (+ collectives)}: calibrated when a JSON is given (its config
+  must be that share), else the analytic floor on the H200's measured ceilings."""
+  from kdtree_jax import bench_models  # pylint: disable=import-outside-toplevel
+  from kdtree_jax import config as model_config  # pylint: disable=import-outside-toplevel
+  tcfg = model_config.kimi_k2_6()
+  dcfg = bench_models.k26_dflash_share(tcfg, shards=1)  # the published K2.6 DFlash shape
+  share = MeshShare(gpus=8, expert_bits=4.5)
+  one = AnalyticCost(tcfg, dcfg, share, source="analytic K2.6 1/8 share, INT4 experts, H200")
+  if calibration_json:
+    one = load_calibration(calibration_json)
+  eight = AnalyticCost(tcfg, dcfg, dataclasses.replace(share, collectives=True))
+  return {"1gpu": one, "8gpu": PlusCollectives(one, eight)}

@@ -1,0 +1,233 @@
+"""SIMULATED K2.6 tokens/s of budget='auto' vs every fixed budget, chain and ar.
+
+Real acceptance from the trained pair (k2tiny, f32, greedy, held-out prompts: every step's
+accepted tokens and, for auto, its chosen width), charged per step with a K2.6 step-cost model
+at a fixed context: one GPU's share of full K2.6 (8-way split, INT4 experts) and the 8 x H200
+projection (+ collectives); from a calibration JSON (scripts/calibrate_step_cost.py) when given,
+else the analytic floor. The tokens/s are therefore SIMULATED (real acceptance x modelled time),
+never a measurement of K2.6. The acceptance calibration is fitted first on other held-out
+prompts (records of steps verified at the largest width) and saved as JSON. Every run must emit
+exactly the `ar` tokens (f32).
+
+  python scripts/eval_budget.py --out_dir results/budget_eval
+  python scripts/eval_budget.py --step_cost configs/bench_k26_full.step_cost.json --out_dir ...
+"""
+
+import collections
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+import numpy as np  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from kdtree_jax import data, plots, runtime  # noqa: E402
+from kdtree_jax.decoding import accept_trace, budget, step_cost  # noqa: E402
+from kdtree_jax.decoding.loop import generate  # noqa: E402
+from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
+from kdtree_jax.models import DTYPES, load_models  # noqa: E402
+
+runtime.define_flags()
+DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "default.py")
+_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Run config (the pair).")
+_NODES = flags.DEFINE_list("nodes", ["7", "15", "31", "63"], "budget='auto' node counts.")
+_BUDGETS = flags.DEFINE_list("budgets", ["3", "7", "15", "31", "32", "63"], "Fixed budgets.")
+_CTX = flags.DEFINE_list("ctx", ["4096", "46000", "131072"], "Simulated K2.6 contexts.")
+_PROMPTS = flags.DEFINE_integer("prompts", 6, "Held-out test prompts.")
+_FIT_PROMPTS = flags.DEFINE_integer("fit_prompts", 8, "Held-out prompts to fit acceptance on.")
+_GEN = flags.DEFINE_integer("gen", 96, "Tokens per prompt.")
+_STEP_COST = flags.DEFINE_string("step_cost", "", "Calibration JSON of one GPU's K2.6 share.")
+_OUT = flags.DEFINE_string("out_dir", "results/budget_eval", "Output folder.")
+
+LABEL = "SIMULATED: real k2tiny acceptance x modelled K2.6 step time"
+
+
+def prompt_sets(n_test, n_fit, length=192):
+  """Disjoint evenly spaced windows of the held-out stream: (test prompts, fit prompts)."""
+  held = data.build_corpus().eval
+  starts = np.linspace(0, len(held) - length - 1, n_test + n_fit).astype(int)
+  windows = [list(map(int, held[s:s + length])) for s in starts]
+  return windows[0::2][:n_test] + windows[1::2][n_test:], windows[1::2][:n_fit] + \
+      windows[0::2][n_fit:]
+
+
+def run(models, spec, prompts, max_len):
+  """Per prompt (batch 1): tokens, tokens per step, widths per step (auto)."""
+  args = (models.tcfg, models.tparams, models.dcfg, models.dparams, spec)
+  out = dict(tokens=[], accepted=[], widths=[])
+  for p in prompts:
+    r = generate(*args, [p], max_len=max_len)
+    out["tokens"].append(r.tokens[0])
+    out["accepted"].extend(r.accepted_per_step[0])
+    out["widths"].extend(r.widths_per_step[:len(r.accepted_per_step[0])])
+  return out
+
+
+def records(models, prompts, nodes, gen, max_len):
+  """Node-level acceptance records of steps verified at the largest width."""
+  spec = SpecConfig(mode="ddtree", budget=nodes[-1], block_size=models.dcfg.block_size,
+                    max_new_tokens=gen)
+  return accept_trace.collect(models.tcfg, models.tparams, models.dcfg, models.dparams, spec,
+                              prompts, max_len)
+
+
+def fit_acceptance(models, prompts, nodes, gen, max_len, out_dir):
+  """AcceptCalibration fitted on `prompts`; saved as JSON."""
+  recs = records(models, prompts, nodes, gen, max_len)
+  cal = accept_trace.fit(recs, nodes)
+  with open(os.path.join(out_dir, "accept_calibration.json"), "w") as f:
+    json.dump(dict(calibration=cal.to_dict(), steps=len(recs["depth"]), prompts=len(prompts),
+                   gen=gen), f, indent=1)
+  return cal
+
+
+def calibration_check(models, cal, prompts, nodes, gen, max_len):
+  """Observed vs expected tokens per step on the test prompts, per compiled width: calibrated
+  and raw (DDTree's surrogate), with the 3-standard-error band of the mean difference."""
+  recs = records(models, prompts, nodes, gen, max_len)
+  out = []
+  for n in nodes:
+    obs = accept_trace.prefix_accept(recs, n)
+    r = dict(kind="calibration", nodes=n, steps=len(obs), observed=float(obs.mean()))
+    for name, c in (("calibrated", cal), ("raw", budget.AcceptCalibration())):
+      d = obs - accept_trace.prefix_expected(recs, n, c)
+      r[f"expected_{name}"] = float(obs.mean() - d.mean())
+      r[f"band3se_{name}"] = float(3 * d.std() / np.sqrt(len(d)))
+    out.append(r)
+    print(f"acceptance, {n} nodes: observed {r['observed']:.3f}, expected calibrated "
+          f"{r['expected_calibrated']:.3f} (raw q {r['expected_raw']:.3f}), 3 SE "
+          f"{r['band3se_calibrated']:.3f}", flush=True)
+  return out
+
+
+def charge(cost, ctx, mode, budget_nodes, res):
+  """Simulated ms of every step of a run, and the tokens it emitted."""
+  acc = res["accepted"]
+  if mode == "ar":
+    ms = [cost.mode_ms("ar", ctx)] * len(acc)
+  elif mode == "chain":
+    ms = [cost.mode_ms("chain", ctx)] * len(acc)
+  elif mode == "auto":
+    ms = [cost.ms(w + 1, ctx) for w in res["widths"]]
+  else:
+    ms = [cost.ms(budget_nodes + 1, ctx)] * len(acc)
+  return np.asarray(ms), int(np.sum(acc))
+
+
+def row(name, cost, ctx, mode, b, res, ar_tokens):
+  ms, tokens = charge(cost, ctx, mode, b, res)
+  r = dict(label=LABEL, cost_model=name, cost_source=cost.source, ctx=ctx, mode=mode,
+           budget=b if mode in ("ddtree", "auto") else None, tokens=tokens, steps=len(ms),
+           mean_accept=float(np.mean(res["accepted"])), modelled_ms_per_step=float(ms.mean()),
+           simulated_tokens_per_s=1e3 * tokens / float(ms.sum()),
+           same_tokens_as_ar=res["tokens"] == ar_tokens)
+  if mode == "auto":
+    hist = collections.Counter(res["widths"])
+    r["width_histogram"] = {int(k): v for k, v in sorted(hist.items())}
+  return r
+
+
+def fixed_runs(models, budgets, gen, prompts, max_len):
+  """{(mode, budget): run} for ar, chain and every fixed budget (cost-model independent)."""
+  mk = lambda mode, b=32: SpecConfig(mode=mode, budget=b, block_size=models.dcfg.block_size,
+                                     max_new_tokens=gen)
+  runs = {("ar", None): run(models, mk("ar"), prompts, max_len),
+          ("chain", None): run(models, mk("chain"), prompts, max_len)}
+  for b in budgets:
+    runs[("ddtree", b)] = run(models, mk("ddtree", b), prompts, max_len)
+  return runs
+
+
+def auto_run(models, cost, ctx, nodes, cal, gen, prompts, max_len):
+  auto = budget.from_cost_model(cost, nodes, (ctx,), cal)
+  spec = SpecConfig(mode="ddtree", budget="auto", auto=auto, block_size=models.dcfg.block_size,
+                    max_new_tokens=gen)
+  return run(models, spec, prompts, max_len)
+
+
+def summarise(rows):
+  """Per (cost model, ctx): auto / best fixed budget and auto / budget 32."""
+  out = []
+  for key in sorted({(r["cost_model"], r["ctx"]) for r in rows}):
+    rs = [r for r in rows if (r["cost_model"], r["ctx"]) == key]
+    fixed = [r for r in rs if r["mode"] == "ddtree"]
+    best = max(fixed, key=lambda r: r["simulated_tokens_per_s"])
+    best_any = max((r for r in rs if r["mode"] != "auto"),
+                   key=lambda r: r["simulated_tokens_per_s"])
+    auto = next(r for r in rs if r["mode"] == "auto")
+    b32 = next((r for r in fixed if r["budget"] == 32), None)
+    out.append(dict(kind="summary", label=LABEL, cost_model=key[0], ctx=key[1],
+                    auto_over_best_fixed=auto["simulated_tokens_per_s"] /
+                    best["simulated_tokens_per_s"], best_fixed_budget=best["budget"],
+                    auto_over_best_of_all=auto["simulated_tokens_per_s"] /
+                    best_any["simulated_tokens_per_s"],
+                    auto_over_budget32=None if b32 is None else
+                    auto["simulated_tokens_per_s"] / b32["simulated_tokens_per_s"]))
+  return out
+
+
+def table(rows, summary):
+  lines = [LABEL, f"{'cost':>5} {'ctx':>7} {'mode':>6} {'budget':>6} {'acc/step':>8} "
+                  f"{'ms/step':>8} {'tok/s':>8}  widths (auto)"]
+  for r in rows:
+    lines.append(f"{r['cost_model']:>5} {r['ctx']:>7} {r['mode']:>6} {str(r['budget'] or '-'):>6} "
+                 f"{r['mean_accept']:8.2f} {r['modelled_ms_per_step']:8.2f} "
+                 f"{r['simulated_tokens_per_s']:8.1f}  {r.get('width_histogram', '')}"
+                 + ("" if r["same_tokens_as_ar"] else "  NOT LOSSLESS"))
+  for s in summary:
+    b32 = "-" if s["auto_over_budget32"] is None else f"{s['auto_over_budget32']:.2f}x"
+    lines.append(f"{s['cost_model']:>5} {s['ctx']:>7}: auto / best fixed (budget "
+                 f"{s['best_fixed_budget']}) = {s['auto_over_best_fixed']:.3f}, "
+                 f"auto / best of all = {s['auto_over_best_of_all']:.3f}, auto / budget 32 = {b32}")
+  return "\n".join(lines)
+
+
+def plot(rows, path):
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  models = sorted({r["cost_model"] for r in rows})
+  fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+  for ax, m in zip(axes[0], models):
+    plots.plot_budget_eval(ax, [r for r in rows if r["cost_model"] == m], title=f"{m} ({LABEL})")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(_):
+  t0 = time.perf_counter()
+  c = _CONFIG.value
+  if c.dtype != "float32":
+    raise ValueError(f"--config.dtype={c.dtype}: the lossless check needs float32")
+  models = load_models(c)
+  os.makedirs(_OUT.value, exist_ok=True)
+  nodes = tuple(int(n) for n in _NODES.value)
+  test, fit = prompt_sets(_PROMPTS.value, _FIT_PROMPTS.value)
+  gen, max_len = _GEN.value, c.max_len
+  cal = fit_acceptance(models, fit, nodes, gen, max_len, _OUT.value)
+  checks = calibration_check(models, cal, test, nodes, gen, max_len)
+  runs = fixed_runs(models, [int(b) for b in _BUDGETS.value], gen, test, max_len)
+  ar_tokens = runs[("ar", None)]["tokens"]
+  rows = []
+  for name, cost in step_cost.k26_models(_STEP_COST.value or None).items():
+    for ctx in (int(x) for x in _CTX.value):
+      for (mode, b), res in runs.items():
+        rows.append(row(name, cost, ctx, mode, b, res, ar_tokens))
+      res = auto_run(models, cost, ctx, nodes, cal, gen, test, max_len)
+      rows.append(row(name, cost, ctx, "auto", nodes[-1], res, ar_tokens))
+      print(f"[{time.perf_counter() - t0:.0f} s] {name} ctx {ctx}: auto widths "
+            f"{rows[-1]['width_histogram']}", flush=True)
+  summary = summarise(rows)
+  with open(os.path.join(_OUT.value, "budget_eval.jsonl"), "w") as f:
+    for r in checks + rows + summary:
+      f.write(json.dumps(r) + "\n")
+  plot(rows, os.path.join(_OUT.value, "budget_eval.png"))
+  print(table(rows, summary))
+
+
+if __name__ == "__main__":
+  app.run(main)
