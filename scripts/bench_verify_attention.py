@@ -26,6 +26,7 @@ from pallas_kernels.tree_verify import api, masks, reference  # noqa: E402
 from pallas_kernels.tree_verify.tuning import Tuning, default_tuning  # noqa: E402
 
 FLAGS = flags.FLAGS
+DEFAULT_CACHE = "/tmp/kdtree_jax_compile_cache"
 flags.DEFINE_list("L", ["4096", "16384", "46000", "131072"], "cache lengths")
 flags.DEFINE_list("N", ["1", "8", "16", "32", "64"], "tree nodes")
 flags.DEFINE_list("H", ["8", "64"], "heads")
@@ -38,7 +39,8 @@ flags.DEFINE_string("json_out", "", "JSON lines output")
 flags.DEFINE_string("tunings", "", "extra kernel variants for every shape: ';'-separated k=v,k=v")
 flags.DEFINE_bool("probe_variants", True, "time the PROBES variants on their shapes (notes/kernel.md)")
 flags.DEFINE_bool("skip_xla", False, "do not time the XLA baseline")
-flags.DEFINE_string("cache_dir", "/tmp/kdtree_jax_compile_cache", "persistent compilation cache")
+flags.DEFINE_string("cache_dir", "", "persistent compilation cache folder (default: the one jax "
+                    "already has, e.g. from JAX_COMPILATION_CACHE_DIR, else " + DEFAULT_CACHE + ")")
 
 C, R, L2_BYTES = 576, 512, 60e6
 # (B, N, H, L) of the issue's "must show", in its order.
@@ -182,7 +184,8 @@ HEADER = (" B   N   H       L   impl          variant       us floor_us  TB/s TF
 
 
 def main(_):
-  jax.config.update("jax_compilation_cache_dir", FLAGS.cache_dir)
+  cache_dir = FLAGS.cache_dir or jax.config.jax_compilation_cache_dir or DEFAULT_CACHE
+  jax.config.update("jax_compilation_cache_dir", cache_dir)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   t0 = time.time()
   dev = jax.devices()[0]

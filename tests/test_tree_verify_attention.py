@@ -221,6 +221,7 @@ class TestLowersForGpu:
 FULL_GRID = os.environ.get("KDTREE_GPU_FULL_GRID") == "1"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")
 class TestKernelGPU:
   """Default GPU set (every code path, about 2 minutes on an H200): one split (final output) and
@@ -244,6 +245,7 @@ class TestKernelGPU:
     check_against_reference(q, cache, ln, mask, tuning)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not (ON_GPU and FULL_GRID), reason="GPU full grid: KDTREE_GPU_FULL_GRID=1")
 class TestKernelFullGridGPU:
   """Every (N, H) pair with ragged batches, and a sweep over L; compiled kernel."""
