@@ -46,7 +46,8 @@ def run_mode(models, spec, prompts, c):
   """Per-prompt generate (batch 1, compile excluded); returns tokens, accepted, seconds."""
   args = (models.tcfg, models.tparams, models.dcfg, models.dparams, spec)
   dt = DTYPES[c.dtype]
-  generate(*args, prompts[:1], max_len=c.max_len, cache_dtype=dt)  # compile
+  generate(*args, prompts[:1], max_len=c.max_len, cache_dtype=dt, progress=cli.progress,
+           memory_limit_gb=c.memory_limit_gb)  # compile (memory bound checked first)
   toks, acc, secs = [], [], 0.0
   for p in prompts:
     t0 = time.perf_counter()
@@ -70,7 +71,8 @@ def plot(rows, path):
 
 def main(_):
   c = cli.load_config(_CONFIG, "configs/k2tiny.py")
-  models = load_models(c)
+  with cli.progress("loading the target and draft"):
+    models = load_models(c)
   prompts = held_out_prompts(_PROMPTS.value, _PROMPT_LEN.value)
   runs = [("ar", 1), ("chain", 1)] + [("ddtree", int(b)) for b in _BUDGETS.value]
   rows, ar_tokens, ar_tps = [], None, None

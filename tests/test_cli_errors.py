@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from kdtree_jax.decoding import loop, memory_bound
+from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.tokenizer import ByteTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,3 +141,17 @@ def test_memory_bound_counts_the_largest_intermediate():
   assert bound.per_device == 300 * 8 * 4 + 300 * 300 * 4
   with pytest.raises(ValueError, match="budget"):
     memory_bound.check_fits(jax.jit(f).trace(x), 1, limit_gb=100e3 / 1e9, field="budget")
+
+
+def test_length_warnings_name_the_limit():
+  """Past max_len (stops early) and past the trained positions (poor text): both said up front."""
+  tcfg = type("Cfg", (), {"max_position_embeddings": 2048})()
+  spec = SpecConfig(mode="ar", max_new_tokens=600)
+  prompt = [[1] * 20]
+  assert loop.length_warnings(tcfg, SpecConfig(mode="ar", max_new_tokens=100), prompt, 512,
+                              512) == []
+  (early,) = loop.length_warnings(tcfg, spec, prompt, 512, 0)
+  assert "--config.max_len 512" in early and "at most 493 tokens" in early
+  (past,) = loop.length_warnings(tcfg, spec, prompt, 1024, 512)
+  assert "--config.trained_positions" in past and "positions up to 619" in past
+  assert loop.length_warnings(tcfg, spec, prompt, 1024, 0) == []  # 619 <= the 2048 of config.json
