@@ -5,12 +5,13 @@ Compiles the budget='auto' device loop once (the width is data:
 time per step inside the device while loop (slope over two step counts: what tokens/s sees) and
 its GPU kernel time per step (CUPTI, GPU only); `ar` and `chain` the same way; the distinct
 routed experts the router picks per MoE layer in one verify of the largest tree (the first n + 1
-rows of it are a width-(n + 1) verify); and the analytic floor (`step_cost.AnalyticCost`, ceilings measured
-in the same run) beside each, with measured / analytic. One JSON (`--out_dir`/step_cost.json);
-copy it beside the config (`configs/X.step_cost.json`) to make it the run's cost table.
+rows of it are a width-(n + 1) verify); the analytic floor (`step_cost.AnalyticCost`, ceilings
+measured in the same run) beside each, with measured / floor; and each interior context
+predicted from its neighbours vs measured. One JSON (`--out_dir`/step_cost.json); copy it beside
+the config (`configs/X.step_cost.json`) to make it the run's cost table.
 
-  python scripts/calibrate_step_cost.py --config configs/bench_k26.py --ctx 4096,46000,131072 \
-      --out_dir runs/calib
+  python scripts/calibrate_step_cost.py --config configs/bench_k26_full.py \
+      --ctx 4096,46000,131072 --out_dir runs/calib
   python scripts/calibrate_step_cost.py --config configs/bench_tiny.py --ctx 256,1024 --small
 """
 
@@ -90,9 +91,10 @@ def route_probe(tcfg, dcfg, spec):
   return run
 
 
-def distinct_experts(ids_per_layer, width):
-  """Distinct experts per MoE layer among the first `width` verify tokens (ids [T, K], batch 1)."""
-  return [len(np.unique(i[:width])) for i in ids_per_layer]
+def distinct_experts(ids_per_layer, width, local):
+  """Distinct experts held here (ids < local) per MoE layer among the first `width` verify
+  tokens (ids [T, K], batch 1)."""
+  return [len(np.unique(i[:width][i[:width] < local])) for i in ids_per_layer]
 
 
 def timed(fn, args_for, steps):
@@ -102,22 +104,29 @@ def timed(fn, args_for, steps):
   return ms, how, None if kern is None else kern / steps[1]
 
 
-def ddtree_rows(tcfg, tp, dcfg, dp, spec, big, analytic, ctxs, steps):
-  """One row per (context, compiled width) of the budget='auto' step."""
+def ddtree_rows(tcfg, tp, dcfg, dp, spec, big, analytic, ctxs, steps, save):
+  """One row per (context, compiled width) of the budget='auto' step; routed experts counted
+  after the timings of the first context (all with --experts_all_ctx)."""
   run_loop = loop_fn(tcfg, dcfg, spec)
   probe = route_probe(tcfg, dcfg, spec) if tcfg.num_moe_layers else None
   rows = []
   for ctx in ctxs:
     st = profiling.at_context(big, spec, ctx)
-    count = probe is not None and (ctx == ctxs[0] or _EXPERTS_ALL_CTX.value)
-    ids = probe(tp, dp, st) if count else None
+    here = []
     for i, nodes in enumerate(spec.auto.node_counts):
       args_for = lambda n, st=st, i=i: (tp, dp, st, jnp.int32(n), jnp.int32(i))
       ms, how, kern = timed(run_loop, args_for, steps)
-      touched = distinct_experts(ids, nodes + 1) if count else []
-      rows.append(row("ddtree", nodes + 1, ctx, ms, how, kern, analytic.ms(nodes + 1, ctx),
-                      touched, tcfg))
-      print(_fmt(rows[-1]), flush=True)
+      here.append(row("ddtree", nodes + 1, ctx, ms, how, kern, analytic.ms(nodes + 1, ctx), [],
+                      tcfg))
+      print(_fmt(here[-1]), flush=True)
+    if probe is not None and (ctx == ctxs[0] or _EXPERTS_ALL_CTX.value):
+      ids = probe(tp, dp, st)
+      for r in here:
+        local = tcfg.num_local_experts or tcfg.n_routed_experts
+        r.update(experts(distinct_experts(ids, r["width"], local), r["width"], tcfg))
+        print(_fmt(r), flush=True)
+    rows += here
+    save(rows)
   return rows
 
 
@@ -138,14 +147,19 @@ def mode_rows(tcfg, tp, dcfg, dp, c, mode, big_ctx, analytic, ctxs, steps):
 
 
 def row(mode, width, ctx, loop_ms, how, kernel_ms, analytic_ms, touched, tcfg):
-  model = float(step_cost.experts_touched(tcfg.n_routed_experts, tcfg.num_experts_per_tok,
-                                          width)) if touched else None
   return dict(mode=mode, width=width, ctx=ctx, loop_ms=loop_ms, timing=how, kernel_ms=kernel_ms,
-              analytic_ms=analytic_ms,
-              loop_over_analytic=loop_ms / analytic_ms,
-              experts_touched_per_layer=touched,
+              analytic_ms=analytic_ms, loop_over_analytic=loop_ms / analytic_ms,
+              **experts(touched, width, tcfg))
+
+
+def experts(touched, width, tcfg):
+  """Router-counted distinct local experts per MoE layer, their mean, and the model's value
+  (independent routing over all E, the local share of them)."""
+  local = tcfg.num_local_experts or tcfg.n_routed_experts
+  model = step_cost.experts_touched(tcfg.n_routed_experts, tcfg.num_experts_per_tok, width)
+  return dict(experts_touched_per_layer=touched,
               experts_touched_mean=float(np.mean(touched)) if touched else None,
-              experts_touched_model=model)
+              experts_touched_model=float(model * local / tcfg.n_routed_experts))
 
 
 def _fmt(r):
@@ -154,6 +168,19 @@ def _fmt(r):
       f"{r['experts_touched_mean']:.1f}/{r['experts_touched_model']:.1f}")
   return (f"{r['mode']:>6} {r['width']:>4} {r['ctx']:>7} {r['loop_ms']:9.3f} {kern:>9} "
           f"{r['analytic_ms']:9.3f} {r['loop_over_analytic']:7.2f} {ex:>11}")
+
+
+def held_out_contexts(rows):
+  """Each interior context predicted by the line through its neighbours, vs measured (a check of
+  the table's linear-in-context interpolation)."""
+  out = []
+  for mode, width in sorted({(r["mode"], r["width"]) for r in rows}):
+    pts = sorted((r["ctx"], r["loop_ms"]) for r in rows if (r["mode"], r["width"]) == (mode, width))
+    for (c0, m0), (c1, m1), (c2, m2) in zip(pts, pts[1:], pts[2:]):
+      pred = m0 + (m2 - m0) * (c1 - c0) / (c2 - c0)
+      out.append(dict(mode=mode, width=width, ctx=c1, predicted_ms=pred, measured_ms=m1,
+                      error=pred / m1 - 1))
+  return out
 
 
 HEADER = (f"{'mode':>6} {'N':>4} {'ctx':>7} {'loop ms':>9} {'kern ms':>9} {'floor ms':>9} "
@@ -183,17 +210,28 @@ def main(_):
   print(f"device={jax.devices()[0].device_kind} layers={tcfg.num_hidden_layers} "
         f"ceilings copy {hw.copy_tbps:.2f} TB/s mm {hw.mm_tflops:.0f} TFLOP/s", flush=True)
   print(HEADER, flush=True)
-  rows = ddtree_rows(tcfg, tp, dcfg, dp, spec, big, analytic, ctxs, steps)
-  for mode in _MODES.value:
-    rows += mode_rows(tcfg, tp, dcfg, dp, c, mode, max(ctxs), analytic, ctxs, steps)
   os.makedirs(_OUT.value, exist_ok=True)
   path = os.path.join(_OUT.value, "step_cost.json")
-  with open(path, "w") as f:
-    json.dump(dict(config=c.to_dict(), device=jax.devices()[0].device_kind, ceilings=ceil,
-                   layers=tcfg.num_hidden_layers, dtype=c.dtype, forced_accept=c.forced_accept,
-                   seconds=time.perf_counter() - t0, rows=rows), f, indent=1)
+  meta = dict(config=c.to_dict(), device=jax.devices()[0].device_kind, ceilings=ceil,
+              layers=tcfg.num_hidden_layers, dtype=c.dtype, forced_accept=c.forced_accept)
+
+  def save(rows):  # after every stage: a time-boxed run still leaves what it measured
+    with open(path, "w") as f:
+      json.dump(dict(meta, seconds=time.perf_counter() - t0, rows=rows,
+                     held_out_contexts=held_out_contexts(rows)), f, indent=1)
+
+  rows = ddtree_rows(tcfg, tp, dcfg, dp, spec, big, analytic, ctxs, steps, save)
+  del big  # one cache-sized state in memory at a time
+  for mode in _MODES.value:
+    rows += mode_rows(tcfg, tp, dcfg, dp, c, mode, max(ctxs), analytic, ctxs, steps)
+    save(rows)
+  checks = held_out_contexts(rows)
   print(f"\nwrote {path} ({time.perf_counter() - t0:.0f} s)\n{HEADER}")
   print("\n".join(_fmt(r) for r in rows))
+  for k in checks:
+    print(f"held-out context {k['ctx']}: {k['mode']} N={k['width']} interpolated "
+          f"{k['predicted_ms']:.3f} ms vs measured {k['measured_ms']:.3f} "
+          f"({100 * k['error']:+.1f}%)")
 
 
 if __name__ == "__main__":

@@ -197,15 +197,20 @@ def test_calibrate_step_cost_script(tmp_path):
   env.pop("XLA_FLAGS", None)
   cmd = [sys.executable, os.path.join(root, "scripts", "calibrate_step_cost.py"),
          "--config", os.path.join(root, "configs", "bench_tiny.py"), "--nodes", "3,7,15",
-         "--ctx", "64,128", "--modes", "ar", "--steps", "2,4", "--small",
+         "--ctx", "64,96,128", "--modes", "ar", "--steps", "2,4", "--small",
          "--compile_cache_dir=", "--out_dir", str(tmp_path)]
   proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   raw = json.loads((tmp_path / "step_cost.json").read_text())
   rows = raw["rows"]
   got = sorted((r["mode"], r["width"], r["ctx"]) for r in rows)
-  assert got == sorted([("ddtree", w, c) for w in (4, 8, 16) for c in (64, 128)]
-                       + [("ar", 1, 64), ("ar", 1, 128)])
+  assert got == sorted([("ddtree", w, c) for w in (4, 8, 16) for c in (64, 96, 128)]
+                       + [("ar", 1, c) for c in (64, 96, 128)])
+  held = raw["held_out_contexts"]
+  assert sorted((k["mode"], k["width"], k["ctx"]) for k in held) == sorted(
+      [("ddtree", w, 96) for w in (4, 8, 16)] + [("ar", 1, 96)])
+  for k in held:
+    assert k["error"] == pytest.approx(k["predicted_ms"] / k["measured_ms"] - 1)
   assert all(r["loop_ms"] > 0 and r["analytic_ms"] > 0 for r in rows)
   counted = [r["experts_touched_per_layer"] for r in rows if r["mode"] == "ddtree"
              and r["ctx"] == 64]
