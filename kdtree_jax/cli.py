@@ -95,6 +95,8 @@ def quiet_logs(verbose: bool):
   level = logging.INFO if verbose else logging.WARNING
   for name in _QUIET_LOGGERS:
     logging.getLogger(name).setLevel(level)
+  # orbax's reader tasks log their tracebacks through asyncio; the error line says it all
+  logging.getLogger("asyncio").setLevel(logging.INFO if verbose else logging.CRITICAL)
   absl_logging.set_verbosity(absl_logging.INFO if verbose else absl_logging.WARNING)
 
 

@@ -188,8 +188,8 @@ def restore_params(path: str, *, mesh=None, dtype=None):
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckpt:
       params = ckpt.restore(os.path.join(path, PARAMS_DIR),
                             args=ocp.args.StandardRestore(target))
-  except (OSError, ValueError, KeyError) as e:
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+  except Exception as e:  # pylint: disable=broad-except  (tensorstore raises bare Exception)
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
     raise DataError(os.path.join(path, PARAMS_DIR), f"orbax restore failed ({first}); the "
                     "checkpoint is incomplete or corrupt: convert it again") from e
   return _config(meta), params
