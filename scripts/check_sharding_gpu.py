@@ -1,42 +1,48 @@
-"""Sharded decoding on GPUs: same tokens across meshes (f32), and step time at K2.6 width (bf16).
+"""Sharded decoding on real GPUs, in order of value (a time box loses the least):
 
-  python scripts/check_sharding_gpu.py --meshes ";tensor=2;expert=2" --out /tmp/out
-('' in --meshes = one device.) Random weights: acceptance is ~1 token per step, so ms/step is
-the verify-step cost. Writes check_sharding.json to --out and prints a table.
+  1. allreduce: latency of one all-reduce of the step's hidden vector ([1, 7168] bf16) over all
+     GPUs (a device loop of 200, so dispatch is amortised).
+  2. tokens: f32, a mid-size random model: every mesh and mode emits the one-device tokens.
+  3. timing: bf16 step time at K2.6 width (64 heads, 384 INT4 experts, `--layers` layers, all of
+     them on 1 GPU or split by each mesh), ar and ddtree (budget --budget), random weights with
+     acceptance forced to --forced_accept so every mode does the same work per step.
+
+  python scripts/check_sharding_gpu.py --meshes ";tensor=2;expert=2" --out /tmp/sharding.jsonl
+('' in --meshes = one device.) One JSON line per row; a table last.
 """
 
 import json
-import os
-import sys
+import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-from kdtree_jax import config as C  # noqa: E402
-from kdtree_jax import sharding  # noqa: E402
-from kdtree_jax.decoding import loop  # noqa: E402
-from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
-from kdtree_jax.draft import model as DM  # noqa: E402
-from kdtree_jax.draft.config import DraftConfig  # noqa: E402
-from kdtree_jax.model import params as P  # noqa: E402
+from kdtree_jax import config as C
+from kdtree_jax import sharding
+from kdtree_jax.decoding import loop
+from kdtree_jax.decoding.spec_config import SpecConfig
+from kdtree_jax.draft import model as DM
+from kdtree_jax.draft.config import DraftConfig
+from kdtree_jax.model import params as P
 
 _MESHES = flags.DEFINE_string("meshes", ";tensor=2;expert=2",
                               "';'-separated meshes ('' = one device).")
-_LAYERS = flags.DEFINE_integer("layers", 3, "Timing model layers (1 dense + MoE); 3 = ~75 GB bf16.")
-_EXPERTS = flags.DEFINE_integer("experts", 384, "Routed experts of the timing model.")
-_NEW = flags.DEFINE_integer("max_new_tokens", 48, "Tokens per timed generate.")
-_BACKENDS = flags.DEFINE_string("attn_backends", "xla,auto", "Attention backends to time.")
-_TIMING = flags.DEFINE_bool("timing", True, "Also time the K2.6-width model.")
-_OUT = flags.DEFINE_string("out", os.environ.get("OUT", "/tmp"), "Folder for the JSON.")
+_PARTS = flags.DEFINE_list("parts", ["allreduce", "tokens", "timing"], "Parts, in order.")
+_LAYERS = flags.DEFINE_integer("layers", 4, "K2.6-width timing model layers (1 dense + MoE).")
+_BUDGET = flags.DEFINE_integer("budget", 15, "ddtree budget of the timing.")
+_FORCED = flags.DEFINE_integer("forced_accept", 3, "Forced acceptance of the timing runs.")
+_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens per timed generate.")
+_OUT = flags.DEFINE_string("out", "/tmp/sharding.jsonl", "JSON lines output.")
 
 
-def meshes():
-  return _MESHES.value.split(";")
+def _mesh(spec):
+  if not spec:
+    return None
+  n = int(np.prod([int(p.split("=")[1]) for p in spec.split(",")]))
+  return sharding.make_mesh(spec, jax.devices()[:n])
 
 
 def draft_for(tcfg, **kw):
@@ -46,17 +52,41 @@ def draft_for(tcfg, **kw):
                           target_layer_ids=tuple(sorted({0, n // 2, n - 1})), **kw)
 
 
-def build(tcfg, dcfg, dtype, mesh, std):
+def build(tcfg, dcfg, dtype, mesh, std, int4_experts=False):
   """Random target + draft, created directly sharded when a mesh is given."""
-  ti = lambda k: P.init_params(k, tcfg, dtype, std=std)
+  ti = lambda k: P.init_params(k, tcfg, dtype, std=std, int4_experts=int4_experts)
   di = lambda k: DM.init_draft_params(k, dcfg, tcfg.hidden_size, dcfg.n_taps, dtype)
   if mesh is None:
-    return ti(jax.random.key(0)), di(jax.random.key(1))
+    return jax.jit(ti)(jax.random.key(0)), jax.jit(di)(jax.random.key(1))
   return (sharding.init_sharded(ti, mesh, jax.random.key(0)),
           sharding.init_sharded(di, mesh, jax.random.key(1)))
 
 
-def same_tokens(mesh_specs):
+def allreduce_rows():
+  """us per all-reduce of [1, 7168] bf16 (and f32) over every device, 200 in one program."""
+  n = jax.device_count()
+  mesh = sharding.make_mesh(f"tensor={n}")
+  rows = []
+  for dtype in (jnp.bfloat16, jnp.float32):
+    x = jnp.ones((n, 7168), dtype)
+
+    def reduce_once(_, v):  # psum's result is the same on every device: mark it varying again
+      return jax.lax.pcast((jax.lax.psum(v, "tensor") / n).astype(v.dtype), "tensor", to="varying")
+
+    def body(x):
+      return jax.lax.fori_loop(0, 200, reduce_once, x)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P("tensor"), out_specs=jax.P("tensor")))
+    jax.block_until_ready(fn(x))
+    t0 = time.perf_counter()
+    for _ in range(5):
+      jax.block_until_ready(fn(x))
+    us = (time.perf_counter() - t0) / 5 / 200 * 1e6
+    rows.append(dict(check="allreduce", devices=n, dtype=jnp.dtype(dtype).name, us=us))
+  return rows
+
+
+def token_rows(mesh_specs):
   """f32, a mid-size model: every mesh and mode must emit the one-device tokens."""
   tcfg = C.tiny(vocab_size=1024, hidden_size=512, num_attention_heads=16, n_routed_experts=16,
                 moe_intermediate_size=128, intermediate_size=1024, num_hidden_layers=3,
@@ -69,65 +99,84 @@ def same_tokens(mesh_specs):
     spec = SpecConfig(mode=mode, budget=16, block_size=8, max_new_tokens=32)
     ref = None
     for m in mesh_specs:
-      mesh = sharding.make_mesh(m) if m else None
+      mesh = _mesh(m)
       tp, dp = build(tcfg, dcfg, jnp.float32, mesh, 0.15)
       toks = loop.generate(tcfg, tp, dcfg, dp, spec, prompts, 128, mesh=mesh).tokens
       ref = toks if ref is None else ref
-      rows.append({"check": "same_tokens", "mode": mode, "mesh": m or "1 device",
-                   "same": toks == ref})
+      rows.append(dict(check="same_tokens", mode=mode, mesh=m or "1 device", same=toks == ref))
+      print(rows[-1], flush=True)
   return rows
 
 
-def timing(mesh_specs):
-  """bf16 step time of a K2.6-width model (few layers) per mesh and attention backend."""
-  tcfg = C.kimi_k2_6().replace(num_hidden_layers=_LAYERS.value, n_routed_experts=_EXPERTS.value)
+def timing_rows(mesh_specs):
+  """bf16 ms per step of a K2.6-width model (INT4 routed experts) per mesh and mode."""
+  tcfg = C.kimi_k2_6().replace(num_hidden_layers=_LAYERS.value, weight_prefix="")
   dcfg = draft_for(tcfg, num_hidden_layers=3, num_attention_heads=32, num_key_value_heads=8,
                    head_dim=128, intermediate_size=12288, block_size=16,
                    layer_types=("full_attention",) * 3)
   prompts = [list(np.random.default_rng(0).integers(0, 160000, 128))]
   rows = []
   for m in mesh_specs:
-    mesh = sharding.make_mesh(m) if m else None
-    tp, dp = build(tcfg, dcfg, jnp.bfloat16, mesh, 0.02)
-    for backend in _BACKENDS.value.split(","):
-      for mode, budget in (("ar", 1), ("ddtree", 32)):
-        spec = SpecConfig(mode=mode, budget=budget, block_size=16, max_new_tokens=_NEW.value,
-                          attn_backend=backend)
-        row = {"check": "timing", "mesh": m or "1 device", "mode": mode, "backend": backend}
-        try:
-          for _ in range(2):  # the first call compiles; the second is timed
-            res = loop.generate(tcfg, tp, dcfg, dp, spec, prompts, 4096,
-                                cache_dtype=jnp.bfloat16, mesh=mesh)
-          steps = max(1, len(res.accepted_per_step[0]))
-          row.update(ms_per_step=1e3 * res.seconds / steps, steps=steps,
-                     tokens_per_s=res.tokens_per_s)
-        except Exception as e:  # pylint: disable=broad-except
-          row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-          traceback.print_exc()
-        rows.append(row)
-        print(row, flush=True)
+    mesh = _mesh(m)
+    tp, dp = build(tcfg, dcfg, jnp.bfloat16, mesh, 0.02, int4_experts=True)
+    for mode in ("ar", "ddtree"):
+      spec = SpecConfig(mode=mode, budget=_BUDGET.value, block_size=16,
+                        max_new_tokens=_NEW.value, forced_accept=_FORCED.value)
+      row = dict(check="timing", mesh=m or "1 device", mode=mode, layers=_LAYERS.value)
+      try:
+        t0 = time.perf_counter()
+        loop.generate(tcfg, tp, dcfg, dp, spec, prompts, 4096, cache_dtype=jnp.bfloat16,
+                      mesh=mesh)
+        row["first_call_s"] = time.perf_counter() - t0
+        res = loop.generate(tcfg, tp, dcfg, dp, spec, prompts, 4096, cache_dtype=jnp.bfloat16,
+                            mesh=mesh)
+        steps = max(1, len(res.accepted_per_step[0]))
+        row.update(ms_per_step=1e3 * res.seconds / steps, steps=steps,
+                   tokens_per_step=float(np.mean(res.accepted_per_step[0])))
+      except Exception as e:  # pylint: disable=broad-except
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        traceback.print_exc()
+      rows.append(row)
+      print(row, flush=True)
     del tp, dp
   return rows
+
+
+def _fmt(r):
+  if "error" in r:
+    return r["error"][:90]
+  if r["check"] == "allreduce":
+    return f"{r['us']:.1f} us ({r['dtype']}, {r['devices']} GPUs)"
+  if r["check"] == "same_tokens":
+    return str(r["same"])
+  return f"{r['ms_per_step']:.2f} ms/step ({r['steps']} steps, {r['tokens_per_step']:.1f} tok/step)"
 
 
 def main(argv):
   del argv
   sharding.maybe_initialize_distributed()
-  jax.config.update("jax_default_matmul_precision", "highest")  # f32 check: no TF32
-  print(jax.devices())
-  specs = meshes()
-  rows = same_tokens(specs) + (timing(specs) if _TIMING.value else [])
-  print(f"{'check':>12} | {'mode':>6} | {'mesh':>10} | {'backend':>7} | result")
+  jax.config.update("jax_default_matmul_precision", "highest")  # the f32 check: no TF32
+  print(jax.devices(), flush=True)
+  specs = _MESHES.value.split(";")
+  parts = {"allreduce": allreduce_rows, "tokens": lambda: token_rows(specs),
+           "timing": lambda: timing_rows(specs)}
+  rows = []
+  with open(_OUT.value, "w") as sink:
+    for name in _PARTS.value:
+      try:
+        new = parts[name]()
+      except Exception as e:  # pylint: disable=broad-except
+        traceback.print_exc()
+        new = [dict(check=name, mode="-", mesh="-", error=f"{type(e).__name__}: {str(e)[:300]}")]
+      for r in new:
+        sink.write(json.dumps(r) + "\n")
+      sink.flush()
+      rows += new
+  print(f"\n{'check':>12} | {'mode':>6} | {'mesh':>18} | result")
   for r in rows:
-    res = (str(r["same"]) if "same" in r else r.get("error") or
-           f"{r['ms_per_step']:.2f} ms/step ({r['steps']} steps)")
-    print(f"{r['check']:>12} | {r['mode']:>6} | {r['mesh']:>10} | {r.get('backend', '-'):>7} | "
-          f"{res}")
-  os.makedirs(_OUT.value, exist_ok=True)
-  with open(os.path.join(_OUT.value, "check_sharding.json"), "w") as f:
-    json.dump({"devices": [str(d) for d in jax.devices()], "rows": rows}, f, indent=1)
+    print(f"{r['check']:>12} | {r.get('mode', '-'):>6} | {r.get('mesh', '-'):>18} | {_fmt(r)}")
   if not all(r["same"] for r in rows if "same" in r):
-    sys.exit("tokens differ across meshes")
+    raise SystemExit("tokens differ across meshes")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@
 #   draft       scripts/bench_draft.py: the two draft phases at K2.6 draft width
 #   calibrate   scripts/calibrate_step_cost.py on configs/bench_k26_full.py
 #   sharding    scripts/check_sharding_gpu.py over all visible GPUs (2 on nvidia-h200-x2)
+#   multiprocess  two processes of one GPU each (jax.distributed, NCCL) vs one process, 2 GPUs
 # A persistent compilation cache ($OUT/../xla_cache, or JAX_COMPILATION_CACHE_DIR) is shared by
 # the parts of one call so each program compiles once.
 set -uo pipefail
@@ -32,10 +33,12 @@ run_part() {
     moe_bench) one_gpu timeout "$secs" python3 scripts/bench_moe.py --out "$RAW/bench_moe.jsonl" ;;
     verify) one_gpu timeout "$secs" bash scripts/gpu_verify_kernel.sh "$RAW" ;;
     k26_full) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" ;;
-    draft) one_gpu timeout "$secs" python3 scripts/bench_draft.py --out "$RAW/bench_draft.jsonl" ;;
+    draft) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 --out_dir "$RAW" ;;
     calibrate) one_gpu timeout "$secs" python3 scripts/calibrate_step_cost.py \
                  --config configs/bench_k26_full.py --out "$RAW/step_cost_bench_k26_full.json" ;;
-    sharding) timeout "$secs" python3 scripts/check_sharding_gpu.py --out "$RAW/sharding.jsonl" ;;
+    sharding) timeout "$secs" python3 scripts/check_sharding_gpu.py --meshes ";tensor=2;expert=2" \
+                --out "$RAW/sharding.jsonl" ;;
+    multiprocess) timeout "$secs" bash scripts/check_multiprocess_gpu.sh "$RAW" ;;
     *) echo "unknown part $part"; return 2 ;;
   esac
 }
