@@ -31,11 +31,12 @@ run_part() {
   case $part in
     moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu tests/test_grouped_matmul_kernel.py ;;
     moe_bench) one_gpu timeout "$secs" python3 scripts/bench_moe.py --out "$RAW/bench_moe.jsonl" ;;
-    verify) one_gpu timeout "$secs" bash scripts/gpu_verify_kernel.sh "$RAW" ;;
-    k26_full) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" ;;
+    verify) one_gpu timeout "$secs" bash scripts/gpu_verify_kernel.sh "$RAW" $(( secs - 215 )) ;;
+    k26_full) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+                --time_budget_s $(( secs - 20 )) ;;
     draft) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 --out_dir "$RAW" ;;
     calibrate) one_gpu timeout "$secs" python3 scripts/calibrate_step_cost.py \
-                 --config configs/bench_k26_full.py --out "$RAW/step_cost_bench_k26_full.json" ;;
+                 --config configs/bench_k26_full.py --out_dir "$RAW" ;;
     sharding) timeout "$secs" python3 scripts/check_sharding_gpu.py --meshes ";tensor=2;expert=2" \
                 --out "$RAW/sharding.jsonl" ;;
     multiprocess) timeout "$secs" bash scripts/check_multiprocess_gpu.sh "$RAW" ;;
