@@ -34,6 +34,8 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "bench
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Bench config.")
 _OUT = flags.DEFINE_string("out_dir", None, "Output folder (bench_k26_full.jsonl).", required=True)
 _BUDGET_S = flags.DEFINE_float("time_budget_s", 530.0, "Wall-clock budget of the whole run.")
+_COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Part 1 only, on abstract weights "
+                                  "(nothing allocated: any machine can time the compile).")
 runtime.define_flags()
 
 
@@ -173,6 +175,8 @@ def run_parts(m, c, deadline, rec):
   modes = list(c.bench.modes)
   first = [x for x in ("ar", "ddtree") if x in modes] + [x for x in modes if x not in ("ar", "ddtree")]
   loops = {mode: compile_mode(m, c, _spec(c, mode), deadline, rec) for mode in first}
+  if _COMPILE_ONLY.value:
+    return
   ceil = roofline.measure_ceilings(small=jax.default_backend() == "cpu")
   rec.add("ceilings", **ceil)
   budgets = list(c.bench.profile_budgets)
@@ -189,15 +193,26 @@ def run_parts(m, c, deadline, rec):
       return
 
 
+def _load(c, dtype, abstract):
+  """(tcfg, tparams, dcfg, dparams): on the device, or ShapeDtypeStructs when `abstract`."""
+  box = {}
+
+  def build():
+    box["tcfg"], tp = load_target(c.target, dtype)
+    box["dcfg"], dp = load_draft(c.draft, box["tcfg"], dtype)
+    return tp, dp
+
+  tp, dp = jax.eval_shape(build) if abstract else jax.block_until_ready(build())
+  return box["tcfg"], tp, box["dcfg"], dp
+
+
 def main(_):
   c = _CONFIG.value
   deadline = timing.Deadline(_BUDGET_S.value)
   rec = Recorder(_OUT.value)
   dtype = DTYPES[c.dtype]
   with timing.CompileCounter() as cc:
-    tcfg, tp = load_target(c.target, dtype)
-    dcfg, dp = load_draft(c.draft, tcfg, dtype)
-    jax.block_until_ready((tp, dp))
+    tcfg, tp, dcfg, dp = _load(c, dtype, abstract=_COMPILE_ONLY.value)
   rec.add("setup", device=jax.devices()[0].device_kind, layers=tcfg.num_hidden_layers,
           runtime=str(runtime.applied()), load_s=_BUDGET_S.value - deadline.left(),
           **cc.as_dict())

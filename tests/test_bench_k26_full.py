@@ -54,3 +54,10 @@ def test_time_box_stops_cleanly(tmp_path):
   assert compiles and all(r["status"] == "timeout" for r in compiles)
   assert not [r for r in rows if r["kind"] == "throughput" and "ctx" in r]
   assert "NOT DONE" in stdout and "==== summary" in stdout
+
+
+def test_compile_only_needs_no_weights(tmp_path):
+  stdout, rows = _run(tmp_path, "--compile_only")
+  assert [r["kind"] for r in rows] == ["setup"] + ["compile"] * 6
+  assert all(r["status"] == "ok" and r["xla_compiles"] >= 1 for r in rows[1:])
+  assert "==== summary" in stdout
