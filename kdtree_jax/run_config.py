@@ -10,6 +10,7 @@ Fields a newcomer sets most (`--config.<field>=value` on scripts/decode.py):
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 from kdtree_jax.cli import UsageError
 
@@ -29,7 +30,8 @@ def decode_config(target, draft, **overrides):
   c = ml_collections.ConfigDict(dict(
       target=target, draft=draft,
       tokenizer="auto",  # auto (what the target checkpoint has) | bytes | tiktoken
-      mode="ddtree", budget=32, max_new_tokens=128, max_len=1024,
+      mode="ddtree", budget=config_dict.FieldReference(32, field_type=object),  # int | 'auto'
+      max_new_tokens=128, max_len=1024,
       temperature=0.0, top_k=0, top_p=1.0, seed=0,
       dtype="float32", attn_backend="auto", prompt="def fibonacci(n):\n", mesh="",
       trained_positions=0, memory_limit_gb=0.0))

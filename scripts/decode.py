@@ -49,8 +49,16 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None,
 _MODE = flags.DEFINE_enum("mode", None, list(run_config.MODES),
                           f"ar: target alone; chain: draft block; ddtree: draft tree "
                           f"(default: {_D.mode}).")
-_BUDGET = flags.DEFINE_integer("budget", None, f"DDTree nodes verified per step, >= 1; ddtree "
-                               f"only (default: {_D.budget}).")
+class _BudgetParser(flags.IntegerParser):
+  """An int >= 1, or 'auto' (decoding/budget.py picks the width per step)."""
+
+  def parse(self, argument):
+    return "auto" if argument == "auto" else super().parse(argument)
+
+
+_BUDGET = flags.DEFINE(_BudgetParser(), "budget", None, f"DDTree nodes verified per step, >= 1, "
+                       f"or 'auto' (per step, the width of most tokens per modelled second); "
+                       f"ddtree only (default: {_D.budget}).")
 _TEMP = flags.DEFINE_float("temperature", None, f"0 = greedy (default: {_D.temperature}).")
 _TOP_P = flags.DEFINE_float("top_p", None, f"Nucleus mass in (0, 1] (default: {_D.top_p}).")
 _TOP_K = flags.DEFINE_integer("top_k", None, f"Top-k sampling, 0 = off (default: {_D.top_k}).")
@@ -127,7 +135,8 @@ def _summary(c, spec, res, text):
       steps=steps, accepted_per_step=res.accepted_per_step[0],
       mean_accept_len=res.mean_accept_len, tokens_per_s=res.tokens_per_s,
       seconds=res.seconds, ms_per_step=1e3 * res.seconds / max(steps, 1),
-      compile_seconds=res.compile_seconds, warmup_seconds=res.warmup_seconds)
+      compile_seconds=res.compile_seconds, warmup_seconds=res.warmup_seconds,
+      widths_per_step=res.widths_per_step or None)
 
 
 def _print_summary(s):
