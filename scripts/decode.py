@@ -93,6 +93,20 @@ def _settings():
   return run_config.validate(c)
 
 
+def _setting_warnings(c) -> list[str]:
+  """Flags given that this run does not use, and what bfloat16 changes."""
+  out = []
+  if _BUDGET.value is not None and c.mode != "ddtree":
+    out.append(f"--budget applies to --mode ddtree only; mode {c.mode} ignores it")
+  for flag in (_TOP_P, _TOP_K):
+    if flag.value is not None and c.temperature == 0:
+      out.append(f"--{flag.name} applies only when --temperature > 0 (greedy ignores it)")
+  if c.dtype == "bfloat16" and c.mode != "ar":
+    out.append("bfloat16: tokens can differ from --mode ar where argmaxes nearly tie (verifying "
+               "N tokens at once rounds differently); float32 emits exactly the ar tokens")
+  return out
+
+
 def _mesh(c):
   sharding.maybe_initialize_distributed()
   if not c.mesh:
@@ -159,8 +173,9 @@ def main(argv):
                     max_new_tokens=c.max_new_tokens, attn_backend=c.attn_backend,
                     sampling=SamplingConfig(c.temperature, c.top_k, c.top_p))
   prompts = [models.tokenizer.encode(c.prompt)]
-  for warning in loop.length_warnings(models.tcfg, spec, prompts, c.max_len,
-                                      c.trained_positions):
+  warnings = _setting_warnings(c) + loop.length_warnings(models.tcfg, spec, prompts, c.max_len,
+                                                        c.trained_positions)
+  for warning in warnings:
     print(f"warning: {warning}", file=sys.stderr, flush=True)
   args = (models.tcfg, models.tparams, models.dcfg, models.dparams, spec, prompts)
   kw = dict(max_len=c.max_len, seed=c.seed, cache_dtype=DTYPES[c.dtype], mesh=mesh,

@@ -103,10 +103,11 @@ def test_memory_bound_before_compiling():
 
 
 def test_stop_reason(tmp_path):
-  """32 new tokens asked, the cache (max_len 40) fills first: said on screen and in the JSON."""
+  """32 new tokens asked, the cache (max_len 40) fills first: said on screen and in the JSON;
+  the budget given to an ar run is not recorded as if used."""
   max_len, reason = 40, "max_len"
   out = tmp_path / "out.json"
-  code, stdout, err = decode("--mode", "ar", "--max_new_tokens", "32",
+  code, stdout, err = decode("--mode", "ar", "--budget", "8", "--max_new_tokens", "32",
                              f"--config.max_len={max_len}", "--json_out", str(out))
   assert code == 0 and "Traceback" not in err, err[-2000:]
   summary = json.loads(out.read_text())
@@ -117,6 +118,7 @@ def test_stop_reason(tmp_path):
   assert len(summary["tokens"]) == max_len - prompt_len + 1
   assert summary["budget"] is None and summary["temperature"] == 0.0  # every setting recorded
   assert "warning:" in err and "--config.max_len 40" in err  # warned before decoding
+  assert "--budget applies to --mode ddtree only" in err  # a flag the run does not use
 
 
 def test_stop_reason_and_capped_accepts_rules():
