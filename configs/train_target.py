@@ -19,7 +19,12 @@ from kdtree_jax import data
 
 
 def model_fields():
-  """ModelConfig fields (YaRN given by yarn_factor / yarn_original_max_position_embeddings)."""
+  """ModelConfig fields (YaRN given by yarn_factor / yarn_original_max_position_embeddings).
+
+  max_position_embeddings (2048 = YaRN x4 over 512) is what config.json will claim; training
+  only sees seq_len (512) positions, so decode configs of the result set trained_positions
+  (configs/k2tiny.py: 512) and decode.py warns past it.
+  """
   return ml_collections.ConfigDict(dict(
       vocab_size=264, hidden_size=256, intermediate_size=512, moe_intermediate_size=160,
       num_hidden_layers=4, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64,
