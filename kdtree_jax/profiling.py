@@ -173,27 +173,35 @@ def time_program(fn, args, feed, reps):
   return (wall, wall, "wall") if kern is None else (kern, wall, "cupti")
 
 
-def profile_step(tcfg, tparams, dcfg, dparams, spec, state, ceil, reps=20) -> list[PhaseRow]:
-  """Times every phase alone and the fused step (consumes `state`); rows with roofline floors."""
+def profile_step(tcfg, tparams, dcfg, dparams, spec, state, ceil, reps=20,
+                 parts=True) -> list[PhaseRow]:
+  """Times every phase alone and the fused step (consumes `state`); rows with roofline floors.
+  parts: also verify's attention (all layers) and MoE (all MoE layers) alone, and the rest."""
   batch, ctx = state.bonus.shape[0], int(state.cache.lengths[0])
   wb = state.cache.dtype.itemsize
   costs = phase_costs(tcfg, dcfg, spec, batch, ctx, wb, expert_bytes_per_weight(tparams, wb))
-  progs = _verify_parts(tcfg, tparams, spec, state)
+  progs = _verify_parts(tcfg, tparams, spec, state) if parts else {}
   progs.update(phase_programs(tcfg, tparams, dcfg, dparams, spec, state))
   rows = []
   for name, (fn, args, feed) in progs.items():
     ms, wall, timer = time_program(fn, args, feed, reps)
     nb, fl = costs.get(name, (0, 0))
     rows.append(PhaseRow(name, ms, nb, fl, 1e3 * roofline.floor_s(nb, fl, ceil), wall, timer))
-  by = {r.phase: r for r in rows}
-  rest_ms = by["verify"].ms - sum(by[p].ms for p in ("attention", "moe") if p in by)
-  rest_wall = by["verify"].wall_ms - sum(by[p].wall_ms for p in ("attention", "moe") if p in by)
-  nb, fl = costs["rest"]
-  rows.append(PhaseRow("rest", rest_ms, nb, fl, 1e3 * roofline.floor_s(nb, fl, ceil), rest_wall,
-                       by["verify"].timer))
+  if parts:
+    rows.append(_rest_row(rows, costs, ceil))
   order = ("draft_ctx", "draft_block", "tree", "verify", "attention", "moe", "rest", "accept",
            "commit", "step")
   return sorted(rows, key=lambda r: order.index(r.phase))
+
+
+def _rest_row(rows, costs, ceil) -> PhaseRow:
+  """Verify minus its attention and MoE parts (times of separately compiled programs)."""
+  by = {r.phase: r for r in rows}
+  parts = [by[p] for p in ("attention", "moe") if p in by]
+  nb, fl = costs["rest"]
+  return PhaseRow("rest", by["verify"].ms - sum(p.ms for p in parts), nb, fl,
+                  1e3 * roofline.floor_s(nb, fl, ceil),
+                  by["verify"].wall_ms - sum(p.wall_ms for p in parts), by["verify"].timer)
 
 
 def format_table(rows: list[PhaseRow]) -> str:

@@ -5,11 +5,13 @@ measured; a short table, most valuable rows first, is printed last.
   python scripts/bench_k26_full.py --config configs/bench_k26_full.py --out_dir runs/k26_full
 
 Parts, in order (each compile counted and time-boxed; the run stops cleanly at --time_budget_s):
-  1. compile, per mode: the prefill program and the device loop (`loop.prefill_device`,
-     `loop.steps_device`, the programs `Stream` runs), seconds and XLA compile counts;
+  1. compile `ar` and `ddtree` (budget bench.budget): the prefill program and the device loop
+     (`loop.prefill_device`, `loop.steps_device`: the programs `Stream` runs), seconds and XLA
+     compile counts;
   2. phase tables at bench.profile_ctx: `ar`, then ddtree at bench.profile_budgets[0];
-  3. throughput vs context (bench.ctxs) for each mode, with kernel time and host gap per step;
-  4. phase tables for the other budgets.
+  3. throughput vs context (bench.ctxs) per mode, with kernel time and host gap per step; the
+     other modes (chain) are compiled (and their compile time recorded) just before theirs;
+  4. phase tables for the other budgets (no attention / moe split).
 The config's `bench` section chooses the sizes (configs/bench_tiny.py runs it on a CPU).
 """
 
@@ -101,14 +103,15 @@ def _budget(spec):
   return spec.budget if spec.mode == "ddtree" else None
 
 
-def phase_table(m, c, spec, ceil, deadline, rec):
+def phase_table(m, c, spec, ceil, deadline, rec, parts=True):
   """One phase table at bench.profile_ctx (compiles counted; boxed). Returns False on timeout."""
   tcfg, tp, dcfg, dp, dtype = m
 
   def run():
     with timing.CompileCounter() as cc:
       state = profiling.bench_state(tcfg, dcfg, spec, 1, c.bench.profile_ctx, dtype)
-      rows = profiling.profile_step(tcfg, tp, dcfg, dp, spec, state, ceil, reps=c.bench.reps)
+      rows = profiling.profile_step(tcfg, tp, dcfg, dp, spec, state, ceil, reps=c.bench.reps,
+                                    parts=parts)
     return rows, cc.as_dict()
 
   out, secs, status = deadline.box(run)
@@ -171,25 +174,30 @@ def _num(x):
 
 
 def run_parts(m, c, deadline, rec):
-  """The parts in order of value; stops at the first measurement that runs out of time."""
+  """The parts in order of value (see the module docstring); a measurement that runs out of
+  time ends the run (its abandoned thread may still be using the GPU)."""
   modes = list(c.bench.modes)
-  first = [x for x in ("ar", "ddtree") if x in modes] + [x for x in modes if x not in ("ar", "ddtree")]
+  first = [x for x in ("ar", "ddtree") if x in modes]
   loops = {mode: compile_mode(m, c, _spec(c, mode), deadline, rec) for mode in first}
+  later = [x for x in modes if x not in first]
   if _COMPILE_ONLY.value:
+    for mode in later:
+      compile_mode(m, c, _spec(c, mode), deadline, rec)
     return
   ceil = roofline.measure_ceilings(small=jax.default_backend() == "cpu")
   rec.add("ceilings", **ceil)
   budgets = list(c.bench.profile_budgets)
-  specs = [_spec(c, "ar")] + [_spec(c, "ddtree", budgets[0])]
-  for spec in specs:
+  for spec in (_spec(c, "ar"), _spec(c, "ddtree", budgets[0])):
     if not phase_table(m, c, spec, ceil, deadline, rec):
       return
-  for mode in first:
+  for mode in first + later:
+    if mode not in loops:
+      loops[mode] = compile_mode(m, c, _spec(c, mode), deadline, rec)
     if loops[mode] is not None and not throughput_rows(m, c, _spec(c, mode), loops[mode],
                                                        deadline, rec):
       return
-  for b in budgets[1:]:
-    if not phase_table(m, c, _spec(c, "ddtree", b), ceil, deadline, rec):
+  for b in budgets[1:]:  # without the attention / moe split (two more 60-layer compiles each)
+    if not phase_table(m, c, _spec(c, "ddtree", b), ceil, deadline, rec, parts=False):
       return
 
 
