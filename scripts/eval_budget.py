@@ -9,8 +9,8 @@ never a measurement of K2.6. The acceptance calibration is fitted first on other
 prompts (records of steps verified at the largest width) and saved as JSON. Every run must emit
 exactly the `ar` tokens (f32).
 
-  python scripts/eval_budget.py --out_dir results/budget_eval
-  python scripts/eval_budget.py --step_cost configs/bench_k26_full.step_cost.json --out_dir ...
+  python scripts/eval_budget.py --out_dir results/budget_eval      # analytic K2.6 floors
+  python scripts/eval_budget.py --step_cost runs/calib/step_cost.json --out_dir ...  # measured
 """
 
 import collections
@@ -34,8 +34,9 @@ from kdtree_jax.models import DTYPES, load_models  # noqa: E402
 runtime.define_flags()
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "default.py")
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Run config (the pair).")
-_NODES = flags.DEFINE_list("nodes", ["7", "15", "31", "63"], "budget='auto' node counts.")
-_BUDGETS = flags.DEFINE_list("budgets", ["3", "7", "15", "31", "32", "63"], "Fixed budgets.")
+_NODES = flags.DEFINE_list("nodes", ["1", "3", "7", "15", "31", "63"],
+                          "budget='auto' node counts (a --step_cost JSON must cover them + 1).")
+_BUDGETS = flags.DEFINE_list("budgets", ["1", "3", "7", "15", "31", "32", "63"], "Fixed budgets.")
 _CTX = flags.DEFINE_list("ctx", ["4096", "46000", "131072"], "Simulated K2.6 contexts.")
 _PROMPTS = flags.DEFINE_integer("prompts", 6, "Held-out test prompts.")
 _FIT_PROMPTS = flags.DEFINE_integer("fit_prompts", 8, "Held-out prompts to fit acceptance on.")
