@@ -1,0 +1,48 @@
+"""The phase profiler compiles each program once per (config, spec): a second table at another
+context (data) compiles nothing; its phase programs consume (donate) the state like the step."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from kdtree_jax import config as C
+from kdtree_jax import models, profiling, timing
+from kdtree_jax.decoding.spec_config import SpecConfig
+from kdtree_jax.model.params import init_params
+
+CEIL = dict(copy_tbps=0.01, mm_tflops=0.1)
+
+
+def _setup(mode):
+  tcfg = C.tiny()
+  tp = init_params(jax.random.key(0), tcfg, jnp.float32)
+  ref = ml_collections.ConfigDict(dict(checkpoint="", preset="tiny", seed=1))
+  dcfg, dp = models.load_draft(ref, tcfg, jnp.float32)
+  spec = SpecConfig(mode=mode, budget=6, block_size=dcfg.block_size, max_new_tokens=256,
+                    forced_accept=2)
+  return tcfg, tp, dcfg, dp, spec
+
+
+def test_second_context_compiles_nothing_and_state_is_donated():
+  tcfg, tp, dcfg, dp, spec = _setup("ddtree")
+  big = profiling.bench_state(tcfg, dcfg, spec, 1, 96, jnp.float32)
+  first = profiling.clone(profiling.at_context(big, spec, 48))
+  with timing.CompileCounter() as c1:
+    rows = profiling.profile_step(tcfg, tp, dcfg, dp, spec, first, CEIL, reps=1)
+  with timing.CompileCounter() as c2:
+    profiling.profile_step(tcfg, tp, dcfg, dp, spec, profiling.at_context(big, spec, 96), CEIL,
+                           reps=1)
+  assert c1.compiles > 0 and c2.compiles == 0, (c1.as_dict(), c2.as_dict())
+  assert {r.phase for r in rows} >= {"draft_ctx", "draft_block", "tree", "verify", "attention",
+                                     "moe", "rest", "accept", "commit", "step"}
+  # The fused step donated the state it was given, caches included.
+  assert first.cache.latent[0].is_deleted() and first.draft_cache.k[0].is_deleted()
+
+
+def test_commit_phase_bytes_only_where_rows_move():
+  tcfg, _, dcfg, _, spec = _setup("ddtree")
+  ddtree = profiling.phase_costs(tcfg, dcfg, spec, 1, 100)
+  chain = profiling.phase_costs(tcfg, dcfg, SpecConfig(mode="chain", block_size=spec.block_size),
+                                1, 100)
+  width = 2 * tcfg.num_hidden_layers * spec.commit_width * tcfg.cache_dim * 2
+  assert ddtree["commit"][0] == width and chain["commit"][0] == 0
