@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from kdtree_jax import cli
 from kdtree_jax.decoding import loop, memory_bound
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.tokenizer import ByteTokenizer
@@ -157,3 +158,16 @@ def test_length_warnings_name_the_limit():
   (past,) = loop.length_warnings(tcfg, spec, prompt, 1024, 512)
   assert "--config.trained_positions" in past and "positions up to 619" in past
   assert loop.length_warnings(tcfg, spec, prompt, 1024, 0) == []  # 619 <= the 2048 of config.json
+
+
+def test_training_output_never_lands_in_shipped_checkpoints():
+  shipped = os.path.join(ROOT, "checkpoints", "k2tiny", "target")
+  with pytest.raises(ValueError, match="--write_checkpoints"):
+    cli.refuse_shipped_output(shipped, "out_dir", "--write_checkpoints", allowed=False)
+  cli.refuse_shipped_output(shipped, "out_dir", "--write_checkpoints", allowed=True)
+  cli.refuse_shipped_output(os.path.join(ROOT, "runs", "k2tiny", "hf", "target"), "out_dir",
+                            "--write_checkpoints", allowed=False)
+  for name in ("train_target", "train_draft"):  # the shipped training configs write elsewhere
+    config = cli.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
+    assert not os.path.realpath(os.path.join(ROOT, config.out_dir)).startswith(
+        os.path.join(ROOT, "checkpoints")), name
