@@ -75,6 +75,7 @@ def test_sharded_decoding_matches_one_device(pair, mesh_spec, mode, monkeypatch)
     states.append(device_fn(*args, **kw))
     return states[-1]
 
+  spy.trace = device_fn.trace  # generate traces + compiles through loop.compile_checked first
   monkeypatch.setattr(loop, "generate_device", spy)
   res = loop.generate(*pair, SPECS[mode], PROMPTS, max_len=48, mesh=mesh)
   assert res.tokens == reference(pair, mode)
