@@ -12,6 +12,8 @@ the config (`configs/X.step_cost.json`) to make it the run's cost table.
 
   python scripts/calibrate_step_cost.py --config configs/bench_k26_full.py \
       --ctx 4096,46000,131072 --out_dir runs/calib
+  python scripts/calibrate_step_cost.py --config configs/k2tiny.py --config.dtype=bfloat16 \
+      --ctx 256,512 --nodes 1,3,7,15,31,63      # the trained pair (real weights, random cache)
   python scripts/calibrate_step_cost.py --config configs/bench_tiny.py --ctx 256,1024 --small
 """
 
@@ -132,8 +134,8 @@ def ddtree_rows(tcfg, tp, dcfg, dp, spec, big, analytic, ctxs, steps, save):
 
 def mode_rows(tcfg, tp, dcfg, dp, c, mode, big_ctx, analytic, ctxs, steps):
   """Rows of a fixed mode ('ar' or 'chain') at every context."""
-  spec = SpecConfig(mode=mode, block_size=c.block_size, max_new_tokens=4096,
-                    attn_backend=c.attn_backend, forced_accept=c.forced_accept)
+  spec = SpecConfig(mode=mode, block_size=dcfg.block_size, max_new_tokens=4096,
+                    attn_backend=c.attn_backend, forced_accept=c.get("forced_accept", -1))
   big = profiling.bench_state(tcfg, dcfg, spec, 1, big_ctx, DTYPES[c.dtype], steps=max(steps) + 4)
   fn = profiling.while_steps_fn(tcfg, dcfg, spec)
   rows = []
@@ -202,8 +204,8 @@ def main(_):
                               weight_bits=8 * wbytes)
   analytic = step_cost.AnalyticCost(tcfg, dcfg, share, hw)
   auto = budget.AutoBudget(node_counts=tuple(int(n) for n in _NODES.value))
-  spec = SpecConfig(mode="ddtree", budget="auto", block_size=c.block_size, max_new_tokens=4096,
-                    attn_backend=c.attn_backend, forced_accept=c.forced_accept,
+  spec = SpecConfig(mode="ddtree", budget="auto", block_size=dcfg.block_size, max_new_tokens=4096,
+                    attn_backend=c.attn_backend, forced_accept=c.get("forced_accept", -1),
                     auto=budget.resolve(auto, tcfg, dcfg))
   big = profiling.bench_state(tcfg, dcfg, spec, 1, max(ctxs), dtype, steps=max(steps) + 4)
   big = big.replace(widths=jnp.zeros((spec.max_new_tokens,), jnp.int32))
@@ -213,7 +215,7 @@ def main(_):
   os.makedirs(_OUT.value, exist_ok=True)
   path = os.path.join(_OUT.value, "step_cost.json")
   meta = dict(config=c.to_dict(), device=jax.devices()[0].device_kind, ceilings=ceil,
-              layers=tcfg.num_hidden_layers, dtype=c.dtype, forced_accept=c.forced_accept)
+              layers=tcfg.num_hidden_layers, dtype=c.dtype, forced_accept=spec.forced_accept)
 
   def save(rows):  # after every stage: a time-boxed run still leaves what it measured
     with open(path, "w") as f:

@@ -22,6 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
@@ -43,6 +44,9 @@ _FIT_PROMPTS = flags.DEFINE_integer("fit_prompts", 8, "Held-out prompts to fit a
 _GEN = flags.DEFINE_integer("gen", 96, "Tokens per prompt.")
 _STEP_COST = flags.DEFINE_string("step_cost", "", "Calibration JSON of one GPU's K2.6 share.")
 _OUT = flags.DEFINE_string("out_dir", "results/budget_eval", "Output folder.")
+_MEASURE = flags.DEFINE_string("measure_cost", "", "Calibration JSON of THIS pair on THIS device "
+                               "(calibrate_step_cost.py --config configs/k2tiny.py): also time "
+                               "every run for real here, auto choosing from that table.")
 
 LABEL = "SIMULATED: real k2tiny acceptance x modelled K2.6 step time"
 
@@ -57,14 +61,18 @@ def prompt_sets(n_test, n_fit, length=192):
 
 
 def run(models, spec, prompts, max_len):
-  """Per prompt (batch 1): tokens, tokens per step, widths per step (auto)."""
+  """Per prompt (batch 1): tokens, tokens per step, widths per step (auto), decode seconds
+  (compile and a first run excluded by `generate`) and each step's context."""
   args = (models.tcfg, models.tparams, models.dcfg, models.dparams, spec)
-  out = dict(tokens=[], accepted=[], widths=[])
+  out = dict(tokens=[], accepted=[], widths=[], seconds=0.0, ctx=[])
   for p in prompts:
     r = generate(*args, [p], max_len=max_len)
+    acc = r.accepted_per_step[0]
     out["tokens"].append(r.tokens[0])
-    out["accepted"].extend(r.accepted_per_step[0])
-    out["widths"].extend(r.widths_per_step[:len(r.accepted_per_step[0])])
+    out["accepted"].extend(acc)
+    out["widths"].extend(r.widths_per_step[:len(acc)])
+    out["seconds"] += r.seconds
+    out["ctx"].extend((len(p) + np.cumsum([0] + acc[:-1])).tolist())
   return out
 
 
@@ -150,6 +158,34 @@ def auto_run(models, cost, ctx, nodes, cal, gen, prompts, max_len):
   return run(models, spec, prompts, max_len)
 
 
+def measured(models, cost_json, nodes, cal, runs, gen, prompts, max_len):
+  """MEASURED rows: wall-clock tokens/s of every run on this device, auto choosing from the
+  pair's own calibrated table; auto's modelled vs measured ms per step."""
+  cost = step_cost.load_calibration(cost_json)
+  auto = budget.from_cost_model(cost, nodes, cost.contexts, cal)
+  spec = SpecConfig(mode="ddtree", budget="auto", auto=auto, block_size=models.dcfg.block_size,
+                    max_new_tokens=gen)
+  runs = dict(runs, auto=run(models, spec, prompts, max_len))
+  ar = runs[("ar", None)]
+  rows = []
+  for key, res in runs.items():
+    mode, b = ("auto", nodes[-1]) if key == "auto" else key
+    steps = len(res["accepted"])
+    r = dict(kind="measured", mode=mode, budget=b if mode in ("ddtree", "auto") else None,
+             tokens_per_s=sum(res["accepted"]) / res["seconds"], steps=steps,
+             measured_ms_per_step=1e3 * res["seconds"] / steps, same_tokens_as_ar=res["tokens"]
+             == ar["tokens"], device=jax.devices()[0].device_kind, cost_source=cost.source)
+    if mode == "auto":
+      r["modelled_ms_per_step"] = float(np.mean([cost.ms(w + 1, c)
+                                                 for w, c in zip(res["widths"], res["ctx"])]))
+      r["width_histogram"] = dict(sorted(collections.Counter(res["widths"]).items()))
+    rows.append(r)
+    print(f"MEASURED {mode:>6} {str(r['budget'] or '-'):>4}: {r['tokens_per_s']:8.1f} tok/s "
+          f"{r['measured_ms_per_step']:7.2f} ms/step (prefill included)"
+          + (f", modelled {r['modelled_ms_per_step']:.2f}" if mode == "auto" else ""), flush=True)
+  return rows
+
+
 def summarise(rows):
   """Per (cost model, ctx): auto / best fixed budget and auto / budget 32."""
   out = []
@@ -222,9 +258,11 @@ def main(_):
       rows.append(row(name, cost, ctx, "auto", nodes[-1], res, ar_tokens))
       print(f"[{time.perf_counter() - t0:.0f} s] {name} ctx {ctx}: auto widths "
             f"{rows[-1]['width_histogram']}", flush=True)
+  if _MEASURE.value:
+    rows_measured = measured(models, _MEASURE.value, nodes, cal, runs, gen, test, max_len)
   summary = summarise(rows)
   with open(os.path.join(_OUT.value, "budget_eval.jsonl"), "w") as f:
-    for r in checks + rows + summary:
+    for r in checks + rows + summary + (rows_measured if _MEASURE.value else []):
       f.write(json.dumps(r) + "\n")
   plot(rows, os.path.join(_OUT.value, "budget_eval.png"))
   print(table(rows, summary))

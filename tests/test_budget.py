@@ -221,3 +221,41 @@ def test_calibrate_step_cost_script(tmp_path):
   by = {(r["mode"], r["width"], r["ctx"]): r["loop_ms"] for r in rows}
   assert cost.ms(8, 128) == pytest.approx(by[("ddtree", 8, 128)])
   assert cost.mode_ms("ar", 64) == pytest.approx(by[("ar", 1, 64)])
+
+
+def test_eval_budget_script(tmp_path):
+  """scripts/eval_budget.py at minimal size: every run lossless, the simulated rows charge the
+  K2.6 cost model per step, the measured rows use the pair's own (here synthetic) table."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  table = [dict(mode="ddtree", width=w, ctx=c, loop_ms=1.0 + w, kernel_ms=None)
+           for w in (2, 4) for c in (100, 1000)]
+  table += [dict(mode=m, width=w, ctx=c, loop_ms=1.0, kernel_ms=None)
+            for m, w in (("ar", 1), ("chain", 16)) for c in (100, 1000)]
+  (tmp_path / "pair.json").write_text(json.dumps(dict(rows=table)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  cmd = [sys.executable, os.path.join(root, "scripts", "eval_budget.py"), "--prompts", "1",
+         "--fit_prompts", "1", "--gen", "16", "--ctx", "46000", "--nodes", "1,3", "--budgets",
+         "3", "--measure_cost", str(tmp_path / "pair.json"), "--compile_cache_dir=",
+         "--out_dir", str(tmp_path)]
+  proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [json.loads(x) for x in (tmp_path / "budget_eval.jsonl").read_text().splitlines()]
+  sim = [r for r in rows if "simulated_tokens_per_s" in r]
+  assert sorted((r["cost_model"], r["mode"]) for r in sim) == sorted(
+      (m, x) for m in ("1gpu", "8gpu") for x in ("ar", "chain", "ddtree", "auto"))
+  assert all(r["same_tokens_as_ar"] and r["label"].startswith("SIMULATED") for r in sim)
+  models = step_cost.k26_models()
+  for r in sim:
+    if r["mode"] == "ddtree":
+      assert r["modelled_ms_per_step"] == pytest.approx(models[r["cost_model"]].ms(4, 46000))
+    assert r["simulated_tokens_per_s"] == pytest.approx(
+        1e3 * r["tokens"] / (r["modelled_ms_per_step"] * r["steps"]))
+    if r["mode"] == "auto":
+      assert sum(r["width_histogram"].values()) == r["steps"]
+      assert set(map(int, r["width_histogram"])) <= {1, 3}
+  assert len([r for r in rows if r.get("kind") == "summary"]) == 2
+  assert [r["nodes"] for r in rows if r.get("kind") == "calibration"] == [1, 3]
+  meas = {r["mode"]: r for r in rows if r.get("kind") == "measured"}
+  assert set(meas) == {"ar", "chain", "ddtree", "auto"} and meas["auto"]["same_tokens_as_ar"]
+  assert meas["auto"]["modelled_ms_per_step"] >= 3.0  # every width costs 1 + (n + 1) ms here
