@@ -123,6 +123,7 @@ def test_calibration_fit_recovers_known_rates():
     for b, want in ((0, 0.02), (1, high)):
       se = np.sqrt(want * (1 - want) / (s * width / 2))
       assert abs(cal.rate[slot][b] - want) < 4 * se + 1e-3, (slot, b, cal.rate[slot][b], want)
+  assert budget.AcceptCalibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
   empty = budget.AcceptCalibration((7,), (-1.0,), ((-1.0, 0.5), (0.2, 0.3)))
   p = empty.node_prob(jnp.log(jnp.full((1, 8), 0.05)))
   np.testing.assert_allclose(np.asarray(p[0, :2]), [0.05, 0.05], rtol=1e-6)  # slot 0, bin 0

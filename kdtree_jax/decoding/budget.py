@@ -16,7 +16,6 @@ Letters: B batch, L draft depth, V vocab, N verify width (root + nodes), W compi
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
@@ -131,21 +130,6 @@ def resolve(auto: AutoBudget | None, tcfg, dcfg) -> AutoBudget:
     return auto
   return from_cost_model(step_cost.AnalyticCost(tcfg, dcfg), auto.node_counts, DEFAULT_CONTEXTS,
                          auto.calibration)
-
-
-def save(auto: AutoBudget, path: str):
-  with open(path, "w") as f:
-    json.dump(dict(node_counts=list(auto.node_counts), cost_contexts=list(auto.cost_contexts),
-                   cost_ms=[list(r) for r in auto.cost_ms], cost_source=auto.cost_source,
-                   calibration=auto.calibration.to_dict()), f, indent=1)
-
-
-def load(path: str) -> AutoBudget:
-  with open(path) as f:
-    d = json.load(f)
-  return AutoBudget(tuple(d["node_counts"]), tuple(d["cost_contexts"]),
-                    tuple(tuple(r) for r in d["cost_ms"]),
-                    AcceptCalibration.from_dict(d["calibration"]), d.get("cost_source", ""))
 
 
 # ---- on device ----------------------------------------------------------------------------
