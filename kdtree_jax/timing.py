@@ -9,7 +9,9 @@ CUPTI then reports the graph's kernels, so per-call kernel lists differ; Mosaic'
 `profiler.measure(iterations=n)` raises "Kernel names are not consistent across iterations").
 """
 
+import concurrent.futures
 import statistics
+import threading
 import time
 
 import jax
@@ -75,7 +77,8 @@ CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 class CompileCounter:
-  """Counts XLA backend compiles (and their seconds) and persistent-cache hits while active:
+  """Counts XLA backend compiles (and their seconds) and persistent-cache hits while active, in
+  the thread that entered it (compiles run in the calling thread; others may compile at once):
 
     with CompileCounter() as cc:
       ...
@@ -87,6 +90,7 @@ class CompileCounter:
 
   def __init__(self):
     self.compiles, self.compile_s, self.cache_hits = 0, 0.0, 0
+    self.thread = threading.get_ident()
 
   @classmethod
   def _install(cls):
@@ -99,18 +103,24 @@ class CompileCounter:
   @classmethod
   def _on_duration(cls, event, secs, **_):
     if event == BACKEND_COMPILE_EVENT:
-      for c in cls._active:
+      for c in cls._mine():
         c.compiles += 1
         c.compile_s += secs
 
   @classmethod
   def _on_event(cls, event, **_):
     if event == CACHE_HIT_EVENT:
-      for c in cls._active:
+      for c in cls._mine():
         c.cache_hits += 1
+
+  @classmethod
+  def _mine(cls):
+    me = threading.get_ident()
+    return [c for c in list(cls._active) if c.thread == me]
 
   def __enter__(self):
     self._install()
+    self.thread = threading.get_ident()
     CompileCounter._active.append(self)
     return self
 
@@ -139,7 +149,6 @@ class Deadline:
 
   def box(self, fn, limit: float | None = None):
     """(result, seconds, status): status 'ok', 'timeout' or 'error: ...'."""
-    import concurrent.futures  # pylint: disable=import-outside-toplevel
     wait = self.left() if limit is None else min(limit, self.left())
     if wait <= 0:
       return None, 0.0, "timeout"
@@ -154,3 +163,32 @@ class Deadline:
       return None, time.perf_counter() - t0, f"error: {type(e).__name__}: {e}"[:500]
     finally:
       pool.shutdown(wait=False)
+
+  def box_all(self, fns, limit: float | None = None):
+    """`box` for several calls run at once (one thread each), all inside one box; a list of
+    (result, seconds, status), each call's seconds its own."""
+    wait = self.left() if limit is None else min(limit, self.left())
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(fns)))
+    t0 = time.perf_counter()
+    ends = {}
+
+    def timed(i, fn):
+      start = time.perf_counter()
+      try:
+        return fn()
+      finally:
+        ends[i] = time.perf_counter() - start
+
+    futs = [pool.submit(timed, i, fn) for i, fn in enumerate(fns)]
+    concurrent.futures.wait(futs, timeout=max(0.0, wait))
+    out = []
+    for i, fut in enumerate(futs):
+      if not fut.done():
+        out.append((None, time.perf_counter() - t0, "timeout"))
+      elif fut.exception() is not None:
+        e = fut.exception()
+        out.append((None, ends.get(i, 0.0), f"error: {type(e).__name__}: {e}"[:500]))
+      else:
+        out.append((fut.result(), ends[i], "ok"))
+    pool.shutdown(wait=False)
+    return out

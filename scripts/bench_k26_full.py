@@ -5,12 +5,11 @@ measured; a short table, most valuable rows first, is printed last.
   python scripts/bench_k26_full.py --config configs/bench_k26_full.py --out_dir runs/k26_full
 
 Parts, in order (each compile counted and time-boxed; the run stops cleanly at --time_budget_s):
-  1. compile `ar` and `ddtree` (budget bench.budget): the prefill program and the device loop
-     (`loop.prefill_device`, `loop.steps_device`: the programs `Stream` runs), seconds and XLA
-     compile counts;
+  1. compile, per mode (ddtree at bench.budget): the prefill program and the device loop
+     (`loop.prefill_device`, `loop.steps_device`: the programs `Stream` runs), lowered one by
+     one, then compiled all at once (one thread each); seconds and XLA compile counts each;
   2. phase tables at bench.profile_ctx: `ar`, then ddtree at bench.profile_budgets[0];
-  3. throughput vs context (bench.ctxs) per mode, with kernel time and host gap per step; the
-     other modes (chain) are compiled (and their compile time recorded) just before theirs;
+  3. throughput vs context (bench.ctxs) per mode, with kernel time and host gap per step;
   4. phase tables for the other budgets (no attention / moe split).
 The config's `bench` section chooses the sizes (configs/bench_tiny.py runs it on a CPU).
 """
@@ -68,8 +67,9 @@ def _loop_capacity(c, spec):
   return max(c.bench.ctxs) + spec.commit_width * throughput.loop_state_steps(c.bench.gen)
 
 
-def compile_mode(m, c, spec, deadline, rec):
-  """Compiles prefill + device loop for `spec`; records both; returns the compiled loop or None."""
+def lower_programs(m, c, spec):
+  """{part: Lowered} of `spec`'s prefill program and device loop (lowered here, in order: the
+  Mosaic kernels compile at lowering, once per shape), and the loop's capacity."""
   tcfg, tp, dcfg, dp, dtype = m
   max_len = _loop_capacity(c, spec)
   kw = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
@@ -77,26 +77,38 @@ def compile_mode(m, c, spec, deadline, rec):
   lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
   state = jax.eval_shape(lambda: bench_state(tcfg, dcfg, spec, 1, max(c.bench.ctxs), dtype,
                                              steps=throughput.loop_state_steps(c.bench.gen)))
-  programs = {
-      "prefill": lambda: loop.prefill_device.lower(tp, dp, prompts, lengths, jax.random.key(0),
-                                                   max_len=max_len, cache_dtype=dtype, **kw),
-      "loop": lambda: loop.steps_device.lower(tp, dp, state, jnp.int32(0), **kw)}
-  compiled = {}
-  for part, lower in programs.items():
-    def build(lower=lower):
-      with timing.CompileCounter() as cc:
-        t0 = deadline.left()
-        lowered = lower()
-        t1 = deadline.left()
-        exe = lowered.compile()
-      return exe, t0 - t1, t1 - deadline.left(), cc.as_dict()
-    out, secs, status = deadline.box(build, c.bench.compile_box_s)
-    exe, lower_s, compile_s, counts = out if out else (None, None, None, {})
-    row = rec.add("compile", mode=spec.mode, budget=_budget(spec), part=part, seconds=secs,
-                  lower_s=lower_s, compile_s=compile_s, status=status, max_len=max_len, **counts)
-    print(f"compile {spec.mode:>6} {part:>7}: {secs:7.1f} s ({status}) {counts}", flush=True)
-    compiled[part] = exe if row["status"] == "ok" else None
-  return compiled["loop"]
+  return {"prefill": loop.prefill_device.lower(tp, dp, prompts, lengths, jax.random.key(0),
+                                               max_len=max_len, cache_dtype=dtype, **kw),
+          "loop": loop.steps_device.lower(tp, dp, state, jnp.int32(0), **kw)}, max_len
+
+
+def _compile(lowered):
+  with timing.CompileCounter() as cc:
+    exe = lowered.compile()
+  return exe, cc.as_dict()
+
+
+def compile_modes(m, c, specs, deadline, rec):
+  """Lowers every spec's prefill + loop (timed, one by one), then compiles them all at once,
+  one thread each (XLA compiles release the GIL), in one box; records each program's seconds.
+  Returns {mode: compiled loop or None}."""
+  jobs = []
+  for spec in specs:
+    t0 = deadline.left()
+    lowered, max_len = lower_programs(m, c, spec)
+    jobs += [(spec, part, low, max_len, (t0 - deadline.left()) / 2) for part, low in lowered.items()]
+  outs = deadline.box_all([lambda low=j[2]: _compile(low) for j in jobs], c.bench.compile_box_s)
+  loops = {}
+  for (spec, part, _, max_len, lower_s), (out, secs, status) in zip(jobs, outs):
+    exe, counts = out if out else (None, {})
+    rec.add("compile", mode=spec.mode, budget=_budget(spec), part=part, seconds=lower_s + secs,
+            lower_s=lower_s, compile_s=secs, status=status, max_len=max_len,
+            concurrent=len(jobs), **counts)
+    print(f"compile {spec.mode:>6} {part:>7}: lower {lower_s:6.1f} s + compile {secs:7.1f} s "
+          f"({status}, {len(jobs)} at once) {counts}", flush=True)
+    if part == "loop":
+      loops[spec.mode] = exe
+  return loops
 
 
 def _budget(spec):
@@ -176,13 +188,10 @@ def _num(x):
 def run_parts(m, c, deadline, rec):
   """The parts in order of value (see the module docstring); a measurement that runs out of
   time ends the run (its abandoned thread may still be using the GPU)."""
-  modes = list(c.bench.modes)
-  first = [x for x in ("ar", "ddtree") if x in modes]
-  loops = {mode: compile_mode(m, c, _spec(c, mode), deadline, rec) for mode in first}
-  later = [x for x in modes if x not in first]
+  modes = [x for x in ("ar", "ddtree") if x in c.bench.modes]
+  modes += [x for x in c.bench.modes if x not in modes]
+  loops = compile_modes(m, c, [_spec(c, mode) for mode in modes], deadline, rec)
   if _COMPILE_ONLY.value:
-    for mode in later:
-      compile_mode(m, c, _spec(c, mode), deadline, rec)
     return
   ceil = roofline.measure_ceilings(small=jax.default_backend() == "cpu")
   rec.add("ceilings", **ceil)
@@ -190,9 +199,7 @@ def run_parts(m, c, deadline, rec):
   for spec in (_spec(c, "ar"), _spec(c, "ddtree", budgets[0])):
     if not phase_table(m, c, spec, ceil, deadline, rec):
       return
-  for mode in first + later:
-    if mode not in loops:
-      loops[mode] = compile_mode(m, c, _spec(c, mode), deadline, rec)
+  for mode in modes:
     if loops[mode] is not None and not throughput_rows(m, c, _spec(c, mode), loops[mode],
                                                        deadline, rec):
       return
