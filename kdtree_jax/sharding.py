@@ -30,21 +30,29 @@ RULES = {
     "heads": MODEL,          # tensor-parallel attention (target MLA and draft q / o)
     "kv_heads": MODEL,       # draft k / v projections and draft cache
     "mlp": MODEL,            # dense MLP, shared experts, draft MLP: F split
-    "embed_in": MODEL,       # D contracted by q_a / kv_a / draft fc (row-parallel: psum [T, out])
-    "route": MODEL,          # router columns and bias: exact logits, all-gathered for top-k
+    "embed_in": MODEL,       # D contracted by the draft fc (row-parallel; 617 MB at K2.6 with
+                             # 6 taps: kept sharded, its psum runs once per step, not per layer)
+    "route": None,           # router columns and bias: replicated, top-k on local logits
     "experts": ("expert",),  # routed experts (expert-parallel MoE, moe_parallel.py)
     "expert_mlp": ("tensor",),
     "embed": None, "norm": None, "head_dim": None, "q_lora": None, "kv_lora": None,
     "layers": None, "cache_len": None, "taps": None, "out": None,
 }
 
-# Parameters allowed to stay replicated over MODEL although larger than 1 MB: none so far.
-# (Replication over `data` is data parallelism, by design.)
-REPLICATED_OK: tuple[str, ...] = ()
+# Parameters allowed to stay replicated over MODEL although larger than 1 MB, with the reason.
+# Each one sharded would cost a collective per target layer in decode (at batch 1 one small
+# all-reduce is ~15-25 us on H200s, 61 layers of them ~1-1.5 ms per step); replicated they cost
+# HBM bytes (K2.6, bf16, per layer: q_a 22 MB, kv_a 8.3 MB, router 5.5 MB; 2.2 GB over the
+# model, 1.9 GB per GPU more than 8-way sharded). (Replication over `data` is data parallelism.)
+REPLICATED_OK: dict[str, str] = {
+    "layers/attn/q_a": "row-parallel q_a would all-reduce its [T, Rq] output every layer",
+    "layers/attn/kv_a": "row-parallel kv_a would all-reduce its [T, R + P] output every layer",
+    "layers/moe/router": "sharded router columns would all-gather the logits before top-k",
+}
 
-_ATTN = {"q": ("embed", "heads", "head_dim"), "q_a": ("embed_in", "q_lora"),
+_ATTN = {"q": ("embed", "heads", "head_dim"), "q_a": ("embed", "q_lora"),
          "q_a_norm": ("q_lora",), "q_b": ("q_lora", "heads", "head_dim"),
-         "kv_a": ("embed_in", "kv_lora"), "kv_a_norm": ("kv_lora",),
+         "kv_a": ("embed", "kv_lora"), "kv_a_norm": ("kv_lora",),
          "kv_b": ("kv_lora", "heads", "head_dim"), "o": ("heads", "head_dim", "embed")}
 _MLP = {"gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
 _DRAFT_LAYER = {"q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"),

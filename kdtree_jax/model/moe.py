@@ -10,7 +10,7 @@ from kdtree_jax import sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.experts import expert_ffn
 from kdtree_jax.model.mlp import swiglu
-from kdtree_jax.model.moe_parallel import routed_experts_ep
+from kdtree_jax.model.moe_parallel import experts_ep
 
 
 def route(p, cfg: ModelConfig, x_td):
@@ -47,7 +47,8 @@ def _limit_groups(choice_te, n_group, topk_group):
   grouped = choice_te.reshape(t, n_group, e // n_group)
   group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
   _, keep = jax.lax.top_k(group_score, topk_group)
-  keep_mask = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], keep].set(True)
+  # A comparison, not a scatter over arange(t): GSPMD keeps it local to data-split tokens.
+  keep_mask = jnp.any(keep[:, :, None] == jnp.arange(n_group)[None, None, :], axis=1)
   return jnp.where(keep_mask[:, :, None], grouped, -jnp.inf).reshape(t, e)
 
 
@@ -62,10 +63,9 @@ def moe(p, cfg: ModelConfig, x):
   x_td = x.reshape(-1, shape[-1])
   idx, w = route(p, cfg, x_td)
   mesh = sharding.current_mesh()
-  if mesh is None:
-    y = routed_experts(p, cfg, x_td, idx, w)
-  else:
-    y = routed_experts_ep(p, x_td, idx, w, mesh, impl=cfg.expert_backend)
+  if mesh is not None:  # one psum for routed + shared where they split alike (moe_parallel)
+    return experts_ep(p, x_td, idx, w, mesh, impl=cfg.expert_backend).reshape(shape)
+  y = routed_experts(p, cfg, x_td, idx, w)
   if "shared" in p:
     y = y + swiglu(p["shared"], x_td).astype(jnp.float32)
   return y.astype(x.dtype).reshape(shape)

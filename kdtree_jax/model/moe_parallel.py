@@ -6,34 +6,43 @@ It sorts the (token, slot) pairs routed to its experts first, runs a dropless gr
 them, zeroes the rest, scatter-adds into [T, D], and a psum over the mesh axes that actually
 split the experts (those the partial sums vary over) adds the shards. Same math as
 `moe.routed_experts` (summation order aside).
+
+The shared expert (F split over the model axes by the rules) is a partial sum too: when its
+F split spans the same mesh axes as the routed experts', `experts_ep` adds its slice inside the
+same shard_map, so the whole MoE costs ONE all-reduce, in the activation dtype (bf16 on GPUs).
 Future work: long prefills would rather send tokens to their experts (ragged all-to-all).
 Letters: T tokens, K experts per token, D hidden, E_l local experts, F_l local expert width.
 """
 
 import jax
+import jax.numpy as jnp
 
 from kdtree_jax import sharding
 from kdtree_jax.model.experts import expert_ffn
+from kdtree_jax.model.mlp import swiglu
 
 _EXPERT_KEYS = ("gate", "up", "down")
+_IS_SPEC = lambda x: isinstance(x, jax.sharding.PartitionSpec)
 
 
-def _leaf_specs(p, mesh):
-  """PartitionSpecs of the gate / up / down stacks, leaf by leaf (INT4 leaves differ in order)."""
-  sub = {k: p[k] for k in _EXPERT_KEYS}
-  shardings = sharding.param_shardings({"layers": [{"moe": sub}]}, mesh)["layers"][0]["moe"]
+def _leaf_specs(moe_sub, mesh):
+  """PartitionSpecs of a sub-dict of one MoE layer's params (rules by path), leaf by leaf."""
+  shardings = sharding.param_shardings({"layers": [{"moe": moe_sub}]}, mesh)["layers"][0]["moe"]
   return jax.tree.map(lambda s: s.spec, shardings)
 
 
 def _split_axes(specs) -> tuple[str, ...]:
-  """Mesh axes that split any expert leaf (the axes the per-shard partial sums vary over)."""
-  axes = []
-  for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)):
+  """Mesh axes that split any leaf (the axes the per-shard partial sums vary over)."""
+  axes = set()
+  for spec in jax.tree.leaves(specs, is_leaf=_IS_SPEC):
     for entry in spec:
-      for a in () if entry is None else (entry,) if isinstance(entry, str) else entry:
-        if a not in axes:
-          axes.append(a)
+      axes.update(() if entry is None else (entry,) if isinstance(entry, str) else entry)
   return tuple(a for a in sharding.AXES if a in axes)
+
+
+def _real(axes, mesh) -> set[str]:
+  """The axes of `axes` that have more than one device."""
+  return {a for a in axes if mesh.shape[a] > 1}
 
 
 def _expert_axes(spec_e) -> tuple[str, ...]:
@@ -58,22 +67,53 @@ def _varying(y, axes):
 
 def routed_experts_ep(p, x_td, idx_tk, w_tk, mesh, impl="auto"):
   """`moe.routed_experts` with gate/up/down sharded by the rules over `mesh` -> [T, D] f32."""
-  specs = _leaf_specs(p, mesh)
+  return _experts_ep(p, None, x_td, idx_tk, w_tk, mesh, impl, jnp.float32)
+
+
+def experts_ep(p, x_td, idx_tk, w_tk, mesh, impl="auto"):
+  """Routed + shared experts over `mesh` -> [T, D] in x's dtype.
+
+  One psum (in x's dtype) when the shared expert is split over the same mesh axes as the
+  routed experts; otherwise the routed psum in f32 plus the shared expert partitioned by GSPMD
+  (its own all-reduce), as the single-device `moe` adds them.
+  """
+  shared = p.get("shared")
+  if shared is not None and _folds(p, shared, mesh):
+    return _experts_ep(p, shared, x_td, idx_tk, w_tk, mesh, impl, x_td.dtype)
+  y = routed_experts_ep(p, x_td, idx_tk, w_tk, mesh, impl)
+  if shared is not None:
+    y = y + swiglu(shared, x_td).astype(jnp.float32)
+  return y.astype(x_td.dtype)
+
+
+def _folds(p, shared, mesh) -> bool:
+  """Whether the shared expert's partial sums vary over exactly the routed experts' axes."""
+  routed = _real(_split_axes(_leaf_specs({k: p[k] for k in _EXPERT_KEYS}, mesh)), mesh)
+  return bool(routed) and routed == _real(_split_axes(_leaf_specs({"shared": shared}, mesh)), mesh)
+
+
+def _experts_ep(p, shared, x_td, idx_tk, w_tk, mesh, impl, out_dtype):
+  """Routed experts (+ the shared expert's F slice when given) per shard, one psum -> [T, D]."""
+  specs = _leaf_specs({k: p[k] for k in _EXPERT_KEYS}, mesh)
   split = _split_axes(specs)
   if not split:
     return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], 0, impl=impl)
-  first = jax.tree.leaves(specs["gate"], is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
-  e_axes = _expert_axes(first[0])
+  extra = () if shared is None else (shared,)
+  extra_specs = () if shared is None else (_leaf_specs({"shared": shared}, mesh)["shared"],)
+  axes = _split_axes((specs, extra_specs))
+  e_axes = _expert_axes(jax.tree.leaves(specs["gate"], is_leaf=_IS_SPEC)[0][0])
   tok_spec = sharding.spec(("batch", "embed"), x_td.shape, mesh)
   pair_spec = sharding.spec(("batch", "out"), idx_tk.shape, mesh)
 
-  def body(x, idx, w, gate, up, down):
+  def body(x, idx, w, gate, up, down, *shared_local):
     e0 = _shard_index(e_axes, mesh) * gate.shape[0]
     y = expert_ffn(x, idx, w, gate, up, down, e0, impl=impl)
-    return jax.lax.psum(_varying(y, split), split)
+    for sp in shared_local:
+      y = y + swiglu(sp, x).astype(jnp.float32)
+    return jax.lax.psum(_varying(y.astype(out_dtype), axes), axes)
 
   fn = jax.shard_map(body, mesh=mesh,
                      in_specs=(tok_spec, pair_spec, pair_spec, specs["gate"], specs["up"],
-                               specs["down"]),
+                               specs["down"], *extra_specs),
                      out_specs=tok_spec)
-  return fn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"])
+  return fn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], *extra)
