@@ -29,10 +29,10 @@ def _check(x_mk, weights, group_sizes):
   return k, n
 
 
-def _reference(x_mk, weights, group_sizes):
+def _reference(x_mk, weights, group_sizes, out_dtype=None):
   if len(weights) == 2:
-    return reference.int4_grouped_matmul_reference(x_mk, *weights, group_sizes)
-  return reference.grouped_matmul_reference(x_mk, weights[0], group_sizes)
+    return reference.int4_grouped_matmul_reference(x_mk, *weights, group_sizes, out_dtype)
+  return reference.grouped_matmul_reference(x_mk, weights[0], group_sizes, out_dtype)
 
 
 def _plan(x_mk, stacks, group_sizes, backend, tuning):
@@ -75,21 +75,24 @@ def gated_grouped_matmul(x_mk, gate, up, group_sizes, *, backend="auto",
                          tuning: Tuning | None = None):
   """silu(x @ gate[g]) * (x @ up[g]) per expert, one kernel call (two accumulators, fused epilogue).
 
-  gate, up: weight tuples as in `grouped_matmul`. The XLA path rounds each product to x.dtype
-  before the SiLU-multiply; the kernel applies it to the f32 accumulators.
+  gate, up: weight tuples as in `grouped_matmul`. Both paths apply the SiLU-multiply to the f32
+  products and round once (rounding g and u to bf16 first put the XLA path up to 2.4% off the
+  kernel on an H200).
   """
   gate, up = tuple(gate), tuple(up)
   if tuning is None and backend != "xla":
     # Few live experts want split-K, which a nonlinear epilogue cannot have: two split calls.
-    _, single = _plan(x_mk, [gate], group_sizes, backend, None)
-    if single.splits > 1:
-      g = grouped_matmul(x_mk, gate, group_sizes, backend=backend, tuning=single)
-      u = grouped_matmul(x_mk, up, group_sizes, backend=backend, tuning=single)
-      return (jax.nn.silu(g.astype(jnp.float32)) * u).astype(x_mk.dtype)
+    backend, single = _plan(x_mk, [gate], group_sizes, backend, None)
+    if single.splits > 1 and backend != "xla":
+      from pallas_kernels.grouped_matmul import kernel  # pylint: disable=import-outside-toplevel
+      g, u = (kernel.grouped_matmul_mgpu(x_mk, (w,), group_sizes, tuning=single,
+                                         interpret=backend == "interpret", out_dtype=jnp.float32)
+              for w in (gate, up))
+      return (jax.nn.silu(g) * u).astype(x_mk.dtype)
   backend, tuning = _plan(x_mk, [gate, up], group_sizes, backend, tuning)
   if backend == "xla":
-    g = _reference(x_mk, gate, group_sizes)
-    return (jax.nn.silu(g) * _reference(x_mk, up, group_sizes)).astype(x_mk.dtype)
+    g, u = (_reference(x_mk, w, group_sizes, jnp.float32) for w in (gate, up))
+    return (jax.nn.silu(g) * u).astype(x_mk.dtype)
   from pallas_kernels.grouped_matmul import kernel  # pylint: disable=import-outside-toplevel
   return kernel.grouped_matmul_mgpu(x_mk, (gate, up), group_sizes, tuning=tuning,
                                     interpret=backend == "interpret")

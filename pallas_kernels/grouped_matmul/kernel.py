@@ -177,12 +177,15 @@ def _pad_rows(x_mk):
   return x_mk if m_pad == m else jnp.pad(x_mk, ((0, m_pad - m), (0, 0)))
 
 
-@functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
-def grouped_matmul_mgpu(x_mk, stacks, group_sizes, *, tuning: Tuning, interpret=False):
+@functools.partial(jax.jit, static_argnames=("tuning", "interpret", "out_dtype"))
+def grouped_matmul_mgpu(x_mk, stacks, group_sizes, *, tuning: Tuning, interpret=False,
+                        out_dtype=None):
   """out [M, N] in x.dtype; see module doc.
 
   stacks: one expert stack, or two (gate, up: the kernel returns silu(x @ gate) * (x @ up));
   each is (w [G, K, N],) bf16 or (q int4 [G, N, K], scale [G, K/S, N]).
+  out_dtype (split-K only, else x.dtype): the summed partials' dtype, e.g. f32 for a caller that
+  applies a nonlinearity before rounding.
   """
   m, k = x_mk.shape
   int4 = len(stacks[0]) == 2
@@ -213,4 +216,4 @@ def grouped_matmul_mgpu(x_mk, stacks, group_sizes, *, tuning: Tuning, interpret=
   if tuning.splits == 1:
     return outs[0][:m]
   hi, lo = (o.astype(jnp.float32) for o in outs)  # split-K partials of the few rows
-  return (hi + lo).sum(axis=0)[:m].astype(x_mk.dtype)
+  return (hi + lo).sum(axis=0)[:m].astype(out_dtype or x_mk.dtype)
