@@ -2,25 +2,17 @@
 
 import dataclasses
 
-import jax.numpy as jnp
-
 NUM_SMS = 132  # H200 SXM
 BLOCK_M = 64   # rows = (node, head) pairs per tile; one wgmma M
-MIN_TILES_PER_SPLIT = 2  # a split below this pays its Q load and epilogue for too little streaming
 
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
   """Static kernel configuration."""
   block_kv: int = 64      # cache rows per streamed tile
-  num_splits: int = 1     # split-KV factor (grid axis); 1: the kernel writes the final output
+  num_splits: int = 1     # split-KV factor (grid axis); partials combined in XLA
   stages: int = 2         # KV tiles in flight (SMEM ring depth)
   shared_p: bool = True   # wg0 scores and shares P via SMEM (no redundant QK^T); else both wgs score
-  bf16_partials: bool = True  # split partials O in bf16 (half the write + merge read) or f32
-
-  @property
-  def partials_dtype(self):
-    return jnp.bfloat16 if self.bf16_partials else jnp.float32
 
   def __post_init__(self):
     if self.block_kv % 64 or self.block_kv <= 0:
@@ -36,13 +28,9 @@ def num_row_tiles(n, h):
   return -(-(n * h) // BLOCK_M)
 
 
-def default_splits(b, n, h, l, num_sms=NUM_SMS):
-  """Splits so that (row tiles x batch x splits) CTAs fill the SMs in one wave, each split
-  streaming at least MIN_TILES_PER_SPLIT KV tiles of the L cache rows."""
-  ctas = num_row_tiles(n, h) * b
-  kv_tiles = max(1, -(-l // 64))
-  return max(1, min(num_sms // ctas, kv_tiles // MIN_TILES_PER_SPLIT))
-
-
 def default_tuning(b, n, h, l):
-  return Tuning(num_splits=default_splits(b, n, h, l))
+  """Heuristic: enough (row tile, split, batch) CTAs to fill the SMs, splits of >= 8 KV tiles."""
+  ctas = num_row_tiles(n, h) * b
+  tiles = max(1, -(-l // 64))
+  splits = max(1, min(NUM_SMS // max(ctas, 1), tiles // 8, 64))
+  return Tuning(num_splits=splits)
