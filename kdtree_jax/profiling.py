@@ -80,37 +80,74 @@ def _split(state):
   return _rest(state), state.cache, state.draft_cache
 
 
-def phase_programs(tcfg, tparams, dcfg, dparams, spec, state):
+_PHASES = dict(draft_ctx=_draft_ctx, draft_block=_draft_block, tree=_tree, verify=_verify,
+               accept=_accept, commit=_commit, step=_step)
+
+
+def phase_programs(tcfg, tparams, dcfg, dparams, spec, state, program=None):
   """{name: (fn, args, feed)}: every phase on the inputs it sees inside the fused step, where
   `feed(args, out)` gives the next call's args (a donating phase gets its own output back).
-  `state` is consumed (donated): pass a clone."""
+  `state` is consumed (donated): pass a clone. program(name, jitted) -> the callable used for
+  phase `name` (default: the jitted phase with this config; e.g. a program compiled ahead)."""
   kw = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
-  bind = lambda f: functools.partial(f, **kw)
+  program = program or (lambda name, f: functools.partial(f, **kw))
+  run = {name: program(name, f) for name, f in _PHASES.items()}
   progs = {}
   rest, cache, dc = _split(clone(state))
   draft_logits = None
   if spec.mode != "ar":
-    progs["draft_ctx"] = (bind(_draft_ctx), (dparams, clone(dc), rest),
+    progs["draft_ctx"] = (run["draft_ctx"], (dparams, clone(dc), rest),
                           lambda a, out: (a[0], out, a[2]))
-    dc = bind(_draft_ctx)(dparams, dc, rest)
+    dc = run["draft_ctx"](dparams, dc, rest)
     blk_args = (dparams, tparams, rest, clone(cache.lengths), dc)  # cache: donated below
-    progs["draft_block"] = (bind(_draft_block), blk_args, timing.same_args)
-    draft_logits = bind(_draft_block)(*blk_args)
-    progs["tree"] = (bind(_tree), (draft_logits,), timing.same_args)
-  tree = (bind(_tree)(draft_logits) if spec.mode != "ar"
+    progs["draft_block"] = (run["draft_block"], blk_args, timing.same_args)
+    draft_logits = run["draft_block"](*blk_args)
+    progs["tree"] = (run["tree"], (draft_logits,), timing.same_args)
+  tree = (run["tree"](draft_logits) if spec.mode != "ar"
           else step.tree_phase(spec, None, state.bonus.shape[0]))
-  progs["verify"] = (bind(_verify), (tparams, clone(cache), rest, tree),
+  progs["verify"] = (run["verify"], (tparams, clone(cache), rest, tree),
                      lambda a, out: (a[0], out[1], a[2], a[3]))
-  logits, cache, taps = bind(_verify)(tparams, cache, rest, tree)
+  logits, cache, taps = run["verify"](tparams, cache, rest, tree)
   room = jnp.full(state.bonus.shape, spec.depth, jnp.int32)
   acc_args = (tree, logits, rest.key, room)
-  progs["accept"] = (bind(_accept), acc_args, timing.same_args)
-  path, a, nxt = bind(_accept)(*acc_args)
-  progs["commit"] = (bind(_commit), (clone(rest), cache, clone(dc), tree, taps, path, a, nxt),
+  progs["accept"] = (run["accept"], acc_args, timing.same_args)
+  path, a, nxt = run["accept"](*acc_args)
+  progs["commit"] = (run["commit"], (clone(rest), cache, clone(dc), tree, taps, path, a, nxt),
                      lambda args, out: (*_split(out), *args[3:]))
-  progs["step"] = (bind(_step), (tparams, dparams, state),
+  progs["step"] = (run["step"], (tparams, dparams, state),
                    lambda args, out: (args[0], args[1], out))
   return progs
+
+
+def _structs(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def compile_phase_programs(tcfg, tparams, dcfg, dparams, spec, state, extra=None) -> dict:
+  """{name: Compiled} of every phase program, from their abstract inputs (one trace of
+  `phase_programs` under eval_shape), and of `extra` ({name: (partial of a jitted fn, args,
+  feed)}), lowered one by one and compiled all at once (one thread each: XLA compiles release
+  the GIL). Programs that fail to compile are left out (their first call compiles them)."""
+  kw = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
+  seen = {}
+
+  def program(name, f):
+    def call(*args):
+      seen.setdefault(name, _structs(args))
+      return functools.partial(f, **kw)(*args)
+    return call
+
+  def trace(st, tp, dp):
+    for name, (_, args, _) in phase_programs(tcfg, tp, dcfg, dp, spec, st, program).items():
+      seen.setdefault(name, _structs(args))
+
+  jax.eval_shape(trace, _structs(state), tparams, dparams)
+  lowered = {name: _PHASES[name].lower(*args, **kw) for name, args in seen.items()}
+  for name, (fn, args, _) in (extra or {}).items():
+    lowered[name] = fn.func.lower(*args, **fn.keywords)
+  outs = timing.Deadline(float("inf")).box_all([lambda lo=lo: lo.compile()
+                                                for lo in lowered.values()])
+  return {name: exe for name, (exe, _, status) in zip(lowered, outs) if status == "ok"}
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "backend"))
@@ -181,7 +218,11 @@ def profile_step(tcfg, tparams, dcfg, dparams, spec, state, ceil, reps=20,
   wb = state.cache.dtype.itemsize
   costs = phase_costs(tcfg, dcfg, spec, batch, ctx, wb, expert_bytes_per_weight(tparams, wb))
   progs = _verify_parts(tcfg, tparams, spec, state) if parts else {}
-  progs.update(phase_programs(tcfg, tparams, dcfg, dparams, spec, state))
+  compiled = compile_phase_programs(tcfg, tparams, dcfg, dparams, spec, state, progs)
+  progs = {name: (compiled.get(name, fn), args, feed) for name, (fn, args, feed) in progs.items()}
+  kw = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
+  progs.update(phase_programs(tcfg, tparams, dcfg, dparams, spec, state, lambda name, f: (
+      compiled[name] if name in compiled else functools.partial(f, **kw))))
   rows = []
   for name, (fn, args, feed) in progs.items():
     ms, wall, timer = time_program(fn, args, feed, reps)

@@ -78,7 +78,8 @@ CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 class CompileCounter:
   """Counts XLA backend compiles (and their seconds) and persistent-cache hits while active, in
-  the thread that entered it (compiles run in the calling thread; others may compile at once):
+  the thread that entered it and the worker threads `Deadline` boxes start from that thread
+  (compiles run in the calling thread; other threads may compile at the same time):
 
     with CompileCounter() as cc:
       ...
@@ -90,7 +91,7 @@ class CompileCounter:
 
   def __init__(self):
     self.compiles, self.compile_s, self.cache_hits = 0, 0.0, 0
-    self.thread = threading.get_ident()
+    self.threads = {threading.get_ident()}
 
   @classmethod
   def _install(cls):
@@ -116,11 +117,18 @@ class CompileCounter:
   @classmethod
   def _mine(cls):
     me = threading.get_ident()
-    return [c for c in list(cls._active) if c.thread == me]
+    return [c for c in list(cls._active) if me in c.threads]
+
+  @classmethod
+  def adopt(cls, parent: int, child: int, on: bool):
+    """Counts (on) or stops counting (off) `child`'s compiles for the counters of `parent`."""
+    for c in list(cls._active):
+      if parent in c.threads:
+        (c.threads.add if on else c.threads.discard)(child)
 
   def __enter__(self):
     self._install()
-    self.thread = threading.get_ident()
+    self.threads = {threading.get_ident()}
     CompileCounter._active.append(self)
     return self
 
@@ -154,7 +162,7 @@ class Deadline:
       return None, 0.0, "timeout"
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     t0 = time.perf_counter()
-    fut = pool.submit(fn)
+    fut = pool.submit(_counted, threading.get_ident(), fn)
     try:
       return fut.result(timeout=wait), time.perf_counter() - t0, "ok"
     except concurrent.futures.TimeoutError:
@@ -172,15 +180,17 @@ class Deadline:
     t0 = time.perf_counter()
     ends = {}
 
+    parent = threading.get_ident()
+
     def timed(i, fn):
       start = time.perf_counter()
       try:
-        return fn()
+        return _counted(parent, fn)
       finally:
         ends[i] = time.perf_counter() - start
 
     futs = [pool.submit(timed, i, fn) for i, fn in enumerate(fns)]
-    concurrent.futures.wait(futs, timeout=max(0.0, wait))
+    concurrent.futures.wait(futs, timeout=None if wait == float("inf") else max(0.0, wait))
     out = []
     for i, fut in enumerate(futs):
       if not fut.done():
@@ -192,3 +202,13 @@ class Deadline:
         out.append((fut.result(), ends[i], "ok"))
     pool.shutdown(wait=False)
     return out
+
+
+def _counted(parent: int, fn):
+  """fn() in a worker thread, its compiles counted by the CompileCounters of `parent`."""
+  me = threading.get_ident()
+  CompileCounter.adopt(parent, me, True)
+  try:
+    return fn()
+  finally:
+    CompileCounter.adopt(parent, me, False)
