@@ -11,8 +11,8 @@ W=${OUT:-/tmp/gpu_k26_full}; mkdir -p "$W"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92  # weights 77.6 GB + a 128k-row state + scratch
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv
-  timeout 60 python3 scripts/plan_memory.py --config configs/bench_k26_full.py --mesh data=1 \
+  timeout 20 python3 scripts/plan_memory.py --config configs/bench_k26_full.py --mesh data=1 \
     --max_len 135168
-  timeout 540 python3 scripts/bench_k26_full.py --config configs/bench_k26_full.py \
-    --out_dir "$W" --time_budget_s 500
+  timeout 510 python3 scripts/bench_k26_full.py --config configs/bench_k26_full.py \
+    --out_dir "$W" --time_budget_s 480
 } 2>&1 | grep -v "^[IW]1" | tee "$W/log.txt"
