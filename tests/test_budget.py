@@ -12,12 +12,12 @@ import pytest
 
 from kdtree_jax import config as C
 from kdtree_jax import tree as ddtree
-from kdtree_jax.decoding import budget, step_cost
+from kdtree_jax.decoding import budget, step, step_cost
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.draft.config import DraftConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_decoding import make_pair, run  # noqa: E402  pylint: disable=wrong-import-position
+from test_decoding import make_pair, oracle_draft, run  # noqa: E402
 
 BLOCK = 6
 
@@ -177,6 +177,26 @@ def test_auto_is_lossless_f32(nodes, cost):
   assert len(au.widths_per_step) == au.steps and set(au.widths_per_step) <= set(nodes)
   if cost == ((1.0, 5.0, 50.0),):  # the largest width costs 50x: never worth it here
     assert 15 not in au.widths_per_step
+
+
+def test_auto_is_lossless_when_the_width_changes_between_steps(monkeypatch):
+  """An oracle draft (right token favoured, 25% confident misses) makes the expected acceptance
+  vary per step, so the chooser switches widths mid-sequence; tokens stay those of ar (f32)."""
+  pair = make_pair(0)
+  prompts = [[5, 9, 1, 3], [4, 5, 6, 7, 8, 2, 9]]
+  ar = run(pair, SpecConfig(mode="ar", max_new_tokens=40, block_size=BLOCK), prompts, 96)
+  ref = np.zeros((2, 40 + 2 * BLOCK), np.int32)
+  for i, t in enumerate(ar.tokens):
+    ref[i, :len(t)] = t
+  jax.clear_caches()
+  monkeypatch.setattr(step, "draft_phase", oracle_draft(ref, miss_rate=0.25))
+  auto = budget.AutoBudget(node_counts=(1, 3, 7, 15), cost_contexts=(0,),
+                           cost_ms=((1.0, 1.5, 2.5, 4.5),))
+  au = run(pair, SpecConfig(mode="ddtree", budget="auto", max_new_tokens=40, block_size=BLOCK,
+                            auto=auto), prompts, 96)
+  assert au.tokens == ar.tokens
+  assert len(set(au.widths_per_step)) >= 2, au.widths_per_step
+  jax.clear_caches()
 
 
 def test_budget_auto_validation():
