@@ -92,13 +92,19 @@ def compile_modes(m, c, specs, deadline, rec):
   """Lowers every spec's prefill + loop (timed, one by one), then compiles them all at once,
   one thread each (XLA compiles release the GIL), in one box; records each program's seconds.
   Returns {mode: compiled loop or None}."""
-  jobs = []
+  jobs, loops = [], {}
   for spec in specs:
     t0 = deadline.left()
-    lowered, max_len = lower_programs(m, c, spec)
+    try:
+      lowered, max_len = lower_programs(m, c, spec)
+    except Exception as e:  # pylint: disable=broad-except  (recorded; the other modes go on)
+      rec.add("compile", mode=spec.mode, budget=_budget(spec), part="lower",
+              seconds=t0 - deadline.left(), status=f"error: {type(e).__name__}: {e}"[:500])
+      print(f"compile {spec.mode:>6}: lowering failed: {e}", flush=True)
+      loops[spec.mode] = None
+      continue
     jobs += [(spec, part, low, max_len, (t0 - deadline.left()) / 2) for part, low in lowered.items()]
   outs = deadline.box_all([lambda low=j[2]: _compile(low) for j in jobs], c.bench.compile_box_s)
-  loops = {}
   for (spec, part, _, max_len, lower_s), (out, secs, status) in zip(jobs, outs):
     exe, counts = out if out else (None, {})
     rec.add("compile", mode=spec.mode, budget=_budget(spec), part=part, seconds=lower_s + secs,
@@ -116,7 +122,8 @@ def _budget(spec):
 
 
 def phase_table(m, c, spec, ceil, deadline, rec, parts=True):
-  """One phase table at bench.profile_ctx (compiles counted; boxed). Returns False on timeout."""
+  """One phase table at bench.profile_ctx (compiles counted; boxed). Returns False on timeout
+  (an error is recorded and the run goes on)."""
   tcfg, tp, dcfg, dp, dtype = m
 
   def run():
@@ -134,11 +141,11 @@ def phase_table(m, c, spec, ceil, deadline, rec, parts=True):
   print(f"\n== {title} ({status}, {secs:.1f} s, {counts})", flush=True)
   if rows:
     print(profiling.format_table(rows), flush=True)
-  return status == "ok"
+  return status != "timeout"
 
 
 def throughput_rows(m, c, spec, compiled_loop, deadline, rec):
-  """Throughput vs context with the compiled loop. Returns False on timeout."""
+  """Throughput vs context with the compiled loop. Returns False on timeout (not on an error)."""
   tcfg, tp, dcfg, dp, dtype = m
   run = lambda tp_, dp_, st, until: compiled_loop(tp_, dp_, st, jnp.int32(until))
   out, secs, status = deadline.box(lambda: throughput.time_contexts(
@@ -150,7 +157,8 @@ def throughput_rows(m, c, spec, compiled_loop, deadline, rec):
           f"kernels {r['kernel_us']} us, gap {r['host_gap_us']} us/step", flush=True)
   if status != "ok":
     rec.add("throughput", mode=spec.mode, budget=_budget(spec), status=status, seconds=secs)
-  return status == "ok"
+    print(f"throughput {spec.mode}: {status}", flush=True)
+  return status != "timeout"
 
 
 def summary(rows) -> str:
