@@ -55,16 +55,13 @@ def compact_rows(latent, lengths_b, src_bn, count_b):
 
 
 def _compact_layer(cache_blc, lengths_b, src_bn, count_b):
-  a = src_bn.shape[1]
-  keep = jnp.arange(a)[None, :] < count_b[:, None]                       # [B, A]
-
-  def gather(c_lc, ln, src):
-    return jnp.take(c_lc, ln + src, axis=0, mode="clip")
-
-  def window(c_lc, ln):
-    return jax.lax.dynamic_slice_in_dim(c_lc, ln, a, axis=0)
-
-  rows = jnp.where(keep[..., None], jax.vmap(gather)(cache_blc, lengths_b, src_bn),
-                   jax.vmap(window)(cache_blc, lengths_b))
+  """One gather of the W rows to write (accepted rows, or a row's own value past `count`) and
+  one in-place write at len; the write window is clamped into the buffer as
+  dynamic_update_slice clamps it, so rows past `count` are rewritten unchanged."""
+  a, rows_total = src_bn.shape[1], cache_blc.shape[1]
+  k = jnp.arange(a)[None, :]
+  start = jnp.clip(lengths_b, 0, rows_total - a)[:, None]                # the DUS's own clamp
+  idx = jnp.where(k < count_b[:, None], lengths_b[:, None] + src_bn, start + k)  # [B, A]
+  rows = jax.vmap(lambda c_lc, i: jnp.take(c_lc, i, axis=0, mode="clip"))(cache_blc, idx)
   return jax.vmap(lambda c_lc, r, ln: jax.lax.dynamic_update_slice_in_dim(c_lc, r, ln, axis=0))(
       cache_blc, rows, lengths_b)

@@ -53,3 +53,25 @@ def test_audit_finds_a_copy():
   txt = fn.lower(jax.ShapeDtypeStruct((1 << 18,), jnp.float32)).compile().as_text()
   copies = hlo_audit.large_copies(txt, 1 << 20)
   assert copies and all(c.shape == (1 << 18,) and not c.fused for c in copies), copies
+
+
+def test_compaction_one_gather_matches_reference_near_the_end():
+  """compact_rows = gather the accepted rows, write them at len (a window clamped into the
+  buffer like dynamic_update_slice); numpy reference, windows that run past the end included."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from kdtree_jax.cache import compact_rows  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  rows, a = 20, 5
+  lat = rng.normal(size=(4, rows, 3)).astype(np.float32)
+  lengths = np.array([0, 7, 17, 19], np.int32)  # the last two windows run past the end
+  src = np.sort(rng.integers(0, 8, (4, a)), axis=1).astype(np.int32)
+  count = np.array([5, 2, 3, 1], np.int32)
+  (out,) = compact_rows((jnp.asarray(lat),), jnp.asarray(lengths), jnp.asarray(src),
+                        jnp.asarray(count))
+  want = lat.copy()
+  for b in range(4):
+    start = min(max(lengths[b], 0), rows - a)
+    got = [lat[b, min(lengths[b] + src[b, k], rows - 1)] if k < count[b] else lat[b, start + k]
+           for k in range(a)]
+    want[b, start:start + a] = got
+  np.testing.assert_array_equal(np.asarray(out), want)
