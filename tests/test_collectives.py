@@ -34,7 +34,8 @@ _TABLE = re.compile(r"^(\d+) \{?(.*?)\}?$")
 
 
 def decode_loop_hlo(mesh_spec: str, mode: str, layers: int) -> str:
-  """Optimized HLO of the device loop (`generate_device`) of the small pair, `layers` deep."""
+  """Optimized HLO of the device loop (`generate_device`) of the small pair, `layers` deep
+  (one prompt per `data` shard)."""
   tcfg, dcfg = small_configs()
   tcfg = tcfg.replace(num_hidden_layers=layers)
   mesh = sharding.make_mesh(mesh_spec)
@@ -43,7 +44,8 @@ def decode_loop_hlo(mesh_spec: str, mode: str, layers: int) -> str:
   dp = sharding.init_sharded(lambda k: DM.init_draft_params(k, dcfg, tcfg.hidden_size,
                                                             dcfg.n_taps), mesh, jax.random.key(1))
   spec = SpecConfig(mode=mode, budget=6, block_size=4, max_new_tokens=8)
-  prompts, lengths = jnp.zeros((1, 16), jnp.int32), jnp.array([5], jnp.int32)
+  batch = sharding.parse_mesh(mesh_spec)["data"]
+  prompts, lengths = jnp.zeros((batch, 16), jnp.int32), jnp.full((batch,), 5, jnp.int32)
   with sharding.use_mesh(mesh):
     lowered = loop.generate_device.lower(tp, dp, prompts, lengths, jax.random.key(0), tcfg=tcfg,
                                          dcfg=dcfg, spec=spec, max_len=64)
@@ -98,8 +100,9 @@ def breakdown(deep: str, shallow: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_spec", ["tensor=8", "tensor=2,expert=4"])
-@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+@pytest.mark.parametrize("mesh_spec,mode", [
+    ("tensor=8", "ar"), ("tensor=2,expert=4", "ar"), ("tensor=8", "ddtree"),
+    ("tensor=2,expert=4", "ddtree"), ("data=2,expert=4", "ar")])
 def test_at_most_two_collectives_per_target_layer(mesh_spec, mode):
   deep, shallow = decode_loop_hlo(mesh_spec, mode, 4), decode_loop_hlo(mesh_spec, mode, 2)
   per_layer = (loop_total(deep) - loop_total(shallow)) / 2
@@ -120,14 +123,16 @@ def _moe_case(dtype, **overrides):
 def _sharded_moe(cfg, p, x, mesh_spec):
   """(output, pre-optimization HLO, optimized HLO) of `moe` with p placed by the rules."""
   mesh = sharding.make_mesh(mesh_spec)
-  ps = sharding.shard(p, sharding.param_shardings({"layers": [{"moe": p}]}, mesh)["layers"][0]["moe"])
+  shardings = sharding.param_shardings({"layers": [{"moe": p}]}, mesh)["layers"][0]["moe"]
+  ps = sharding.shard(p, shardings)
   with sharding.use_mesh(mesh):
     fn = jax.jit(lambda p, x: moe_lib.moe(p, cfg, x))
     lowered = fn.lower(ps, x)
     return fn(ps, x), lowered.as_text("hlo"), lowered.compile().as_text()
 
 
-@pytest.mark.parametrize("mesh_spec", ["tensor=8", "tensor=2,expert=4", "expert=8"])
+@pytest.mark.parametrize("mesh_spec", ["tensor=8", "tensor=2,expert=4", "expert=8",
+                                       "data=2,expert=4"])
 def test_moe_is_one_all_reduce_in_the_activation_dtype(mesh_spec):
   """Routed + shared experts: one psum, in bf16 for bf16 activations (the CPU backend widens
   it to f32 when compiling, so the dtype is read before optimization); same values as one

@@ -10,7 +10,7 @@ from kdtree_jax import sharding
 from kdtree_jax.config import ModelConfig
 from kdtree_jax.model.experts import expert_ffn
 from kdtree_jax.model.mlp import swiglu
-from kdtree_jax.model.moe_parallel import experts_ep
+from kdtree_jax.model.moe_parallel import experts_ep, route_local
 
 
 def route(p, cfg: ModelConfig, x_td):
@@ -61,10 +61,11 @@ def moe(p, cfg: ModelConfig, x):
   """MoE block on x [..., D]: routed experts (expert-parallel under a mesh) + shared experts."""
   shape = x.shape
   x_td = x.reshape(-1, shape[-1])
-  idx, w = route(p, cfg, x_td)
   mesh = sharding.current_mesh()
   if mesh is not None:  # one psum for routed + shared where they split alike (moe_parallel)
+    idx, w = route_local(lambda rp, x: route(rp, cfg, x), p, x_td, mesh)
     return experts_ep(p, x_td, idx, w, mesh, impl=cfg.expert_backend).reshape(shape)
+  idx, w = route(p, cfg, x_td)
   y = routed_experts(p, cfg, x_td, idx, w)
   if "shared" in p:
     y = y + swiglu(p["shared"], x_td).astype(jnp.float32)
