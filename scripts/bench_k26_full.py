@@ -8,9 +8,11 @@ Parts, in order (each compile counted and time-boxed; the run stops cleanly at -
   1. compile, per mode (ddtree at bench.budget): the prefill program and the device loop
      (`loop.prefill_device`, `loop.steps_device`: the programs `Stream` runs), lowered one by
      one, then compiled all at once (one thread each); seconds and XLA compile counts each;
-  2. phase tables at bench.profile_ctx: `ar`, then ddtree at bench.profile_budgets[0];
-  3. throughput vs context (bench.ctxs) per mode, with kernel time and host gap per step;
+  2. throughput vs context (bench.ctxs) per mode with the compiled loops, kernel time and host
+     gap per step (cheap once compiled, so before the tables);
+  3. phase tables at bench.profile_ctx: `ar`, then ddtree at bench.profile_budgets[0];
   4. phase tables for the other budgets (no attention / moe split).
+The printed summary puts compile times and the ar / first-budget tables first.
 The config's `bench` section chooses the sizes (configs/bench_tiny.py runs it on a CPU).
 """
 
@@ -194,22 +196,22 @@ def _num(x):
 
 
 def run_parts(m, c, deadline, rec):
-  """The parts in order of value (see the module docstring); a measurement that runs out of
-  time ends the run (its abandoned thread may still be using the GPU)."""
+  """The parts in order (see the module docstring); a measurement that runs out of time ends
+  the run (its abandoned thread may still be using the GPU)."""
   modes = [x for x in ("ar", "ddtree") if x in c.bench.modes]
   modes += [x for x in c.bench.modes if x not in modes]
   loops = compile_modes(m, c, [_spec(c, mode) for mode in modes], deadline, rec)
   if _COMPILE_ONLY.value:
     return
+  for mode in modes:  # cheap once compiled: seconds per mode
+    if loops[mode] is not None and not throughput_rows(m, c, _spec(c, mode), loops[mode],
+                                                       deadline, rec):
+      return
   ceil = roofline.measure_ceilings(small=jax.default_backend() == "cpu")
   rec.add("ceilings", **ceil)
   budgets = list(c.bench.profile_budgets)
   for spec in (_spec(c, "ar"), _spec(c, "ddtree", budgets[0])):
     if not phase_table(m, c, spec, ceil, deadline, rec):
-      return
-  for mode in modes:
-    if loops[mode] is not None and not throughput_rows(m, c, _spec(c, mode), loops[mode],
-                                                       deadline, rec):
       return
   for b in budgets[1:]:  # without the attention / moe split (two more 60-layer compiles each)
     if not phase_table(m, c, _spec(c, "ddtree", b), ceil, deadline, rec, parts=False):
