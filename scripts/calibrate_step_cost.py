@@ -1,7 +1,8 @@
 """Step time vs verify width and context, measured: the table budget='auto' charges each width.
 
 Compiles the budget='auto' device loop once (the width is data:
-`speculative_step(width_index=...)`), then at every context (data too) and compiled width: the
+`speculative_step(width_index=...)`), the fixed modes' loops and a router probe, all at once
+(parallel XLA compiles), then at every context (data too) and compiled width: the
 time per step inside the device while loop (slope over two step counts: what tokens/s sees) and
 its GPU kernel time per step (CUPTI, GPU only); `ar` and `chain` the same way; the distinct
 routed experts the router picks per MoE layer in one verify of the largest tree (the first n + 1
@@ -64,8 +65,8 @@ def per_step_ms(fn, args, steps):
   return (slope, "slope") if slope > 0 else (1e3 * t[b] / b, "total")
 
 
-def route_probe(tcfg, dcfg, spec):
-  """jit(tp, dp, state) -> expert ids [T, K] of every MoE layer in a verify of the largest
+def lower_probe(tcfg, dcfg, spec, tp, dp, abstract_state):
+  """Lowered (tp, dp, state) -> expert ids [T, K] of every MoE layer in a verify of the largest
   tree (draft -> tree -> verify), recorded from the router while tracing. A node sees only its
   ancestors, so the first n + 1 rows are exactly the routes of a width-(n + 1) verify."""
   routes, orig = [], moe_module.route
@@ -75,22 +76,42 @@ def route_probe(tcfg, dcfg, spec):
     routes.append(out[0])
     return out
 
-  def probe(tp, dp, st):
-    routes.clear()
-    _, logits = step.draft_phase(dcfg, dp, tp, spec, st)
+  def probe(tp_, dp_, st):
+    _, logits = step.draft_phase(dcfg, dp_, tp_, spec, st)
     tree = step.tree_phase(spec, logits, st.bonus.shape[0])
-    step.verify_phase(tcfg, tp, spec, st, tree, tuple(dcfg.target_layer_ids))
+    step.verify_phase(tcfg, tp_, spec, st, tree, tuple(dcfg.target_layer_ids))
     return list(routes)
 
-  jitted = jax.jit(probe)
+  moe_module.route = recording
+  try:
+    return jax.jit(probe).lower(tp, dp, abstract_state)
+  finally:
+    moe_module.route = orig
 
-  def run(tp, dp, st):
-    moe_module.route = recording
-    try:
-      return [np.asarray(i) for i in jax.device_get(jitted(tp, dp, st))]
-    finally:
-      moe_module.route = orig
-  return run
+
+def lower_programs(tcfg, tp, dcfg, dp, specs, state_of) -> dict:
+  """{name: lowered}: the auto loop (width as data), each fixed mode's loop, the router probe;
+  traced one after another (the probe patches the router while it traces)."""
+  shapes = {n: jax.eval_shape(lambda sp=sp: state_of(sp)) for n, sp in specs.items()}
+  i32 = jax.ShapeDtypeStruct((), jnp.int32)
+  auto = specs["auto"]
+  lowered = {"auto": loop_fn(tcfg, dcfg, auto).lower(tp, dp, shapes["auto"], i32, i32)}
+  for m, sp in specs.items():
+    if m != "auto":
+      lowered[m] = profiling.while_steps_fn(tcfg, dcfg, sp).lower(tp, dp, shapes[m], i32)
+  if tcfg.num_moe_layers:
+    lowered["probe"] = lower_probe(tcfg, dcfg, auto, tp, dp, shapes["auto"])
+  return lowered
+
+
+def compile_all(lowered: dict) -> dict:
+  """{name: executable}: every lowered program compiled at once (one thread each; XLA compiles
+  in parallel), compile seconds printed; a program that fails to compile maps to None."""
+  names = list(lowered)
+  out = timing.Deadline(float("inf")).box_all([lowered[n].compile for n in names])
+  for n, (_, secs, status) in zip(names, out):
+    print(f"compile {n:>6}: {secs:6.1f} s ({status})", flush=True)
+  return {n: exe for n, (exe, _, _) in zip(names, out)}
 
 
 def distinct_experts(ids_per_layer, width, local):
@@ -106,25 +127,24 @@ def timed(fn, args_for, steps):
   return ms, how, None if kern is None else kern / steps[1]
 
 
-def ddtree_rows(tcfg, tp, dcfg, dp, spec, big, analytic, ctxs, steps, save):
-  """One row per (context, compiled width) of the budget='auto' step; routed experts counted
-  after the timings of the first context (all with --experts_all_ctx)."""
-  run_loop = loop_fn(tcfg, dcfg, spec)
-  probe = route_probe(tcfg, dcfg, spec) if tcfg.num_moe_layers else None
+def ddtree_rows(exe, tcfg, tp, dp, spec, big, analytic, ctxs, steps, save):
+  """One row per (context, compiled width) of the budget='auto' loop `exe['auto']`; routed
+  experts (`exe['probe']`) counted after the timings of the first context (all with
+  --experts_all_ctx)."""
   rows = []
   for ctx in ctxs:
     st = profiling.at_context(big, spec, ctx)
     here = []
     for i, nodes in enumerate(spec.auto.node_counts):
       args_for = lambda n, st=st, i=i: (tp, dp, st, jnp.int32(n), jnp.int32(i))
-      ms, how, kern = timed(run_loop, args_for, steps)
+      ms, how, kern = timed(exe["auto"], args_for, steps)
       here.append(row("ddtree", nodes + 1, ctx, ms, how, kern, analytic.ms(nodes + 1, ctx), [],
                       tcfg))
       print(_fmt(here[-1]), flush=True)
-    if probe is not None and (ctx == ctxs[0] or _EXPERTS_ALL_CTX.value):
-      ids = probe(tp, dp, st)
+    if exe.get("probe") is not None and (ctx == ctxs[0] or _EXPERTS_ALL_CTX.value):
+      ids = [np.asarray(i) for i in jax.device_get(exe["probe"](tp, dp, st))]
+      local = tcfg.num_local_experts or tcfg.n_routed_experts
       for r in here:
-        local = tcfg.num_local_experts or tcfg.n_routed_experts
         r.update(experts(distinct_experts(ids, r["width"], local), r["width"], tcfg))
         print(_fmt(r), flush=True)
     rows += here
@@ -132,18 +152,19 @@ def ddtree_rows(tcfg, tp, dcfg, dp, spec, big, analytic, ctxs, steps, save):
   return rows
 
 
-def mode_rows(tcfg, tp, dcfg, dp, c, mode, big_ctx, analytic, ctxs, steps):
-  """Rows of a fixed mode ('ar' or 'chain') at every context."""
-  spec = SpecConfig(mode=mode, block_size=dcfg.block_size, max_new_tokens=4096,
+def mode_spec(c, dcfg, mode):
+  return SpecConfig(mode=mode, block_size=dcfg.block_size, max_new_tokens=4096,
                     attn_backend=c.attn_backend, forced_accept=c.get("forced_accept", -1))
-  big = profiling.bench_state(tcfg, dcfg, spec, 1, big_ctx, DTYPES[c.dtype], steps=max(steps) + 4)
-  fn = profiling.while_steps_fn(tcfg, dcfg, spec)
+
+
+def mode_rows(exe, tcfg, tp, dp, spec, big, analytic, ctxs, steps):
+  """Rows of a fixed mode ('ar' or 'chain', loop `exe`) at every context."""
   rows = []
   for ctx in ctxs:
     st = profiling.at_context(big, spec, ctx)
-    ms, how, kern = timed(fn, lambda n, st=st: (tp, dp, st, jnp.int32(n)), steps)
-    rows.append(row(mode, spec.verify_width, ctx, ms, how, kern, analytic.mode_ms(mode, ctx), [],
-                    tcfg))
+    ms, how, kern = timed(exe, lambda n, st=st: (tp, dp, st, jnp.int32(n)), steps)
+    rows.append(row(spec.mode, spec.verify_width, ctx, ms, how, kern,
+                    analytic.mode_ms(spec.mode, ctx), [], tcfg))
     print(_fmt(rows[-1]), flush=True)
   return rows
 
@@ -207,11 +228,13 @@ def main(_):
   spec = SpecConfig(mode="ddtree", budget="auto", block_size=dcfg.block_size, max_new_tokens=4096,
                     attn_backend=c.attn_backend, forced_accept=c.get("forced_accept", -1),
                     auto=budget.resolve(auto, tcfg, dcfg))
-  big = profiling.bench_state(tcfg, dcfg, spec, 1, max(ctxs), dtype, steps=max(steps) + 4)
-  big = big.replace(widths=jnp.zeros((spec.max_new_tokens,), jnp.int32))
+  state_of = lambda sp: profiling.bench_state(tcfg, dcfg, sp, 1, max(ctxs), dtype,
+                                              steps=max(steps) + 4)
+  specs = {"auto": spec, **{m: mode_spec(c, dcfg, m) for m in _MODES.value}}
+  lowered = lower_programs(tcfg, tp, dcfg, dp, specs, state_of)
   print(f"device={jax.devices()[0].device_kind} layers={tcfg.num_hidden_layers} "
         f"ceilings copy {hw.copy_tbps:.2f} TB/s mm {hw.mm_tflops:.0f} TFLOP/s", flush=True)
-  print(HEADER, flush=True)
+  exe = compile_all(lowered)
   os.makedirs(_OUT.value, exist_ok=True)
   path = os.path.join(_OUT.value, "step_cost.json")
   meta = dict(config=c.to_dict(), device=jax.devices()[0].device_kind, ceilings=ceil,
@@ -222,10 +245,10 @@ def main(_):
       json.dump(dict(meta, seconds=time.perf_counter() - t0, rows=rows,
                      held_out_contexts=held_out_contexts(rows)), f, indent=1)
 
-  rows = ddtree_rows(tcfg, tp, dcfg, dp, spec, big, analytic, ctxs, steps, save)
-  del big  # one cache-sized state in memory at a time
-  for mode in _MODES.value:
-    rows += mode_rows(tcfg, tp, dcfg, dp, c, mode, max(ctxs), analytic, ctxs, steps)
+  print(HEADER, flush=True)
+  rows = ddtree_rows(exe, tcfg, tp, dp, spec, state_of(spec), analytic, ctxs, steps, save)
+  for m in _MODES.value:  # one cache-sized state in memory at a time
+    rows += mode_rows(exe[m], tcfg, tp, dp, specs[m], state_of(specs[m]), analytic, ctxs, steps)
     save(rows)
   checks = held_out_contexts(rows)
   print(f"\nwrote {path} ({time.perf_counter() - t0:.0f} s)\n{HEADER}")
