@@ -39,10 +39,11 @@ from kdtree_jax.models import DTYPES, load_draft, load_target  # noqa: E402
 
 runtime.define_flags()
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Bench config (configs/bench_*.py).")
-_NODES = flags.DEFINE_list("nodes", ["7", "15", "31", "63"], "Tree node counts (verify width - 1).")
+_NODES = flags.DEFINE_list("nodes", ["1", "3", "7", "15", "31", "63"],
+                          "Tree node counts (verify width - 1); eval_budget.py's auto needs these.")
 _CTX = flags.DEFINE_list("ctx", ["4096", "46000", "131072"], "Context lengths.")
 _MODES = flags.DEFINE_list("modes", ["ar", "chain"], "Fixed modes timed too.")
-_STEPS = flags.DEFINE_list("steps", ["4", "16"], "Loop step counts of the slope.")
+_STEPS = flags.DEFINE_list("steps", ["2", "10"], "Loop step counts of the slope.")
 _EXPERTS_ALL_CTX = flags.DEFINE_bool("experts_all_ctx", False, "Count routed experts at every "
                                      "context (default: the first only).")
 _SMALL = flags.DEFINE_bool("small", False, "Tiny ceiling measurements (CPU smoke runs).")
