@@ -28,6 +28,8 @@ def classify(row: dict) -> str | None:
   """The kind of one JSON record from eval_acceptance / bench_context_decode / sweep / kernels."""
   if "kind" in row:
     return row["kind"]
+  if "part" in row:  # scripts/bench_moe.py: ffn / tune / layer rows
+    return "moe"
   if "mean_accept_len" in row:
     return "accept"
   if "impl" in row and "tbps" in row:
@@ -160,6 +162,21 @@ def plot_budget_eval(ax, rows, title="simulated tokens/s vs context"):
   ax.title.set_fontsize(8)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=7)
+
+
+def plot_moe(ax, rows):
+  """Routed-expert FFN (bench_moe.py `ffn` rows): % of the copy bandwidth vs verify width T,
+  one line per (file, weight format, grouped matmul)."""
+  ffn = [r for r in rows if r.get("part") == "ffn" and "pct_copy" in r]
+  for (src, fmt, impl), rs in sorted(_by(ffn, "source", "fmt", "impl").items()):
+    rs = sorted(rs, key=lambda r: r["T"])
+    ax.plot([r["T"] for r in rs], [r["pct_copy"] for r in rs], marker="o",
+            linestyle="-" if impl == "pallas" else "--", label=f"{fmt} {impl} ({src})")
+  ax.set_xlabel("verify width T (tokens)")
+  ax.set_ylabel("% of copy bandwidth (bytes of the experts touched)")
+  ax.set_title("routed experts: top-8 of 384, 48 held")
+  ax.set_ylim(0, 110)
+  ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def _by(rows, *keys):

@@ -54,6 +54,11 @@ def render(res, metric="tokens_per_s"):
     plots.plot_bandwidth(axs[2], table)
     fig.tight_layout()
     out.append(_save(fig, f"phases_{table['source']}_{table['mode']}_{table['ctx']}_{i}.png"))
+  if res.get("moe"):
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
+    plots.plot_moe(ax, res["moe"])
+    fig.tight_layout()
+    out.append(_save(fig, "moe.png"))
   if res.get("sweep"):
     n = len({(r.get("attn_backend"), r["ctx"]) for r in res["sweep"]})
     fig = plt.figure(figsize=(5.5 * min(n, 3), 4.2 * -(-n // 3)))
