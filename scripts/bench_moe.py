@@ -64,20 +64,19 @@ def _expert_bytes(fmt):
 
 
 def _mgpu_ffn(x, idx, w, gate, up, down):
-  """The expert FFN on JAX's ragged_dot_mgpu (bf16 only), same glue as ours."""
+  """The expert FFN on JAX's ragged_dot_mgpu (bf16 only), with our FFN's sort and combine."""
   from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # pylint: disable=import-outside-toplevel
   blocks = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
   rd = lambda a, b, s: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, **blocks)
-  t, k = idx.shape
-  mine = idx.reshape(-1) < gate.shape[0]
-  key = jnp.where(mine, idx.reshape(-1), gate.shape[0])
-  order = jnp.argsort(key, stable=True)
-  sizes = jnp.bincount(key, length=gate.shape[0] + 1)[:-1].astype(jnp.int32)
-  xs = x[order // k]
+  order, sizes, mine = experts.sort_pairs(idx, gate.shape[0])
+  xs = x[order // idx.shape[1]]
   h = jax.nn.silu(rd(xs, gate, sizes)) * rd(xs, up, sizes)
-  y = rd(h, down, sizes).astype(jnp.float32)
-  y = jnp.where(mine[order][:, None], y * w.reshape(-1)[order][:, None], 0.0)
-  return jnp.zeros((t, x.shape[1]), jnp.float32).at[order // k].add(y)
+  return experts.combine_pairs(rd(h, down, sizes).astype(jnp.float32), order, mine, w, x.shape[0])
+
+
+def _local_touched(idx):
+  """Distinct experts among the first --local that the routing `idx` [T, K] touches."""
+  return int(np.unique(np.asarray(idx)[np.asarray(idx) < _EL.value]).size)
 
 
 def _time_us(fn, *args):
@@ -110,7 +109,7 @@ def part_ffn(ceil, sink, rows):
       idx, w = _route(jax.random.key(t), t)
       x = jax.random.normal(jax.random.key(100 + t), (t, _D.value), jnp.bfloat16)
       ref = experts.expert_ffn(x.astype(jnp.float32), idx, w, *ref_ws, impl="xla")
-      touched = int(jnp.unique(jnp.where(idx < _EL.value, idx, -1)).size - jnp.any(idx >= _EL.value))
+      touched = _local_touched(idx)
       need = touched * _expert_bytes(fmt)
       for impl in _IMPLS.value:
         if impl == "mgpu" and fmt != "bf16":
@@ -185,7 +184,7 @@ def part_layer(ceil, sink, rows):
     x = jax.random.normal(jax.random.key(t), (t, cfg.hidden_size), jnp.bfloat16)
     fn = jax.jit(lambda p, x: moe.moe(p, cfg, x))
     idx, _ = moe.route(p, cfg, x)
-    touched = int(jnp.unique(jnp.where(idx < _EL.value, idx, -1)).size - jnp.any(idx >= _EL.value))
+    touched = _local_touched(idx)
     other = sum(v.nbytes for v in jax.tree.leaves([p["router"], p["bias"], p.get("shared", {})]))
     need = touched * _expert_bytes("int4") + other
     row = dict(part="layer", fmt="int4", T=t, experts_touched=touched, bytes_needed=need)

@@ -44,6 +44,21 @@ def test_work_list_covers_every_row_once(sizes, m, rows):
   assert all(it[1] % 8 == 0 and it[2] + it[3] <= rows for it in live)
 
 
+def test_work_list_bound_holds_for_adversarial_sizes():
+  """Random sizes and near-worst cases (experts starting 7 rows past an 8-aligned row): every row
+  covered by a live item, never more live items than the static bound."""
+  rng = np.random.default_rng(0)
+  cases = [[7] + [1] * 40, [1] * 64, [9, 8, 8, 8, 8, 8, 8, 8]]
+  cases += [[int(v) for v in rng.integers(0, 12, size=rng.integers(1, 30))] for _ in range(40)]
+  for sizes in cases:
+    m = max(sum(sizes), 1)
+    for rows in (8, 16, 32, 64):
+      want = _items_brute_force(sizes, rows)
+      assert len(want) <= work.num_items(m, len(sizes), rows), (sizes, rows)
+      items = np.asarray(work.work_list(jnp.asarray(sizes, jnp.int32), m, rows)).T
+      assert [list(map(int, it)) for it in items if it[3] > 0] == want, (sizes, rows)
+
+
 def _operands(m, k, n, g, group, seed=0):
   """x bf16 [M, K]; bf16 weights [G, K, N]; INT4 q [G, N, K] + scales [G, K/S, N]."""
   rng = np.random.default_rng(seed)
@@ -58,7 +73,7 @@ def _check(got, want, rows):
   """Rows past the sum are not the kernel's; every live row matches within one bf16 rounding."""
   got, want = np.asarray(got, np.float32)[:rows], np.asarray(want, np.float32)[:rows]
   assert np.isfinite(got).all()
-  np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3 * np.abs(want).max())
+  np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-4 * np.abs(want).max())
 
 
 CASES = [  # sizes, m, k, n, group, tuning
@@ -75,8 +90,8 @@ CASES = [  # sizes, m, k, n, group, tuning
 def test_kernel_interpret_matches_reference(sizes, m, k, n, group, tuning, fmt):
   x, w_bf16, w_int4 = _operands(m, k, n, len(sizes), group)
   ws = w_int4 if fmt == "int4" else w_bf16
-  if fmt == "bf16" and tuning.block_k > 128:
-    pytest.skip("bf16 tiles of block_k 256 exceed SMEM at 4 stages; not a used tuning")
+  if fmt == "bf16":  # a bf16 tile is 4x an INT4 tile's bytes: the default tunings halve block_k
+    tuning = dataclasses.replace(tuning, block_k=min(tuning.block_k, 128))
   gs = jnp.asarray(sizes, jnp.int32)
   tuning = dataclasses.replace(tuning, a_operand="smem")  # interpret mode's wgmma: SMEM only
   got = grouped_matmul(x, ws, gs, backend="interpret", tuning=tuning)
@@ -129,8 +144,8 @@ def test_expert_ffn_through_the_kernel_equals_xla_path():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernel runs on the GPU only")
-@pytest.mark.parametrize("a_operand", ["registers", "smem"])
-@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+@pytest.mark.parametrize("fmt,a_operand", [("bf16", "registers"), ("int4", "registers"),
+                                             ("int4", "smem")])  # a_operand: INT4 only
 @pytest.mark.parametrize("sizes,m,k,n", [
     ([30, 0, 50, 3, 10], 100, 256, 256),
     ([7], 7, 128, 128),
@@ -139,8 +154,6 @@ def test_expert_ffn_through_the_kernel_equals_xla_path():
     ([1] * 8 + [0] * 40, 8, 7168, 2048),        # one ar token: 8 experts of 48, one row each
 ])
 def test_kernel_gpu_matches_reference(sizes, m, k, n, fmt, a_operand):
-  if fmt == "bf16" and a_operand == "smem":
-    pytest.skip("a_operand applies to INT4 weights only")
   x, w_bf16, w_int4 = _operands(m, k, n, len(sizes), 32)
   ws = w_int4 if fmt == "int4" else w_bf16
   gs = jnp.asarray(sizes, jnp.int32)

@@ -14,8 +14,13 @@ ALIGN = 8
 
 
 def num_items(m: int, g: int, rows: int) -> int:
-  """Static bound: sum_g ceil((n_g + 7) / R) <= M / R + 2 * (number of non-empty experts)."""
-  return -(-m // rows) + 2 * min(g, m)
+  """Static upper bound on the items (every one is a launched CTA column, live or not).
+
+  Expert g's window starts up to 7 rows before its first row, so it has ceil((n_g + 7) / R) <=
+  (n_g + 6 + R) / R items; over k = min(G, M) non-empty experts: (M + k (R + 6)) / R.
+  """
+  k = min(g, m)
+  return (m + k * (rows + 6)) // rows
 
 
 def work_list(group_sizes, m: int, rows: int):
