@@ -7,8 +7,8 @@ Dimension letters used in names and einsums across the package:
 """
 
 from kdtree_jax.api import forward, load_hf_checkpoint
-from kdtree_jax.cache import LatentCache
-from kdtree_jax.config import ModelConfig, load_hf_config
+from kdtree_jax.target.cache import LatentCache
+from kdtree_jax.target.config import ModelConfig, load_hf_config
 from kdtree_jax.decoding.loop import GenerationResult, generate
 from kdtree_jax.decoding.sampling import SamplingConfig
 from kdtree_jax.decoding.spec_config import SpecConfig

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax.checkpoint.hf import load_hf_checkpoint as _load
-from kdtree_jax.config import ModelConfig
-from kdtree_jax.model import transformer
+from kdtree_jax.target.checkpoint import load_hf_checkpoint as _load
+from kdtree_jax.target.config import ModelConfig
+from kdtree_jax.target import transformer
 
 
 def load_hf_checkpoint(path: str, dtype=jnp.float32):

@@ -11,10 +11,10 @@ heads and FFN sliced 1/S; its `fc` and norms stay whole.
 
 import jax
 
-from kdtree_jax import config as model_config
+from kdtree_jax.target import config as model_config
 from kdtree_jax.draft.config import DraftConfig, build_target_layer_ids
 from kdtree_jax.draft.model import init_draft_params
-from kdtree_jax.model import params as params_lib
+from kdtree_jax.target import params as params_lib
 
 TARGET_PRESETS = ("k26_share",)
 DRAFT_PRESETS = ("k26_dflash_share",)

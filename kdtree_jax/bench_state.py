@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from kdtree_jax.decoding import loop
 from kdtree_jax.decoding.state import DecodeState
 from kdtree_jax.draft import model as draft_model
-from kdtree_jax.model.params import abstract_params
+from kdtree_jax.target.params import abstract_params
 
 
 def _abstract_state(tcfg, dcfg, spec, batch, max_len, dtype) -> DecodeState:

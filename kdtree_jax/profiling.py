@@ -18,7 +18,7 @@ import pallas_kernels
 from kdtree_jax import roofline, timing
 from kdtree_jax.decoding import loop, step
 from kdtree_jax.decoding.state import DecodeState
-from kdtree_jax.model.moe import moe
+from kdtree_jax.target.moe import moe
 from kdtree_jax.bench_state import at_context, bench_state, clone  # noqa: F401 (re-exported)
 from kdtree_jax.phase_costs import INT4_BYTES, phase_costs  # noqa: F401
 from kdtree_jax.throughput import time_contexts, while_steps_fn  # noqa: F401
@@ -198,7 +198,7 @@ class PhaseRow:
 
 def expert_bytes_per_weight(tparams, default: float) -> float:
   """INT4_BYTES when the routed experts are INT4 stacks, else `default`."""
-  from kdtree_jax.model.int4 import Int4Weight  # pylint: disable=import-outside-toplevel
+  from kdtree_jax.checkpoint.int4 import Int4Weight  # pylint: disable=import-outside-toplevel
   leaves = jax.tree.leaves(tparams, is_leaf=lambda x: isinstance(x, Int4Weight))
   return INT4_BYTES if any(isinstance(x, Int4Weight) for x in leaves) else default
 

@@ -22,8 +22,8 @@ import optax
 import orbax.checkpoint as ocp
 
 from kdtree_jax.draft import model as draft_model
-from kdtree_jax.model import moe as moe_module
-from kdtree_jax.model import transformer
+from kdtree_jax.target import moe as moe_module
+from kdtree_jax.target import transformer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -76,7 +76,7 @@ def cross_entropy(logits, labels):
 def record_routing():
   """While tracing, collects each MoE layer's expert ids [T, K] (in layer order).
 
-  Wraps `kdtree_jax.model.moe.route`, which `moe()` looks up at call time; the recorded
+  Wraps `kdtree_jax.target.moe.route`, which `moe()` looks up at call time; the recorded
   arrays are tracers of the enclosing trace, to be returned from it (e.g. as aux output).
   """
   routes, original = [], moe_module.route

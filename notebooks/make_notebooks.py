@@ -18,10 +18,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 SETUP = '''\
-import os, sys
+import os
 if os.path.basename(os.getcwd()) == "notebooks":  # run from the repo root either way
   os.chdir("..")
-sys.path.insert(0, os.getcwd())
 SMALL = os.environ.get("KDTREE_NB_SMALL") == "1"  # CI: few tokens, small budget
 %matplotlib inline
 import matplotlib.pyplot as plt
@@ -44,7 +43,7 @@ from kdtree_jax import data
 from kdtree_jax.decoding import step
 from kdtree_jax.decoding.loop import generate, init_state
 from kdtree_jax.decoding.spec_config import SpecConfig
-from kdtree_jax.models import load_models
+from kdtree_jax.loader import load_models
 
 GEN = 32 if SMALL else 128          # tokens generated per mode
 BUDGET = 8 if SMALL else 32         # DDTree node budget

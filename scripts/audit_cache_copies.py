@@ -11,20 +11,15 @@ buffer assignment, which the CPU and GPU compilers share (fusion choices differ)
   python scripts/audit_cache_copies.py --time_rows 2048,16384 --modes ar,ddtree   # + step times
 """
 
-import os
-import sys
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import ml_collections
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from absl import app, flags  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_collections  # noqa: E402
-
-from kdtree_jax import config as C  # noqa: E402
-from kdtree_jax import hlo_audit, models, profiling, roofline, runtime  # noqa: E402
-from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
-from kdtree_jax.model.params import init_params  # noqa: E402
+from kdtree_jax.target import config as C
+from kdtree_jax import hlo_audit, models, profiling, roofline, runtime
+from kdtree_jax.decoding.spec_config import SpecConfig
+from kdtree_jax.target.params import init_params
 
 _LAYERS = flags.DEFINE_integer("layers", 4, "Target layers (tiny widths, K2.6 latent width 576).")
 _ROWS = flags.DEFINE_integer("rows", 4096, "Context the bench state is sized for.")

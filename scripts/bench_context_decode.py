@@ -10,10 +10,6 @@ The cache holds random rows at the given context (no prefill), which does not ch
 """
 
 import json
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
@@ -21,7 +17,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from kdtree_jax import plots, profiling, roofline, runtime  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
-from kdtree_jax.models import DTYPES, load_draft, load_target  # noqa: E402
+from kdtree_jax.loader import DTYPES, load_draft, load_target  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Bench config (configs/bench_*.py).")
 _CTX = flags.DEFINE_list("ctx", ["1024", "4096", "16384", "46000", "131072"], "Context lengths.")

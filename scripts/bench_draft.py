@@ -14,19 +14,16 @@ import json
 import os
 import re
 import statistics
-import sys
 import time
 import types
-from pathlib import Path
 
 from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kdtree_jax import config as model_config  # noqa: E402
-from kdtree_jax import models, roofline  # noqa: E402
-from kdtree_jax.draft import DraftConfig, model  # noqa: E402
+from kdtree_jax.target import config as model_config
+from kdtree_jax import loader, roofline  # noqa: E402
+from kdtree_jax.draft import DraftConfig, model
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("ctx", ["46000"], "committed context lengths")
@@ -47,7 +44,7 @@ def draft_setup(small):
   else:
     tcfg = model_config.bench_k26(layers=4)
     c = types.SimpleNamespace(checkpoint="", preset="bench_k26", seed=1)
-  dcfg, dparams = models.load_draft(c, tcfg, jnp.bfloat16)
+  dcfg, dparams = loader.load_draft(c, tcfg, jnp.bfloat16)
   ke, kh = jax.random.split(jax.random.key(2))
   D, V = tcfg.hidden_size, tcfg.vocab_size
   embed = (jax.random.normal(ke, (V, D), jnp.float32)).astype(jnp.bfloat16)

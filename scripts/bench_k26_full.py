@@ -20,18 +20,17 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
 
-from kdtree_jax import profiling, roofline, runtime, throughput, timing  # noqa: E402
-from kdtree_jax.bench_state import bench_state  # noqa: E402
-from kdtree_jax.decoding import loop  # noqa: E402
-from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
-from kdtree_jax.models import DTYPES, load_draft, load_target  # noqa: E402
+from kdtree_jax import profiling, roofline, runtime, throughput, timing
+from kdtree_jax.bench_state import bench_state
+from kdtree_jax.decoding import loop
+from kdtree_jax.decoding.spec_config import SpecConfig
+from kdtree_jax.loader import DTYPES, load_draft, load_target
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "bench_k26_full.py")
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Bench config.")

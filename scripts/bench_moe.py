@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax import config as C
+from kdtree_jax.target import config as C
 from kdtree_jax import roofline
-from kdtree_jax.model import experts, int4, moe
-from kdtree_jax.model import params as P
+from kdtree_jax.checkpoint import int4
+from kdtree_jax.target import experts, moe
+from kdtree_jax.target import params as P
 from pallas_kernels.grouped_matmul import Tuning, grouped_matmul
 
 _T = flags.DEFINE_list("tokens", ["1", "9", "17", "33", "65"], "Token counts (verify widths).")

@@ -20,10 +20,7 @@ the config (`configs/X.step_cost.json`) to make it the run's cost table.
 
 import json
 import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
@@ -34,8 +31,8 @@ from ml_collections import config_flags  # noqa: E402
 from kdtree_jax import profiling, roofline, runtime, timing  # noqa: E402
 from kdtree_jax.decoding import budget, step, step_cost  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
-from kdtree_jax.model import moe as moe_module  # noqa: E402
-from kdtree_jax.models import DTYPES, load_draft, load_target  # noqa: E402
+from kdtree_jax.target import moe as moe_module  # noqa: E402
+from kdtree_jax.loader import DTYPES, load_draft, load_target  # noqa: E402
 
 runtime.define_flags()
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Bench config (configs/bench_*.py).")

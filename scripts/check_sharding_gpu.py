@@ -20,13 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from kdtree_jax import config as C
+from kdtree_jax.target import config as C
 from kdtree_jax import sharding
 from kdtree_jax.decoding import loop
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.draft import model as DM
 from kdtree_jax.draft.config import DraftConfig
-from kdtree_jax.model import params as P
+from kdtree_jax.target import params as P
 
 _MESHES = flags.DEFINE_string("meshes", ";tensor=2;expert=2",
                               "';'-separated meshes ('' = one device).")

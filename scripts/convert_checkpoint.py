@@ -4,25 +4,22 @@
       --dtype bfloat16 --int4_experts --mesh tensor=8
   python scripts/convert_checkpoint.py --kind draft --hf_dir /ckpt/K2.6-DFlash \
       --out_dir /ckpt/draft-orbax
-The output (kdtree_jax/checkpoint/orbax_io.py) is read by configs' `checkpoint` like a HF dir,
+The output (kdtree_jax/orbax_io.py) is read by configs' `checkpoint` like a HF dir,
 restored straight onto the mesh. Tokenizer files next to config.json are copied along.
 """
 
 import glob
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-from kdtree_jax import cli, sharding  # noqa: E402
-from kdtree_jax.checkpoint import orbax_io  # noqa: E402
-from kdtree_jax.checkpoint.hf import default_put, load_hf_checkpoint  # noqa: E402
-from kdtree_jax.draft.checkpoint import load_dflash_checkpoint  # noqa: E402
-from kdtree_jax.models import DTYPES  # noqa: E402
+from kdtree_jax import cli, sharding
+from kdtree_jax import orbax_io
+from kdtree_jax.target.checkpoint import default_put, load_hf_checkpoint
+from kdtree_jax.draft.checkpoint import load_dflash_checkpoint
+from kdtree_jax.loader import DTYPES
 
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "HF checkpoint dir (config.json + safetensors).")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Orbax checkpoint directory to write.")

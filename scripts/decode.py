@@ -2,13 +2,22 @@
 
 Examples:
   python scripts/decode.py                                  # k2tiny pair, ddtree, budget 32
-  python scripts/decode.py --mode chain --prompt "import os" --max_new_tokens 64
-  python scripts/decode.py --temperature 0.8 --top_p 0.95 --seed 1 --json_out /tmp/out.json
-  python scripts/decode.py --config configs/tiny.py --budget 16   # random tiny pair
-  python scripts/decode.py --mesh tensor=2,expert=4         # sharded over 8 devices
+  python scripts/decode.py --config.mode=chain --config.prompt="import os" --config.max_new_tokens=64
+  python scripts/decode.py --config.temperature=0.8 --config.top_p=0.95 --json_out /tmp/out.json
+  python scripts/decode.py --config configs/tiny.py --config.budget=16   # random tiny pair
+  python scripts/decode.py --config.mesh=tensor=2,expert=4  # sharded over 8 devices
 
-The config file (--config, default configs/default.py) holds every setting; the flags below
-override it. Common fields, set as --config.<field>=<value> (all: kdtree_jax/run_config.py):
+Every setting is a field of the config file (--config FILE[:preset], default configs/k2tiny.py),
+set on the command line as --config.<field>=<value> (all fields: kdtree_jax/run_config.py):
+  --config.mode=ddtree              ar: target alone; chain: draft block; ddtree: draft tree
+  --config.budget=32                DDTree nodes verified per step (>= 1), or auto (per step, the
+                                    width of most tokens per modelled second); ddtree only
+  --config.prompt="def f(x):"       prompt text
+  --config.max_new_tokens=128       tokens to generate
+  --config.temperature=0            0 = greedy; --config.top_p=1.0, --config.top_k=0 when > 0
+  --config.seed=0                   sampling seed
+  --config.dtype=float32            float32 (tokens equal ar exactly) | bfloat16
+  --config.mesh=tensor=8            device mesh AXIS=N,... over data/expert/tensor ('' = one)
   --config.max_len=512              cache rows for prompt + new tokens (run stops there: max_len)
   --config.target.checkpoint=DIR    target checkpoint directory (HF or orbax)
   --config.draft.checkpoint=DIR     DFlash draft checkpoint directory (HF or orbax)
@@ -26,61 +35,27 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
+import jax
 
-from absl import flags  # noqa: E402
-import jax  # noqa: E402
+from kdtree_jax import cli, run_config, sharding
+from kdtree_jax.decoding import loop
+from kdtree_jax.decoding.sampling import SamplingConfig
+from kdtree_jax.decoding.spec_config import SpecConfig
+from kdtree_jax.loader import DTYPES, load_models
+from kdtree_jax import runtime_flags  # noqa: F401  (--compile_cache_dir, --command_buffers)
 
-from kdtree_jax import cli, run_config, sharding  # noqa: E402
-from kdtree_jax.decoding import loop  # noqa: E402
-from kdtree_jax.decoding.sampling import SamplingConfig  # noqa: E402
-from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
-from kdtree_jax.models import DTYPES, load_models  # noqa: E402
-from kdtree_jax import runtime_flags  # noqa: E402,F401  (--compile_cache_dir, --command_buffers)
-
-DEFAULT_CONFIG = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "configs",
-                                               "default.py"))
-_D = run_config.trained_pair()  # configs/default.py, for the defaults shown by --help
-_CONFIG = cli.define_config(DEFAULT_CONFIG, "Run config file (configs/*.py); every field can be "
-                            "overridden with --config.<field>=<value>.")
-_PROMPT = flags.DEFINE_string("prompt", None, f"Prompt text (default: {_D.prompt!r}).")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None,
-                                f"Tokens to generate, >= 1 (default: {_D.max_new_tokens}).")
-_MODE = flags.DEFINE_enum("mode", None, list(run_config.MODES),
-                          f"ar: target alone; chain: draft block; ddtree: draft tree "
-                          f"(default: {_D.mode}).")
-class _BudgetParser(flags.IntegerParser):
-  """An int >= 1, or 'auto' (decoding/budget.py picks the width per step)."""
-
-  def parse(self, argument):
-    return "auto" if argument == "auto" else super().parse(argument)
-
-
-_BUDGET = flags.DEFINE(_BudgetParser(), "budget", None, f"DDTree nodes verified per step, >= 1, "
-                       f"or 'auto' (per step, the width of most tokens per modelled second); "
-                       f"ddtree only (default: {_D.budget}).")
-_TEMP = flags.DEFINE_float("temperature", None, f"0 = greedy (default: {_D.temperature}).")
-_TOP_P = flags.DEFINE_float("top_p", None, f"Nucleus mass in (0, 1] (default: {_D.top_p}).")
-_TOP_K = flags.DEFINE_integer("top_k", None, f"Top-k sampling, 0 = off (default: {_D.top_k}).")
-_SEED = flags.DEFINE_integer("seed", None, f"Sampling seed (default: {_D.seed}).")
-_DTYPE = flags.DEFINE_enum("dtype", None, list(DTYPES), "Parameter and cache dtype; float32 "
-                           "tokens equal ar exactly, bfloat16 may differ (default: float32).")
+DEFAULT_CONFIG = os.path.join(cli.REPO_ROOT, "configs", "k2tiny.py")
+_CONFIG = cli.define_config(DEFAULT_CONFIG, "Run config file (configs/*.py, FILE:preset); every "
+                            "field can be overridden with --config.<field>=<value>.")
 _JSON = flags.DEFINE_string("json_out", None, "Write every setting and result as JSON here.")
 _STREAM = flags.DEFINE_integer("stream", 0, "Print text every N device steps (0: all at once). "
                                "Compiles first; tok/s counts the decode only.")
-_MESH = flags.DEFINE_string("mesh", None, "Device mesh 'AXIS=N,...' over data/expert/tensor "
-                            "(e.g. tensor=8, tensor=2,expert=4); '' = one device (default: '').")
-_FLAG_FIELDS = ((_PROMPT, "prompt"), (_MAX_NEW, "max_new_tokens"), (_MODE, "mode"),
-                (_BUDGET, "budget"), (_TEMP, "temperature"), (_TOP_P, "top_p"), (_TOP_K, "top_k"),
-                (_SEED, "seed"), (_DTYPE, "dtype"), (_MESH, "mesh"))
 
 
 def _settings():
-  """The run config, explicit flags over the config file, validated."""
+  """The run config (file, then --config.<field> overrides), validated."""
   c = cli.load_config(_CONFIG)
-  for flag, field in _FLAG_FIELDS:
-    if flag.value is not None:
-      setattr(c, field, flag.value)
   if _STREAM.value < 0:
     raise cli.UsageError("stream", f"{_STREAM.value} is negative; 0 = no streaming, N >= 1 = "
                          "print every N device steps")
@@ -89,21 +64,23 @@ def _settings():
     raise cli.UsageError("json_out", f"directory {out_dir!r} does not exist; give a path in an "
                          "existing directory")
   if c.tokenizer == "none":
-    raise cli.UsageError("tokenizer", "'none' cannot encode --prompt; use auto or bytes")
+    raise cli.UsageError("tokenizer", "'none' cannot encode the prompt; use auto or bytes")
   return run_config.validate(c)
 
 
 def _setting_warnings(c) -> list[str]:
-  """Flags given that this run does not use, and what bfloat16 changes."""
+  """Fields set on the command line that this run does not use, and what bfloat16 changes."""
   out = []
-  if _BUDGET.value is not None and c.mode != "ddtree":
-    out.append(f"--budget applies to --mode ddtree only; mode {c.mode} ignores it")
-  for flag in (_TOP_P, _TOP_K):
-    if flag.value is not None and c.temperature == 0:
-      out.append(f"--{flag.name} applies only when --temperature > 0 (greedy ignores it)")
+  if cli.overridden("budget") and c.mode != "ddtree":
+    out.append(f"--config.budget applies to --config.mode=ddtree only; mode {c.mode} ignores it")
+  for field in ("top_p", "top_k"):
+    if cli.overridden(field) and c.temperature == 0:
+      out.append(f"--config.{field} applies only when --config.temperature > 0 (greedy ignores "
+                 "it)")
   if c.dtype == "bfloat16" and c.mode != "ar":
-    out.append("bfloat16: tokens can differ from --mode ar where argmaxes nearly tie (verifying "
-               "N tokens at once rounds differently); float32 emits exactly the ar tokens")
+    out.append("bfloat16: tokens can differ from --config.mode=ar where argmaxes nearly tie "
+               "(verifying N tokens at once rounds differently); float32 emits exactly the ar "
+               "tokens")
   return out
 
 

@@ -11,19 +11,16 @@ that every mode emitted exactly the `ar` tokens. JSON lines + a plot of acceptan
 
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
+import jax
+import numpy as np
 
-from absl import flags  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from kdtree_jax import cli, data, plots  # noqa: E402
-from kdtree_jax.decoding.loop import generate  # noqa: E402
-from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
-from kdtree_jax.models import DTYPES, load_models  # noqa: E402
+from kdtree_jax import cli, data, plots
+from kdtree_jax.decoding.loop import generate
+from kdtree_jax.decoding.spec_config import SpecConfig
+from kdtree_jax.loader import DTYPES, load_models
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "default.py")
 _CONFIG = cli.define_config(DEFAULT_CONFIG, "Run config (the pair).")

@@ -16,10 +16,7 @@ exactly the `ar` tokens (f32).
 import collections
 import json
 import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
@@ -30,7 +27,7 @@ from kdtree_jax import data, plots, runtime  # noqa: E402
 from kdtree_jax.decoding import accept_trace, budget, step_cost  # noqa: E402
 from kdtree_jax.decoding.loop import generate  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
-from kdtree_jax.models import DTYPES, load_models  # noqa: E402
+from kdtree_jax.loader import DTYPES, load_models  # noqa: E402
 
 runtime.define_flags()
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "default.py")

@@ -14,17 +14,14 @@ target latent cache (per layer [B, max_len + N, C]) and the draft cache, in the 
 import json
 import math
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+from absl import flags
 
-import jax  # noqa: E402
-from absl import flags  # noqa: E402
-
-from kdtree_jax import cli, models, runtime, sharding  # noqa: E402
-from kdtree_jax.cache import LatentCache  # noqa: E402
-from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
-from kdtree_jax.draft import model as draft_model  # noqa: E402
+from kdtree_jax import cli, models, runtime, sharding
+from kdtree_jax.target.cache import LatentCache
+from kdtree_jax.decoding.spec_config import SpecConfig
+from kdtree_jax.draft import model as draft_model
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "kimi_k2_6.py")
 _CONFIG = cli.define_config(DEFAULT_CONFIG, "Run config (configs/*.py).")

@@ -16,18 +16,14 @@ weights do not depend on it). Tokens per step are read back from the loop (not a
 import dataclasses
 import itertools
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
+import jax
 
-from absl import app, flags  # noqa: E402
-import jax  # noqa: E402
-
-from kdtree_jax import cli, profiling  # noqa: E402
-from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
-from kdtree_jax.models import DTYPES, load_draft, load_target  # noqa: E402
+from kdtree_jax import cli, profiling
+from kdtree_jax.decoding.spec_config import SpecConfig
+from kdtree_jax.loader import DTYPES, load_draft, load_target
 
 _CONFIG = cli.define_config(None, "Bench config (configs/bench_*.py).")
 _MODE = flags.DEFINE_list("mode", ["ar", "chain", "ddtree"], "Modes (ar: once; chain: per block).")

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from kdtree_jax import bench_models, models
-from kdtree_jax.model.int4 import Int4Weight
+from kdtree_jax.checkpoint.int4 import Int4Weight
 
 import configs.bench_k26_full as bench_k26_full
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax import config as C
+from kdtree_jax.target import config as C
 from kdtree_jax import tree as ddtree
 from kdtree_jax.decoding import budget, step, step_cost
 from kdtree_jax.decoding.spec_config import SpecConfig
@@ -139,7 +139,7 @@ def test_calibrated_acceptance_is_honest_on_held_out_prompts():
   and DDTree's raw surrogate (uncalibrated q) must fail it (the test can fail)."""
   from kdtree_jax import data, run_config  # pylint: disable=import-outside-toplevel
   from kdtree_jax.decoding import accept_trace  # pylint: disable=import-outside-toplevel
-  from kdtree_jax.models import load_models  # pylint: disable=import-outside-toplevel
+  from kdtree_jax.loader import load_models  # pylint: disable=import-outside-toplevel
   m = load_models(run_config.trained_pair())
   held = data.build_corpus().eval
   starts = np.linspace(0, len(held) - 193, 14).astype(int)

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import ml_collections
 import pytest
 
-from kdtree_jax import config as C
+from kdtree_jax.target import config as C
 from kdtree_jax import hlo_audit, models, profiling
 from kdtree_jax.decoding.spec_config import SpecConfig
-from kdtree_jax.model.params import init_params
+from kdtree_jax.target.params import init_params
 
 
 def _loop_hlo(mode):
@@ -59,7 +59,7 @@ def test_compaction_one_gather_matches_reference_near_the_end():
   """compact_rows = gather the accepted rows, write them at len (a window clamped into the
   buffer like dynamic_update_slice); numpy reference, windows that run past the end included."""
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from kdtree_jax.cache import compact_rows  # pylint: disable=import-outside-toplevel
+  from kdtree_jax.target.cache import compact_rows  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
   rows, a = 20, 5
   lat = rng.normal(size=(4, rows, 3)).astype(np.float32)

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 import kdtree_jax
-from kdtree_jax import config as C
-from kdtree_jax.checkpoint import hf_writer, safetensors_io
-from kdtree_jax.model import params as P
+from kdtree_jax.target import config as C
+from kdtree_jax.checkpoint import safetensors_io
+from kdtree_jax.target import hf_writer
+from kdtree_jax.target import params as P
 
 QUANT = os.path.join(os.path.dirname(__file__), "fixtures", "quant")
 

@@ -19,14 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax import config as C
+from kdtree_jax.target import config as C
 from kdtree_jax import sharding
 from kdtree_jax.collective_audit import KINDS, count_collectives
 from kdtree_jax.decoding import loop
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.draft import model as DM
-from kdtree_jax.model import moe as moe_lib
-from kdtree_jax.model import params as P
+from kdtree_jax.target import moe as moe_lib
+from kdtree_jax.target import params as P
 from test_sharding import small_configs
 
 _OP = re.compile(r"\s(" + "|".join(KINDS) + r")(-start)?\(.*stack_frame_id=(\d+)")

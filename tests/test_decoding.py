@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax import config as C
+from kdtree_jax.target import config as C
 from kdtree_jax.decoding import loop, step
 from kdtree_jax.decoding.sampling import SamplingConfig
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.draft import model as DM
 from kdtree_jax.draft.config import DraftConfig
-from kdtree_jax.model import params as P
+from kdtree_jax.target import params as P
 
 BLOCK = 6
 

@@ -11,13 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax.model import experts, int4
+from kdtree_jax.checkpoint import int4
+from kdtree_jax.target import experts
 from pallas_kernels.grouped_matmul import (Tuning, gated_grouped_matmul, grouped_matmul,
                                            grouped_matmul_reference,
                                            int4_grouped_matmul_reference, work)
 from pallas_kernels.grouped_matmul.tuning import default_tuning
-
-ON_GPU = jax.default_backend() == "gpu"
 
 
 def _items_brute_force(sizes, rows):
@@ -143,7 +142,6 @@ def test_expert_ffn_through_the_kernel_equals_xla_path():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="compiled kernel runs on the GPU only")
 @pytest.mark.parametrize("fmt,a_operand", [("bf16", "registers"), ("int4", "registers"),
                                              ("int4", "smem")])  # a_operand: INT4 only
 @pytest.mark.parametrize("sizes,m,k,n", [

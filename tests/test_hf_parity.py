@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kdtree_jax
-from kdtree_jax import config as C
+from kdtree_jax.target import config as C
 
 FIXTURE_ROOT = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 FIXTURES = sorted(

@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax import config as C
+from kdtree_jax.target import config as C
 from kdtree_jax.checkpoint import quant
-from kdtree_jax.model import int4
-from kdtree_jax.model.moe import moe
-from kdtree_jax.model.params import init_params
+from kdtree_jax.checkpoint import int4
+from kdtree_jax.target.moe import moe
+from kdtree_jax.target.params import init_params
 
 
 def test_pack_dequantize_round_trip():
@@ -55,7 +55,7 @@ def test_int4_checkpoint_loads_packed_and_matches_dequantised(tmp_path):
   import kdtree_jax  # pylint: disable=import-outside-toplevel
   path = os.path.join(os.path.dirname(__file__), "fixtures", "quant", "int4_k25")
   cfg, dense = kdtree_jax.load_hf_checkpoint(path, dtype=jnp.bfloat16)
-  _, packed = kdtree_jax.checkpoint.hf.load_hf_checkpoint(path, dtype=jnp.bfloat16,
+  _, packed = kdtree_jax.target.checkpoint.load_hf_checkpoint(path, dtype=jnp.bfloat16,
                                                           int4_experts=True)
   gate = packed["layers"][1]["moe"]["gate"]
   assert isinstance(gate, int4.Int4Weight) and gate.packed.dtype == jnp.int4

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import kdtree_jax
-from kdtree_jax import config as C
-from kdtree_jax.cache import LatentCache, compact_rows
-from kdtree_jax.model import params as P
-from kdtree_jax.model import transformer as T
+from kdtree_jax.target import config as C
+from kdtree_jax.target.cache import LatentCache, compact_rows
+from kdtree_jax.target import params as P
+from kdtree_jax.target import transformer as T
 
 
 def rel(a, b):

@@ -11,15 +11,16 @@ import ml_collections
 import numpy as np
 import pytest
 
-from kdtree_jax import config as C
-from kdtree_jax import models, sharding
-from kdtree_jax.checkpoint import hf_writer, orbax_io
-from kdtree_jax.checkpoint.hf import load_hf_checkpoint
+from kdtree_jax.target import config as C
+from kdtree_jax import loader, sharding
+from kdtree_jax import orbax_io
+from kdtree_jax.target import hf_writer
+from kdtree_jax.target.checkpoint import load_hf_checkpoint
 from kdtree_jax.draft.checkpoint import save_dflash_checkpoint
 from kdtree_jax.draft.config import DraftConfig
 from kdtree_jax.draft.model import init_draft_params
-from kdtree_jax.model import int4
-from kdtree_jax.model.params import init_params
+from kdtree_jax.checkpoint import int4
+from kdtree_jax.target.params import init_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONVERT = os.path.join(ROOT, "scripts", "convert_checkpoint.py")
@@ -113,7 +114,7 @@ def test_killed_save_leaves_nothing_complete(tmp_path):
   path = str(tmp_path / "ck")
   code = textwrap.dedent(f"""
       import os, jax.numpy as jnp
-      from kdtree_jax.checkpoint import orbax_io
+      from kdtree_jax import orbax_io
       orbax_io._write_marker = lambda *a: os._exit(9)
       orbax_io.save_params({path!r}, {{"fc": jnp.ones((4, 4))}})
   """)
@@ -147,13 +148,13 @@ def test_convert_end_to_end(tmp_path, fmt):
   assert ("int4" in res.stdout) == (fmt == "int4")
   _, want = load_hf_checkpoint(hf, jnp.bfloat16, int4_experts=fmt == "int4")
   c = ml_collections.ConfigDict(dict(checkpoint=out, preset="", seed=0))
-  tcfg, got = models.load_target(c, jnp.bfloat16, sharding.make_mesh(MESH))
+  tcfg, got = loader.load_target(c, jnp.bfloat16, sharding.make_mesh(MESH))
   assert tcfg == cfg
   assert_same(got, want)
   assert IS_INT4(got["layers"][1]["moe"]["down"]) == (fmt == "int4")
   want_sh = sharding.param_shardings(want, sharding.make_mesh(MESH))
   assert got["embed"].sharding.is_equivalent_to(want_sh["embed"], 2)
-  assert isinstance(models.make_tokenizer("auto", c), models.ByteTokenizer)
+  assert isinstance(loader.make_tokenizer("auto", c), loader.ByteTokenizer)
   res = _convert("--hf_dir", hf, "--out_dir", out)
   assert res.returncode != 0 and "--overwrite" in res.stderr
 
@@ -165,11 +166,11 @@ def test_convert_draft_and_errors(tmp_path):
   res = _convert("--kind", "draft", "--hf_dir", hf, "--out_dir", out, "--dtype", "float32")
   assert res.returncode == 0, res.stderr[-3000:]
   c = ml_collections.ConfigDict(dict(checkpoint=out, preset="", seed=1))
-  dcfg, got = models.load_draft(c, C.tiny(), jnp.float32)
+  dcfg, got = loader.load_draft(c, C.tiny(), jnp.float32)
   assert dcfg == cfg
   assert_same(got, params)
   with pytest.raises(ValueError, match="holds a draft checkpoint"):
-    models.load_target(c, jnp.float32)
+    loader.load_target(c, jnp.float32)
   for args, msg in ((["--hf_dir", str(tmp_path / "nope")], "does not exist"),
                     (["--hf_dir", str(tmp_path)], "no config.json"),
                     (["--hf_dir", hf], "pass --kind draft")):

@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from kdtree_jax import config as C
-from kdtree_jax import models, profiling, timing
+from kdtree_jax.target import config as C
+from kdtree_jax import loader, profiling, timing
 from kdtree_jax.decoding.spec_config import SpecConfig
-from kdtree_jax.model.params import init_params
+from kdtree_jax.target.params import init_params
 
 CEIL = dict(copy_tbps=0.01, mm_tflops=0.1)
 
@@ -17,7 +17,7 @@ def _setup(mode):
   tcfg = C.tiny()
   tp = init_params(jax.random.key(0), tcfg, jnp.float32)
   ref = ml_collections.ConfigDict(dict(checkpoint="", preset="tiny", seed=1))
-  dcfg, dp = models.load_draft(ref, tcfg, jnp.float32)
+  dcfg, dp = loader.load_draft(ref, tcfg, jnp.float32)
   spec = SpecConfig(mode=mode, budget=6, block_size=dcfg.block_size, max_new_tokens=256,
                     forced_accept=2)
   return tcfg, tp, dcfg, dp, spec

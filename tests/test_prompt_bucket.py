@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from kdtree_jax import config as C
-from kdtree_jax import models
+from kdtree_jax.target import config as C
+from kdtree_jax import loader
 from kdtree_jax.decoding import loop
 from kdtree_jax.decoding.spec_config import SpecConfig
-from kdtree_jax.model.params import init_params
+from kdtree_jax.target.params import init_params
 
 
 def test_bucket_sizes():
@@ -31,7 +31,7 @@ def test_new_length_in_bucket_does_not_recompile():
   tcfg = C.tiny()
   tp = init_params(jax.random.key(0), tcfg, jnp.float32)
   ref = ml_collections.ConfigDict(dict(checkpoint="", preset="tiny", seed=1))
-  dcfg, dp = models.load_draft(ref, tcfg, jnp.float32)
+  dcfg, dp = loader.load_draft(ref, tcfg, jnp.float32)
   spec = SpecConfig(mode="ddtree", budget=4, block_size=dcfg.block_size, max_new_tokens=8)
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(0, 250, n)) for n in (5, 9, 40)]

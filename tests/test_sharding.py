@@ -15,17 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax import config as C
+from kdtree_jax.target import config as C
 from kdtree_jax import sharding
-from kdtree_jax.checkpoint.hf import load_hf_checkpoint
+from kdtree_jax.target.checkpoint import load_hf_checkpoint
 from kdtree_jax.decoding import loop
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.draft import model as DM
 from kdtree_jax.draft.config import DraftConfig
-from kdtree_jax.model import moe as moe_lib
-from kdtree_jax.model import params as P
-from kdtree_jax.model.moe_parallel import routed_experts_ep
-from kdtree_jax.models import load_models
+from kdtree_jax.target import moe as moe_lib
+from kdtree_jax.target import params as P
+from kdtree_jax.target.moe_parallel import routed_experts_ep
+from kdtree_jax.loader import load_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "fixtures", "golden_partition_specs.json")

@@ -8,7 +8,7 @@ import os
 import ml_collections
 import pytest
 
-from kdtree_jax import models
+from kdtree_jax import loader
 from kdtree_jax.tokenizer import ByteTokenizer, TiktokenTokenizer, load_tokenizer
 
 MERGES = [b"he", b"ll", b"llo", b" w", b"hello", b"or", b" wor"]
@@ -105,16 +105,16 @@ def test_load_tokenizer_picks(tmp_path):
 
 def test_models_tokenizer_field(tmp_path):
   tiny = ml_collections.ConfigDict(dict(checkpoint="", preset="tiny"))
-  assert isinstance(models.make_tokenizer("auto", tiny), ByteTokenizer)
-  assert models.make_tokenizer("none", tiny) is None
+  assert isinstance(loader.make_tokenizer("auto", tiny), ByteTokenizer)
+  assert loader.make_tokenizer("none", tiny) is None
   kimi = ml_collections.ConfigDict(dict(checkpoint=write_tokenizer(str(tmp_path / "k")), preset=""))
-  assert isinstance(models.make_tokenizer("auto", kimi), TiktokenTokenizer)
-  assert isinstance(models.make_tokenizer("tiktoken", kimi), TiktokenTokenizer)
+  assert isinstance(loader.make_tokenizer("auto", kimi), TiktokenTokenizer)
+  assert isinstance(loader.make_tokenizer("tiktoken", kimi), TiktokenTokenizer)
   k26 = ml_collections.ConfigDict(dict(checkpoint="", preset="kimi_k2_6"))
   with pytest.raises(ValueError, match="tiktoken.model"):
-    models.make_tokenizer("auto", k26)
+    loader.make_tokenizer("auto", k26)
   with pytest.raises(ValueError, match="must be one of"):
-    models.make_tokenizer("sentencepiece", tiny)
+    loader.make_tokenizer("sentencepiece", tiny)
 
 
 def _config(name):

@@ -1,4 +1,4 @@
-"""Training: held-out split; both scripts cut the loss on one batch, write loadable checkpoints."""
+"""Training: held-out split; both training drivers cut the loss on one batch, write loadable checkpoints."""
 
 import importlib.util
 import json
@@ -12,7 +12,9 @@ import pytest
 import kdtree_jax
 from kdtree_jax import data, training
 from kdtree_jax.draft import model as draft_model
-from kdtree_jax.model import transformer
+from kdtree_jax.draft import train as draft_train
+from kdtree_jax.target import train as target_train
+from kdtree_jax.target import transformer
 from kdtree_jax.tokenizer import ByteTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,18 +69,18 @@ def test_heldout_files_never_trained(corpus):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, corpus):
-  """Both scripts on one fixed batch at a tiny size; returns configs and trained params."""
+  """Both training drivers on one fixed batch at a tiny size; returns configs and trained params."""
   tmp = tmp_path_factory.mktemp("k2tiny")
   tc = load_module("configs", "train_target").get_config("cpu")
   tc.model.update(TINY_MODEL)
   tc.update(LOOP, bias_update_rate=BIAS_RATE, out_dir=str(tmp / "target"),
             work_dir=str(tmp / "runs/target"))
-  tcfg, tparams = load_module("scripts", "train_target").train(tc, corpus)
+  tcfg, tparams = target_train.train(tc, corpus)
   dc = load_module("configs", "train_draft").get_config("cpu")
   dc.draft.update(TINY_DRAFT)
   dc.update(LOOP, anchors=6, gamma=2.0, target_checkpoint=tc.out_dir, out_dir=str(tmp / "draft"),
             work_dir=str(tmp / "runs/draft"))
-  dcfg, dparams = load_module("scripts", "train_draft").train(dc, corpus)
+  dcfg, dparams = draft_train.train(dc, corpus)
   return tc, tcfg, tparams, dc, dcfg, dparams
 
 

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kdtree_jax import config as C
+from kdtree_jax.target import config as C
 from kdtree_jax import sharding
-from kdtree_jax.model import mla
+from kdtree_jax.target import mla
 from pallas_kernels import tree_verify_attention_reference
 
 

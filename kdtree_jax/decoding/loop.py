@@ -15,14 +15,14 @@ import numpy as np
 
 from kdtree_jax import sharding
 from kdtree_jax.api import check_tokens
-from kdtree_jax.cache import LatentCache
+from kdtree_jax.target.cache import LatentCache
 from kdtree_jax.cli import UsageError
 from kdtree_jax.decoding import memory_bound, sampling
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.decoding.state import DecodeState
 from kdtree_jax.decoding.step import speculative_step
 from kdtree_jax.draft import model as draft_model
-from kdtree_jax.model import transformer
+from kdtree_jax.target import transformer
 
 
 def out_size(spec: SpecConfig) -> int:
@@ -145,7 +145,7 @@ def validate(tcfg, dcfg, spec: SpecConfig, prompts: list[list[int]], max_len: in
   if longest >= max_len:
     raise UsageError("max_len", f"a prompt of {longest} tokens reaches or exceeds max_len "
                      f"{max_len} (no room for a new token); raise --config.max_len above "
-                     f"{longest} or shorten --prompt")
+                     f"{longest} or shorten --config.prompt")
   for p in prompts:
     check_tokens(np.asarray(p), tcfg.vocab_size)
   if spec.mode != "ar":
@@ -167,7 +167,7 @@ def length_warnings(tcfg, spec: SpecConfig, prompts: list[list[int]], max_len: i
   longest = max(len(p) for p in prompts)
   out = []
   if longest + spec.max_new_tokens > max_len + 1:  # the last new token needs no cache row
-    out.append(f"prompt ({longest} tokens) + --max_new_tokens {spec.max_new_tokens} exceeds "
+    out.append(f"prompt ({longest} tokens) + --config.max_new_tokens {spec.max_new_tokens} exceeds "
                f"--config.max_len {max_len}: at most {max_len - longest + 1} tokens will be "
                "generated (stop_reason max_len)")
   trained, source = ((trained_positions, "--config.trained_positions") if trained_positions

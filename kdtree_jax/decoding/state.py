@@ -5,7 +5,7 @@ from typing import Any
 import flax.struct
 import jax
 
-from kdtree_jax.cache import LatentCache
+from kdtree_jax.target.cache import LatentCache
 
 
 @flax.struct.dataclass

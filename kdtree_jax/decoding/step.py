@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 
 from kdtree_jax import tree as ddtree
-from kdtree_jax.cache import compact_rows
+from kdtree_jax.target.cache import compact_rows
 from kdtree_jax.decoding import budget, sampling
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.decoding.state import DecodeState
 from kdtree_jax.draft import model as draft_model
-from kdtree_jax.model import transformer
+from kdtree_jax.target import transformer
 
 
 @flax.struct.dataclass

@@ -1,7 +1,7 @@
 """Modelled time of one decode step vs verify width N (root + tree nodes) and context length L.
 
 Two sources, one interface (`ms(n, ctx)`, `mode_ms(mode, ctx)`):
-- `AnalyticCost`: a roofline floor from the bytes and FLOPs of `profiling.phase_costs` (its MoE
+- `AnalyticCost`: a roofline floor from the bytes and FLOPs of `phase_costs.phase_costs` (its MoE
   bytes count the distinct routed experts a verify of N tokens touches,
   E * (1 - (1 - 1/E)^(K N)) under independent routing), split over the GPUs of a mesh share,
   plus the collectives (2 per layer + 1, and the draft's) when experts and heads are split.
@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from kdtree_jax import profiling
+from kdtree_jax import phase_costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ def _spec_for_width(mode: str, n: int, block_size: int):
 @dataclasses.dataclass(frozen=True)
 class AnalyticCost:
   """Roofline floor of one step of `tcfg` (+ `dcfg` draft) on one GPU's share of a mesh: per
-  phase of `profiling.phase_costs` (bytes incl. the routed experts a verify of N tokens touches,
+  phase of `phase_costs.phase_costs` (bytes incl. the routed experts a verify of N tokens touches,
   FLOPs) max(bytes / bandwidth, FLOPs / matmul rate) / gpus (the cache read stays whole), plus
   collectives and a fixed per-step overhead."""
 
@@ -82,7 +82,7 @@ class AnalyticCost:
     c, s, hw = self.tcfg, self.share, self.hw
     spec = _spec_for_width("ddtree" if with_draft else "ar", n,
                            self.dcfg.block_size if self.dcfg else 2)
-    pc = profiling.phase_costs(c, self.dcfg, spec, 1, ctx, wbytes=s.weight_bits / 8,
+    pc = phase_costs.phase_costs(c, self.dcfg, spec, 1, ctx, wbytes=s.weight_bits / 8,
                                expert_bytes=s.expert_bits / 8)
     att_b, att_f = pc["attention"]
     terms = {"attention": _floor_ms(att_b, att_f / s.gpus, hw), "fixed": hw.fixed_us / 1e3}
@@ -202,7 +202,7 @@ def k26_models(calibration_json: str | None = None) -> dict:
   '8gpu': the 8 x H200 projection (+ collectives)}: calibrated when a JSON is given (its config
   must be that share), else the analytic floor on the H200's measured ceilings."""
   from kdtree_jax import bench_models  # pylint: disable=import-outside-toplevel
-  from kdtree_jax import config as model_config  # pylint: disable=import-outside-toplevel
+  from kdtree_jax.target import config as model_config  # pylint: disable=import-outside-toplevel
   tcfg = model_config.kimi_k2_6()
   dcfg = bench_models.k26_dflash_share(tcfg, shards=1)  # the published K2.6 DFlash shape
   share = MeshShare(gpus=8, expert_bits=4.5)

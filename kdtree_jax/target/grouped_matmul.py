@@ -9,7 +9,7 @@ XLA's ragged_dot ran dense against every expert, and JAX's `ragged_dot_mgpu` str
 of empty experts too (WORKSPACE.md).
 """
 
-from kdtree_jax.model.int4 import Int4Weight
+from kdtree_jax.checkpoint.int4 import Int4Weight
 from pallas_kernels.grouped_matmul import gated_grouped_matmul as kernel_gated_matmul
 from pallas_kernels.grouped_matmul import grouped_matmul as kernel_grouped_matmul
 

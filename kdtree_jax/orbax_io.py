@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from kdtree_jax import config as model_config
+from kdtree_jax.target import config as model_config
 from kdtree_jax import sharding
 from kdtree_jax.cli import DataError
 from kdtree_jax.draft.config import DraftConfig
-from kdtree_jax.model.int4 import Int4Weight
+from kdtree_jax.checkpoint.int4 import Int4Weight
 
 MARKER = "kdtree_jax_orbax.json"
 FORMAT = "kdtree_jax_orbax"

@@ -11,12 +11,12 @@ from typing import Sequence
 
 import jax.numpy as jnp
 
-from kdtree_jax.cache import LatentCache
-from kdtree_jax.config import ModelConfig
-from kdtree_jax.model import mla
-from kdtree_jax.model.mlp import swiglu
-from kdtree_jax.model.moe import moe
-from kdtree_jax.model.norm import rms_norm
+from kdtree_jax.target.cache import LatentCache
+from kdtree_jax.target.config import ModelConfig
+from kdtree_jax.target import mla
+from kdtree_jax.target.mlp import swiglu
+from kdtree_jax.target.moe import moe
+from kdtree_jax.target.norm import rms_norm
 
 
 def _ffn(lp, cfg: ModelConfig, x):

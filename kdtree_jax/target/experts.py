@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from kdtree_jax.model.grouped_matmul import gated_grouped_matmul, grouped_matmul
+from kdtree_jax.target.grouped_matmul import gated_grouped_matmul, grouped_matmul
 
 
 def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto"):

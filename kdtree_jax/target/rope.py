@@ -10,7 +10,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax.config import ModelConfig
+from kdtree_jax.target.config import ModelConfig
 
 
 def _correction_dim(num_rotations, dim, base, max_pos):

@@ -6,15 +6,15 @@ import os
 import jax
 import jax.numpy as jnp
 
-from kdtree_jax import config as model_config
+from kdtree_jax.target import config as model_config
 from kdtree_jax import bench_models, sharding
-from kdtree_jax.checkpoint import orbax_io
-from kdtree_jax.checkpoint.hf import load_hf_checkpoint
+from kdtree_jax import orbax_io
+from kdtree_jax.target.checkpoint import load_hf_checkpoint
 from kdtree_jax.cli import DataError, UsageError
 from kdtree_jax.draft.checkpoint import load_dflash_checkpoint
 from kdtree_jax.draft.config import DraftConfig
 from kdtree_jax.draft.model import init_draft_params
-from kdtree_jax.model.params import init_params
+from kdtree_jax.target.params import init_params
 from kdtree_jax.tokenizer import ByteTokenizer, load_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

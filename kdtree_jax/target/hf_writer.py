@@ -11,9 +11,9 @@ import ml_dtypes
 import numpy as np
 
 from kdtree_jax.checkpoint import quant
-from kdtree_jax.checkpoint.hf import layer_specs, top_specs
+from kdtree_jax.target.checkpoint import layer_specs, top_specs
 from kdtree_jax.checkpoint.safetensors_io import save_file
-from kdtree_jax.config import ModelConfig, to_hf_dict
+from kdtree_jax.target.config import ModelConfig, to_hf_dict
 
 FP8_MAX = 448.0
 

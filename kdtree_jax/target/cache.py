@@ -15,7 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kdtree_jax.config import ModelConfig
+from kdtree_jax.target.config import ModelConfig
 
 
 @flax.struct.dataclass

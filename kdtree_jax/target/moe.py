@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 
 from kdtree_jax import sharding
-from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.experts import expert_ffn
-from kdtree_jax.model.mlp import swiglu
-from kdtree_jax.model.moe_parallel import experts_ep, route_local
+from kdtree_jax.target.config import ModelConfig
+from kdtree_jax.target.experts import expert_ffn
+from kdtree_jax.target.mlp import swiglu
+from kdtree_jax.target.moe_parallel import experts_ep, route_local
 
 
 def route(p, cfg: ModelConfig, x_td):

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from kdtree_jax import sharding
-from kdtree_jax.model.experts import expert_ffn
-from kdtree_jax.model.mlp import swiglu
+from kdtree_jax.target.experts import expert_ffn
+from kdtree_jax.target.mlp import swiglu
 
 _EXPERT_KEYS = ("gate", "up", "down")
 _IS_SPEC = lambda x: isinstance(x, jax.sharding.PartitionSpec)

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from kdtree_jax import sharding
-from kdtree_jax.config import ModelConfig
-from kdtree_jax.model.norm import rms_norm
-from kdtree_jax.model.rope import apply_rope, cos_sin
+from kdtree_jax.target.config import ModelConfig
+from kdtree_jax.target.norm import rms_norm
+from kdtree_jax.target.rope import apply_rope, cos_sin
 from pallas_kernels.tree_verify.api import resolve_backend
 
 

@@ -17,9 +17,9 @@ import numpy as np
 from kdtree_jax.checkpoint import quant
 from kdtree_jax.checkpoint.safetensors_io import CheckpointDir
 from kdtree_jax.cli import DataError
-from kdtree_jax.config import ModelConfig, config_from_hf_dict
-from kdtree_jax.model import int4
-from kdtree_jax.model.params import param_shapes
+from kdtree_jax.target.config import ModelConfig, config_from_hf_dict
+from kdtree_jax.checkpoint import int4
+from kdtree_jax.target.params import param_shapes
 
 # Tensors that exist in real checkpoints but are not part of the text model.
 IGNORED = (re.compile(r"^(vision_tower|mm_projector|multi_modal_projector)\."),

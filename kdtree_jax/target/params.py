@@ -11,8 +11,8 @@ routed stacks random INT4 (`model.int4.Int4Weight`), as a K2.6 checkpoint holds 
 import jax
 import jax.numpy as jnp
 
-from kdtree_jax.config import ModelConfig
-from kdtree_jax.model import int4
+from kdtree_jax.target.config import ModelConfig
+from kdtree_jax.checkpoint import int4
 
 
 def layer_shapes(cfg: ModelConfig, i: int) -> dict:
