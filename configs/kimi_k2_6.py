@@ -1,7 +1,7 @@
 """Kimi K2.6 (full size). Needs the real checkpoint and 8 x H200:
 
   python scripts/decode.py --config configs/kimi_k2_6.py --config.target.checkpoint /path/Kimi-K2.6 \
-      --config.draft.checkpoint /path/K2.6-DFlash --mesh tensor=8
+      --config.draft.checkpoint /path/K2.6-DFlash --config.mesh=tensor=8
 """
 
 from kdtree_jax import run_config

@@ -1,7 +1,7 @@
 """Tiny random-weight K2-architecture target + DFlash draft: the CPU smoke-test config.
 
-  python scripts/decode.py --config configs/tiny.py --mode ddtree --budget 16
-Random weights accept almost nothing; the trained pair is configs/default.py.
+  python scripts/decode.py --config configs/tiny.py --config.mode=ddtree --config.budget=16
+Random weights accept almost nothing; the trained pair (decode.py's default) is configs/k2tiny.py.
 """
 
 from kdtree_jax import run_config

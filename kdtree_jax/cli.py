@@ -16,6 +16,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -67,8 +68,9 @@ def error_line(exc: BaseException) -> tuple[int, str]:
     return EXIT_USAGE, f"error: {' '.join(str(exc).split())}"
   text = " ".join(str(exc).split()) or type(exc).__name__
   if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text:
-    return EXIT_DATA, (f"error: out of device memory ({text[:200]}); lower --budget, "
-                       "--config.max_len or --max_new_tokens, or shard with --mesh")
+    return EXIT_DATA, (f"error: out of device memory ({text[:200]}); lower --config.budget, "
+                       "--config.max_len or --config.max_new_tokens, or shard with "
+                       "--config.mesh")
   if isinstance(exc, (OSError, ValueError, KeyError)):
     return EXIT_DATA, f"error: {text}"
   return EXIT_DATA, f"error: {type(exc).__name__}: {text} (a bug? rerun with --verbose)"
@@ -119,6 +121,12 @@ def _argv_config_path(argv, default):
     if a == "--config" and i + 1 < len(argv):
       return argv[i + 1].split(":", 1)[0]
   return default
+
+
+def overridden(field: str) -> bool:
+  """Whether the command line sets `--config.<field>` (e.g. 'budget', 'target.checkpoint')."""
+  name = f"--config.{field}"
+  return any(a == name or a.startswith(name + "=") for a in sys.argv[1:])
 
 
 def dotted_fields(cfg, prefix="") -> list[str]:
@@ -177,12 +185,26 @@ def load_config(holder, example: str = "configs/tiny.py"):
                      "configs/*.py file, e.g. --config configs/tiny.py") from e
 
 
+def _config_fields() -> list[str]:
+  """The fields of the config file named on the command line (or the default); [] if none."""
+  path = _argv_config_path(sys.argv, _CONFIG_DEFAULT[0] if _CONFIG_DEFAULT else None)
+  try:
+    return dotted_fields(load_config_file(path)) if path else []
+  except Exception:  # pylint: disable=broad-except
+    return []
+
+
 def _flag_error(exc: Exception) -> UsageError:
   """absl's flag errors already name the flag; config-file errors keep their last line."""
   text = str(exc)
   if "config file" in text or "get_config" in text:
     last = [ln for ln in text.splitlines() if ln.strip()][-1].strip()
     return UsageError("--config", f"the config file failed to load: {last}")
+  unknown = re.search(r"Unknown command line flag '([\w.]+)'", text)
+  if unknown and unknown.group(1) in _config_fields():
+    name = unknown.group(1)
+    return UsageError(None, f"unknown flag --{name}; it is a config field: set it as "
+                      f"--config.{name}=VALUE (see --help)")
   return UsageError(None, f"{' '.join(text.split())} (see --help)")
 
 
@@ -215,7 +237,7 @@ def run(main):
     try:
       if len(argv) > 1:
         raise UsageError(None, f"unexpected argument {argv[1]!r}: every input is a flag "
-                         "(e.g. --prompt 'text')")
+                         "(e.g. --config.prompt='text')")
       return main(argv)
     except KeyboardInterrupt:
       print("interrupted", file=sys.stderr)

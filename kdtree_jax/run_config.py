@@ -72,6 +72,9 @@ def validate(c):
   _one_of(c, "tokenizer", TOKENIZERS)
   _one_of(c, "attn_backend", ATTN_BACKENDS)
   if c.mode == "ddtree" and c.budget != "auto":  # 'auto': decoding.budget picks widths
+    if not isinstance(c.budget, int):
+      raise UsageError("budget", f"{c.budget!r} is neither a whole number nor 'auto' (tree nodes "
+                       "verified per step, e.g. 32)")
     _at_least(c, "budget", 1, " (tree nodes verified per step; e.g. 32)")
   _at_least(c, "max_new_tokens", 1)
   _at_least(c, "max_len", 2, " (cache rows for prompt + generated tokens)")

@@ -7,18 +7,15 @@ import itertools
 import json
 import math
 import statistics
-import sys
-from pathlib import Path
 
 from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kdtree_jax import roofline  # noqa: E402
-from pallas_kernels.tree_verify import api, reference  # noqa: E402
-from pallas_kernels.tree_verify.tuning import Tuning, default_tuning  # noqa: E402
+from kdtree_jax import roofline
+from pallas_kernels.tree_verify import api, reference
+from pallas_kernels.tree_verify.tuning import Tuning, default_tuning
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("L", ["4096", "16384", "46000", "131072"], "cache lengths")

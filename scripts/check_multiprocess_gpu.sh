@@ -4,8 +4,8 @@
 #   bash scripts/check_multiprocess_gpu.sh OUT_DIR
 set -uo pipefail
 OUT=${1:?usage: check_multiprocess_gpu.sh OUT_DIR}
-ARGS=(--config configs/tiny.py --mode ddtree --budget 16 --max_new_tokens 32 --mesh tensor=2
-      --dtype float32)
+ARGS=(--config configs/tiny.py --config.mode=ddtree --config.budget=16 --config.max_new_tokens=32
+      --config.mesh=tensor=2 --config.dtype=float32)
 python3 scripts/decode.py "${ARGS[@]}" --json_out "$OUT/mp_one_process.json" || exit 1
 for r in 0 1; do
   CUDA_VISIBLE_DEVICES=$r JAX_COORDINATOR_ADDRESS=localhost:12355 JAX_NUM_PROCESSES=2 \

@@ -2,7 +2,7 @@
 
 Examples:
   python scripts/decode.py                                  # k2tiny pair, ddtree, budget 32
-  python scripts/decode.py --config.mode=chain --config.prompt="import os" --config.max_new_tokens=64
+  python scripts/decode.py --config.mode=chain --config.prompt="import os"
   python scripts/decode.py --config.temperature=0.8 --config.top_p=0.95 --json_out /tmp/out.json
   python scripts/decode.py --config configs/tiny.py --config.budget=16   # random tiny pair
   python scripts/decode.py --config.mesh=tensor=2,expert=4  # sharded over 8 devices

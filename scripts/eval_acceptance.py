@@ -22,7 +22,7 @@ from kdtree_jax.decoding.loop import generate
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.loader import DTYPES, load_models
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "default.py")
+DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "k2tiny.py")
 _CONFIG = cli.define_config(DEFAULT_CONFIG, "Run config (the pair).")
 _BUDGETS = flags.DEFINE_list("budgets", ["8", "16", "32", "64", "128"], "DDTree budgets.")
 _PROMPTS = flags.DEFINE_integer("prompts", 8, "Held-out prompts.")

@@ -30,7 +30,7 @@ from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.loader import DTYPES, load_models  # noqa: E402
 
 runtime.define_flags()
-DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "default.py")
+DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "k2tiny.py")
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Run config (the pair).")
 _NODES = flags.DEFINE_list("nodes", ["1", "3", "7", "15", "31", "63"],
                           "budget='auto' node counts (a --step_cost JSON must cover them + 1).")

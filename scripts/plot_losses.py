@@ -6,17 +6,14 @@
 
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags
+import matplotlib
 
-from absl import flags  # noqa: E402
-import matplotlib  # noqa: E402
-
-from kdtree_jax import cli  # noqa: E402
+from kdtree_jax import cli
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 _LOGS = flags.DEFINE_list("logs", None, "Comma-separated log.jsonl paths (one panel each).",
                           required=True)

@@ -8,17 +8,14 @@ sweep.py and bench_verify_attention.py, and the printed text of the first two (r
 """
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from absl import flags  # noqa: E402
-import matplotlib  # noqa: E402
+from absl import flags
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from kdtree_jax import cli, plots  # noqa: E402
+from kdtree_jax import cli, plots
 
 _INPUTS = flags.DEFINE_list("inputs", None, "Result files (default: .jsonl/.txt in results/).")
 _OUT = flags.DEFINE_string("out_dir", "plots", "Directory for the PNGs.")

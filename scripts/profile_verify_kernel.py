@@ -3,16 +3,11 @@
   python scripts/profile_verify_kernel.py --shapes 1x1x8x16384,1x16x8x46000,1x64x64x46000
 """
 
-import os
-import sys
+from absl import app, flags
+import jax
+import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from absl import app, flags  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-import pallas_kernels  # noqa: E402
+import pallas_kernels
 
 _SHAPES = flags.DEFINE_list("shapes", ["1x1x8x16384", "1x16x8x46000", "1x64x64x46000"],
                             "BxNxHxL shapes.")

@@ -2,75 +2,26 @@
 
   python scripts/train_target.py --config configs/train_target.py        # GPU (see the config)
   python scripts/train_target.py --config configs/train_target.py:cpu    # reduced CPU run
+
+The training itself: kdtree_jax/target/train.py.
 """
 
-import os
-import sys
-import time
+from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kdtree_jax import cli
+from kdtree_jax.target import train
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from kdtree_jax import data, training  # noqa: E402
-from kdtree_jax.checkpoint.hf_writer import save_hf_checkpoint  # noqa: E402
-from kdtree_jax.config import ModelConfig, YarnScaling  # noqa: E402
-from kdtree_jax.model.params import count_params, init_params  # noqa: E402
-
-
-def model_config(m) -> ModelConfig:
-  """ModelConfig from the config's `model` fields."""
-  fields = dict(m)
-  orig = fields.pop("yarn_original_max_position_embeddings")
-  ys = YarnScaling(factor=fields.pop("yarn_factor"), original_max_position_embeddings=orig,
-                   mscale=1.0, mscale_all_dim=1.0)
-  return ModelConfig(**fields, rope_scaling=ys)
-
-
-def init_model(c, cfg):
-  """Random f32 params with the routing bias at zero (balancing moves it)."""
-  params = init_params(jax.random.key(c.seed), cfg, jnp.float32, std=c.init_std)
-  layers = [dict(lp, moe=dict(lp["moe"], bias=jnp.zeros_like(lp["moe"]["bias"])))
-            if "moe" in lp else lp for lp in params["layers"]]
-  return dict(params, layers=layers)
-
-
-def train(c, corpus=None):
-  """Trains, writes the HF checkpoint to c.out_dir; returns (cfg, params)."""
-  t0 = time.time()
-  corpus = corpus or data.build_corpus(tuple(c.heldout_files), tuple(c.heldout_topics))
-  cfg = model_config(c.model)
-  print(f"corpus: {len(corpus.train):,} train tokens ({len(corpus.train_names)} docs), "
-        f"{len(corpus.eval):,} held-out ({len(corpus.eval_names)} docs); "
-        f"params {count_params(cfg)['total']:,}; devices {jax.devices()}", flush=True)
-  opt = training.make_optimizer(c)
-  params = init_model(c, cfg)
-  state = {"params": params, "opt_state": opt.init(params)}
-  evaluate = training.make_target_eval(
-      cfg, corpus.eval_batches(c.eval_batches, c.eval_batch, c.seq_len), c.compute_dtype)
-  state, step = training.fit(
-      c, state, training.make_target_step(cfg, opt, c),
-      lambda s: (corpus.batch(c.seed, 0 if c.overfit_one_batch else s, c.batch, c.seq_len),),
-      evaluate,
-      tokens_per_step=c.batch * c.seq_len, work_dir=c.work_dir)
-  save_hf_checkpoint(c.out_dir, cfg, state["params"], fmt=c.save_format)
-  print(f"wrote {c.out_dir} ({c.save_format}) after {step} steps, {time.time() - t0:.0f} s total",
-        flush=True)
-  return cfg, state["params"]
+_CONFIG = cli.define_config(None, "configs/train_target.py (GPU) or configs/train_target.py:cpu")
+_WRITE_SHIPPED = flags.DEFINE_bool("write_checkpoints", False, "Allow --config.out_dir inside "
+                                   "checkpoints/ (replaces the shipped model).")
 
 
 def main(argv):
   del argv
   c = cli.load_config(_CONFIG, "configs/train_target.py:cpu")
   cli.refuse_shipped_output(c.out_dir, "out_dir", "--write_checkpoints", _WRITE_SHIPPED.value)
-  train(c)
+  train.train(c)
 
 
 if __name__ == "__main__":
-  from absl import flags  # noqa: E402
-  from kdtree_jax import cli  # noqa: E402
-  _CONFIG = cli.define_config(None, "configs/train_target.py (GPU) or configs/train_target.py:cpu")
-  _WRITE_SHIPPED = flags.DEFINE_bool("write_checkpoints", False, "Allow --config.out_dir inside "
-                                     "checkpoints/ (replaces the shipped model).")
   cli.run(main)

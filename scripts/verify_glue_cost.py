@@ -9,17 +9,12 @@ cost model counts the whole cache as read by the tree block's row gather (a GPU 
   python scripts/verify_glue_cost.py --shapes 1x64x64x16384,1x16x16x46000 --tbps 4.1
 """
 
-import os
-import sys
+from absl import app, flags
+import jax
+import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from absl import app, flags  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from pallas_kernels.tree_verify import kernel  # noqa: E402
-from pallas_kernels.tree_verify.tuning import BLOCK_M, default_tuning  # noqa: E402
+from pallas_kernels.tree_verify import kernel
+from pallas_kernels.tree_verify.tuning import BLOCK_M, default_tuning
 
 _SHAPES = flags.DEFINE_list("shapes", ["1x64x64x16384", "1x64x64x46000", "1x16x16x46000",
                                        "4x16x64x46000"], "BxNxHxL shapes.")

@@ -1,9 +1,24 @@
-"""Test setup: 8 simulated CPU devices (multi-device code is tested on CPU) and f32 matmuls."""
+"""Test setup: 8 simulated CPU devices (multi-device code is tested on CPU), f32 matmuls, and the
+markers: `gpu` tests (a compiled Mosaic GPU kernel) skip without a GPU; `slow` ones (over ~30 s
+on 2 CPU cores) run in the whole suite and are left out of the fast set (`-m "not slow"`).
+"""
 
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Marks every `gpu` test skipped when JAX has no GPU backend."""
+  del config
+  if jax.default_backend() == "gpu":
+    return
+  skip = pytest.mark.skip(reason="gpu: a compiled Mosaic GPU kernel; this machine has no GPU")
+  for item in items:
+    if item.get_closest_marker("gpu"):
+      item.add_marker(skip)

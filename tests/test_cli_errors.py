@@ -41,13 +41,15 @@ def assert_one_line_error(result, status, named):
 
 
 @pytest.mark.parametrize("args,named", [
-    (["--budget", "0"], "--budget"),
-    (["--budget", "abc"], "--budget"),
-    (["--mode", "tree"], "--mode"),
-    (["--top_p", "1.5"], "--top_p"),
-    (["--max_new_tokens", "0"], "--max_new_tokens"),
+    (["--config.budget=0"], "--config.budget"),
+    (["--config.budget=abc"], "--config.budget"),
+    (["--config.mode=tree"], "--config.mode"),
+    (["--config.top_p=1.5"], "--config.top_p"),
+    (["--config.top_p=abc"], "--config.top_p"),
+    (["--config.max_new_tokens=0"], "--config.max_new_tokens"),
+    (["--config.bugdet=3"], "--config.bugdet"),
     (["--bugdet", "3"], "bugdet"),
-    (["--mesh", "tensor=3"], "--mesh"),
+    (["--config.mesh=tensor=3"], "--config.mesh"),
     (["import os"], "import os"),
 ])
 def test_flag_values(args, named):
@@ -96,8 +98,9 @@ def test_checkpoint_directory(tmp_path, content):
 def test_memory_bound_before_compiling():
   """budget 4096 needs 0.31 GB for one attention-score tensor [1, 4097, 4, 4672] f32: refused
   before compiling under a 0.2 GB limit (budget 100000 needs 161 GB: WORKSPACE.md)."""
-  result = decode("--budget", "4096", "--max_new_tokens", "4", "--config.memory_limit_gb=0.2")
-  assert_one_line_error(result, 2, "--budget")
+  result = decode("--config.budget=4096", "--config.max_new_tokens=4",
+                  "--config.memory_limit_gb=0.2")
+  assert_one_line_error(result, 2, "--config.budget")
   last = result[2].splitlines()[-1]
   assert "GB per device" in last and "--config.memory_limit_gb is 0.20 GB" in last, last
   assert "compiling" not in result[2]
@@ -108,7 +111,7 @@ def test_stop_reason(tmp_path):
   the budget given to an ar run is not recorded as if used."""
   max_len, reason = 40, "max_len"
   out = tmp_path / "out.json"
-  code, stdout, err = decode("--mode", "ar", "--budget", "8", "--max_new_tokens", "32",
+  code, stdout, err = decode("--config.mode=ar", "--config.budget=8", "--config.max_new_tokens=32",
                              f"--config.max_len={max_len}", "--json_out", str(out))
   assert code == 0 and "Traceback" not in err, err[-2000:]
   summary = json.loads(out.read_text())
@@ -119,7 +122,7 @@ def test_stop_reason(tmp_path):
   assert len(summary["tokens"]) == max_len - prompt_len + 1
   assert summary["budget"] is None and summary["temperature"] == 0.0  # every setting recorded
   assert "warning:" in err and "--config.max_len 40" in err  # warned before decoding
-  assert "--budget applies to --mode ddtree only" in err  # a flag the run does not use
+  assert "--config.budget applies to --config.mode=ddtree only" in err  # a field it ignores
 
 
 def test_stop_reason_and_capped_accepts_rules():

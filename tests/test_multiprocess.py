@@ -10,7 +10,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE = os.path.join(ROOT, "scripts", "decode.py")
-ARGS = ["--mode", "ddtree", "--budget", "16", "--max_new_tokens", "24", "--dtype", "float32"]
+ARGS = ["--config.mode=ddtree", "--config.budget=16", "--config.max_new_tokens=24",
+        "--config.dtype=float32"]
 
 
 def _free_port():
@@ -37,7 +38,7 @@ def test_two_processes_decode_like_one(tmp_path):
   for rank in range(2):
     env = _env(4, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
                JAX_PROCESS_ID=str(rank))
-    cmd = [sys.executable, DECODE, *ARGS, "--mesh", "tensor=2,expert=4",
+    cmd = [sys.executable, DECODE, *ARGS, "--config.mesh=tensor=2,expert=4",
            "--json_out", str(tmp_path / f"rank{rank}.json")]
     procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True))
@@ -45,8 +46,8 @@ def test_two_processes_decode_like_one(tmp_path):
     log = p.communicate(timeout=900)[0]
     assert p.returncode == 0, log[-3000:]
     assert "8 devices in 2 process(es)" in log, log[-3000:]
-  for name, devices, mesh in (("one_process", 8, ["--mesh", "tensor=2,expert=4"]),
-                              ("one_device", 1, ["--mesh", ""])):
+  for name, devices, mesh in (("one_process", 8, ["--config.mesh=tensor=2,expert=4"]),
+                              ("one_device", 1, ["--config.mesh="])):
     cmd = [sys.executable, DECODE, *ARGS, *mesh, "--json_out", str(tmp_path / f"{name}.json")]
     r = subprocess.run(cmd, cwd=ROOT, env=_env(devices), capture_output=True, text=True,
                        timeout=900, check=False)

@@ -95,8 +95,8 @@ def check_state_shardings(state, mesh):
 def test_decode_script_with_mesh_matches_one_device(tmp_path):
   out = tmp_path / "out.json"
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "decode.py"), "--config",
-         os.path.join(ROOT, "configs", "tiny.py"), "--mode", "ar", "--max_new_tokens", "8",
-         "--config.max_len", "64", "--mesh", "tensor=2,expert=4", "--json_out", str(out)]
+         os.path.join(ROOT, "configs", "tiny.py"), "--config.mode=ar", "--config.max_new_tokens=8",
+         "--config.max_len", "64", "--config.mesh=tensor=2,expert=4", "--json_out", str(out)]
   subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ), capture_output=True)
   cfg_file = os.path.join(ROOT, "configs", "tiny.py")
   loader = importlib.util.spec_from_file_location("tiny_cfg", cfg_file)
@@ -222,7 +222,7 @@ def test_mesh_strings_parse():
 
 
 def test_decode_script_rejects_bad_mesh():
-  cmd = [sys.executable, os.path.join(ROOT, "scripts", "decode.py"), "--mesh", "tensor=3"]
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "decode.py"), "--config.mesh=tensor=3"]
   r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True)
   assert r.returncode != 0 and "the product of the axis sizes must equal" in r.stderr
 

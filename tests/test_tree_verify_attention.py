@@ -174,7 +174,7 @@ class TestKernelSmall:
     assert default_tuning(1, 64, 128, 46000).num_splits == 1
 
 
-@pytest.mark.skipif(not ON_GPU, reason="full-shape set runs on the GPU only")
+@pytest.mark.gpu
 class TestKernelFullGPU:
   """Every (N, H) pair with ragged batches, and a sweep over L; compiled kernel."""
 

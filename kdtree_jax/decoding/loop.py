@@ -167,9 +167,9 @@ def length_warnings(tcfg, spec: SpecConfig, prompts: list[list[int]], max_len: i
   longest = max(len(p) for p in prompts)
   out = []
   if longest + spec.max_new_tokens > max_len + 1:  # the last new token needs no cache row
-    out.append(f"prompt ({longest} tokens) + --config.max_new_tokens {spec.max_new_tokens} exceeds "
-               f"--config.max_len {max_len}: at most {max_len - longest + 1} tokens will be "
-               "generated (stop_reason max_len)")
+    out.append(f"prompt ({longest} tokens) + --config.max_new_tokens {spec.max_new_tokens} "
+               f"exceeds --config.max_len {max_len}: at most {max_len - longest + 1} tokens "
+               "will be generated (stop_reason max_len)")
   trained, source = ((trained_positions, "--config.trained_positions") if trained_positions
                      else (tcfg.max_position_embeddings, "max_position_embeddings"))
   reach = min(longest + spec.max_new_tokens - 1, max_len)  # positions fed to the target

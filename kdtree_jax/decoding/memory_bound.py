@@ -88,6 +88,6 @@ def check_fits(traced, devices: int, limit_gb: float, field: str):
   have, source = device_memory_bytes(limit_gb)
   if bound.per_device > have:
     raise UsageError(field, f"this run needs {bound.describe()}, but {source} is "
-                     f"{have / GB:.2f} GB; lower --budget, --config.max_len or "
-                     "--max_new_tokens, or shard it with --mesh")
+                     f"{have / GB:.2f} GB; lower --config.budget, --config.max_len or "
+                     "--config.max_new_tokens, or shard it with --config.mesh")
   return bound
