@@ -28,7 +28,7 @@ def classify(row: dict) -> str | None:
   """The kind of one JSON record from eval_acceptance / bench_context_decode / sweep / kernels."""
   if "kind" in row:
     return row["kind"]
-  if "part" in row:  # scripts/bench_moe.py: ffn / tune / layer rows
+  if "part" in row:  # pallas_kernels/grouped_matmul/bench.py: ffn / tune / layer
     return "moe"
   if "mean_accept_len" in row:
     return "accept"
@@ -165,7 +165,7 @@ def plot_budget_eval(ax, rows, title="simulated tokens/s vs context"):
 
 
 def plot_moe(ax, rows):
-  """Routed-expert FFN (bench_moe.py `ffn` rows): % of the copy bandwidth vs verify width T,
+  """Routed-expert FFN (grouped_matmul/bench.py `ffn`): % of the copy bandwidth vs verify width T,
   one line per (file, weight format, grouped matmul)."""
   ffn = [r for r in rows if r.get("part") == "ffn" and "pct_copy" in r]
   for (src, fmt, impl), rs in sorted(_by(ffn, "source", "fmt", "impl").items()):

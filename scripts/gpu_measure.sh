@@ -6,13 +6,16 @@
 #   bash scripts/gpu_measure.sh OUT_DIR PART[:SECONDS] ...
 # Parts (single-GPU parts see GPU 0 only):
 #   moe_tests   grouped-matmul kernel GPU tests (bf16 + INT4, every code path)
-#   moe_bench   scripts/bench_moe.py: routed FFN per T, tuning sweep, whole MoE layer
+#   moe_bench   pallas_kernels/grouped_matmul/bench.py: routed FFN per T, tuning sweep, MoE layer
 #   verify      tree-verify kernel: GPU test classes, then the bench at L=46000 (B=1, N=1,16,64, H=8,64)
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
 #   draft       scripts/bench_draft.py: the two draft phases at K2.6 draft width
 #   calibrate   scripts/calibrate_step_cost.py on configs/bench_k26_full.py
 #   sharding    scripts/check_sharding_gpu.py over all visible GPUs (2 on nvidia-h200-x2)
 #   multiprocess  two processes of one GPU each (jax.distributed, NCCL) vs one process, 2 GPUs
+#   train_pair  train the k2tiny target, then its draft (configs/train_*.py, ~7 min with
+#               start-up): HF checkpoints in k2tiny/{target,draft} (copy into checkpoints/ to
+#               replace the shipped pair), both log.jsonl and losses.png
 # A persistent compilation cache ($OUT/../xla_cache, or JAX_COMPILATION_CACHE_DIR) is shared by
 # the parts of one call so each program compiles once.
 set -uo pipefail
@@ -30,9 +33,10 @@ run_part() {
   local part=$1 secs=$2
   case $part in
     moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu tests/test_grouped_matmul_kernel.py ;;
-    moe_bench) one_gpu timeout "$secs" python3 scripts/bench_moe.py --out "$RAW/bench_moe.jsonl" ;;
+    moe_bench) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench \
+                 --out "$RAW/bench_moe.jsonl" ;;
     verify) one_gpu timeout "$secs" bash -c "python3 -m pytest -q tests/test_tree_verify_attention.py \
-                -k 'Gpu or gpu or nh_grid or lengths or tunings'; python3 scripts/bench_verify_attention.py \
+                -k 'Gpu or gpu or nh_grid or lengths or tunings'; python3 -m pallas_kernels.tree_verify.bench \
                 --B=1 --N=1,16,64 --H=8,64 --L=46000 --json_out=$RAW/bench_verify_attention.jsonl" ;;
     k26_full) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --time_budget_s $(( secs - 20 )) ;;
@@ -42,6 +46,15 @@ run_part() {
     sharding) timeout "$secs" python3 scripts/check_sharding_gpu.py --meshes ";tensor=2;expert=2" \
                 --out "$RAW/sharding.jsonl" ;;
     multiprocess) timeout "$secs" bash scripts/check_multiprocess_gpu.sh "$RAW" ;;
+    train_pair) one_gpu timeout "$secs" bash -c "rm -rf /tmp/train_state && python3 \
+                  scripts/train_target.py --config configs/train_target.py \
+                  --config.out_dir=$RAW/k2tiny/target --config.work_dir=/tmp/train_state/target \
+                  && python3 scripts/train_draft.py --config configs/train_draft.py \
+                  --config.target_checkpoint=$RAW/k2tiny/target --config.out_dir=$RAW/k2tiny/draft \
+                  --config.work_dir=/tmp/train_state/draft && for m in target draft; do \
+                  cp /tmp/train_state/\$m/log.jsonl $RAW/\${m}_log.jsonl; done && python3 \
+                  scripts/plot_losses.py --logs $RAW/target_log.jsonl,$RAW/draft_log.jsonl \
+                  --out $RAW/losses.png" ;;
     *) echo "unknown part $part"; return 2 ;;
   esac
 }

@@ -1,7 +1,8 @@
 """Plots measured results: acceptance vs budget, throughput vs context, phases, roofline, sweeps.
 
 Reads JSON lines of eval_acceptance.py, bench_context_decode.py (kinds phases / throughput),
-sweep.py and bench_verify_attention.py, and the printed text of the first two (results/*.txt).
+sweep.py and pallas_kernels/tree_verify/bench.py, and the printed text of the first two
+(results/*.txt).
 
   python scripts/plot_results.py --out_dir runs/plots                 # everything in results/
   python scripts/plot_results.py --inputs runs/sweep.jsonl,runs/ctx.jsonl --out_dir runs/plots

@@ -1,6 +1,7 @@
 """Per-kernel CUPTI times of one tree_verify_attention call (where the time goes), GPU only.
 
-  python scripts/profile_verify_kernel.py --shapes 1x1x8x16384,1x16x8x46000,1x64x64x46000
+  python -m pallas_kernels.tree_verify.profile_kernels \\
+      --shapes 1x1x8x16384,1x16x8x46000,1x64x64x46000
 """
 
 from absl import app, flags

@@ -3,10 +3,11 @@
 Runs anywhere (CPU is fine): compiles `kernel.tree_partial` and `kernel.merge` (the kernel's split
 partials + the tree block -> output) on the shapes they see and prints XLA's `bytes accessed` and
 FLOPs, and the time those bytes take at a given bandwidth. An estimate from the compiler's cost
-model, not a timing (GPU timings: profile_verify_kernel.py, bench_verify_attention.py). The CPU
+model, not a timing (GPU timings: profile_kernels.py, bench.py here). The CPU
 cost model counts the whole cache as read by the tree block's row gather (a GPU gather reads N rows).
 
-  python scripts/verify_glue_cost.py --shapes 1x64x64x16384,1x16x16x46000 --tbps 4.1
+  python -m pallas_kernels.tree_verify.glue_cost --shapes 1x64x64x16384,1x16x16x46000 \\
+      --tbps 4.1
 """
 
 from absl import app, flags

@@ -1,6 +1,6 @@
 """Benchmark the Mosaic GPU tree-verify kernel against XLA; roofline from ceilings measured in-run.
 
-python3 scripts/bench_verify_attention.py --json_out=bench.jsonl --plot_out=bench.png
+  python -m pallas_kernels.tree_verify.bench --json_out=bench.jsonl --plot_out=bench.png
 """
 
 import itertools

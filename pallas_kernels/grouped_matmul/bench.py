@@ -8,7 +8,7 @@ Three parts, in order of value (a time box loses the least):
   3. `layer`: the whole MoE layer (router + routed + shared + glue) vs its weight-streaming floor.
 Every output is checked against the f32 XLA reference first. One JSON line per row in --out.
 
-  python scripts/bench_moe.py --out runs/bench_moe.jsonl
+  python -m pallas_kernels.grouped_matmul.bench --out runs/bench_moe.jsonl
 """
 
 import json
