@@ -3,13 +3,13 @@
   python scripts/train_draft.py --config configs/train_draft.py        # GPU (see the config)
   python scripts/train_draft.py --config configs/train_draft.py:cpu    # reduced CPU run
 
-The training itself: kdtree_jax/draft/train.py.
+The training itself: kdtree_jax/train_draft.py.
 """
 
 from absl import flags
 
 from kdtree_jax import cli
-from kdtree_jax.draft import train
+from kdtree_jax import train_draft as train
 
 _CONFIG = cli.define_config(None, "configs/train_draft.py (GPU) or configs/train_draft.py:cpu")
 _WRITE_SHIPPED = flags.DEFINE_bool("write_checkpoints", False, "Allow --config.out_dir inside "

@@ -3,13 +3,13 @@
   python scripts/train_target.py --config configs/train_target.py        # GPU (see the config)
   python scripts/train_target.py --config configs/train_target.py:cpu    # reduced CPU run
 
-The training itself: kdtree_jax/target/train.py.
+The training itself: kdtree_jax/train_target.py.
 """
 
 from absl import flags
 
 from kdtree_jax import cli
-from kdtree_jax.target import train
+from kdtree_jax import train_target as train
 
 _CONFIG = cli.define_config(None, "configs/train_target.py (GPU) or configs/train_target.py:cpu")
 _WRITE_SHIPPED = flags.DEFINE_bool("write_checkpoints", False, "Allow --config.out_dir inside "

@@ -1,6 +1,7 @@
 """The notebooks are committed executed (plots visible), run again end to end at small size, and
 draw; sweep.py writes one JSON line per point."""
 
+import importlib.util
 import json
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""Training: held-out split; both training drivers cut the loss on one batch, write loadable checkpoints."""
+"""Training: held-out split; both drivers cut the loss on one batch, write loadable checkpoints."""
 
 import importlib.util
 import json
@@ -10,10 +10,8 @@ import numpy as np
 import pytest
 
 import kdtree_jax
-from kdtree_jax import data, training
+from kdtree_jax import data, train_draft, train_target, training
 from kdtree_jax.draft import model as draft_model
-from kdtree_jax.draft import train as draft_train
-from kdtree_jax.target import train as target_train
 from kdtree_jax.target import transformer
 from kdtree_jax.tokenizer import ByteTokenizer
 
@@ -75,12 +73,12 @@ def trained(tmp_path_factory, corpus):
   tc.model.update(TINY_MODEL)
   tc.update(LOOP, bias_update_rate=BIAS_RATE, out_dir=str(tmp / "target"),
             work_dir=str(tmp / "runs/target"))
-  tcfg, tparams = target_train.train(tc, corpus)
+  tcfg, tparams = train_target.train(tc, corpus)
   dc = load_module("configs", "train_draft").get_config("cpu")
   dc.draft.update(TINY_DRAFT)
   dc.update(LOOP, anchors=6, gamma=2.0, target_checkpoint=tc.out_dir, out_dir=str(tmp / "draft"),
             work_dir=str(tmp / "runs/draft"))
-  dcfg, dparams = draft_train.train(dc, corpus)
+  dcfg, dparams = train_draft.train(dc, corpus)
   return tc, tcfg, tparams, dc, dcfg, dparams
 
 
