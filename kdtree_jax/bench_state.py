@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from kdtree_jax.decoding import loop
 from kdtree_jax.decoding.state import DecodeState
 from kdtree_jax.draft import model as draft_model
+from kdtree_jax.pair import Pair
 from kdtree_jax.target.params import abstract_params
 
 
@@ -18,7 +19,7 @@ def _abstract_state(tcfg, dcfg, spec, batch, max_len, dtype) -> DecodeState:
       jax.random.key(0))
   prompts = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
   return jax.eval_shape(lambda tp_, dp_, p, n, k: loop.init_state(
-      tcfg, tp_, dcfg, dp_, spec, p, n, k, max_len, dtype), tp, dp, prompts,
+      Pair(tcfg, tp_, dcfg, dp_), spec, p, n, k, max_len, dtype), tp, dp, prompts,
       jax.ShapeDtypeStruct((batch,), jnp.int32), jax.random.key(0))
 
 

@@ -1,4 +1,5 @@
-"""Builds the (target, draft, tokenizer) triple a run config names: checkpoints or random presets."""
+"""Loads what a run config names: the target + draft `Pair` (checkpoints or random presets) and
+the tokenizer."""
 
 import dataclasses
 import os
@@ -14,19 +15,11 @@ from kdtree_jax.cli import DataError, UsageError
 from kdtree_jax.draft.checkpoint import load_dflash_checkpoint
 from kdtree_jax.draft.config import DraftConfig
 from kdtree_jax.draft.model import init_draft_params
+from kdtree_jax.pair import Pair
 from kdtree_jax.target.params import init_params
 from kdtree_jax.tokenizer import ByteTokenizer, load_tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-@dataclasses.dataclass
-class Models:
-  tcfg: model_config.ModelConfig
-  tparams: dict
-  dcfg: DraftConfig | None
-  dparams: dict | None
-  tokenizer: object
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -163,7 +156,8 @@ def make_tokenizer(name: str, target):
                    "set --config.target.checkpoint or use --config.tokenizer=bytes")
 
 
-def load_models(config, mesh=None) -> Models:
+def load_pair(config, mesh=None) -> tuple[Pair, object]:
+  """(target + draft pair, tokenizer) of a run config, params placed on `mesh` (if any)."""
   dtype = _dtype(config.dtype)
   for kind in ("target", "draft"):  # checkpoint dirs first: an empty one is not a tokenizer error
     if config[kind].checkpoint:
@@ -171,4 +165,4 @@ def load_models(config, mesh=None) -> Models:
   tokenizer = make_tokenizer(config.tokenizer, config.target)  # fails fast, before the weights
   tcfg, tparams = load_target(config.target, dtype, mesh)
   dcfg, dparams = load_draft(config.draft, tcfg, dtype, mesh)
-  return Models(tcfg, tparams, dcfg, dparams, tokenizer)
+  return Pair(tcfg, tparams, dcfg, dparams), tokenizer

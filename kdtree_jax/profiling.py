@@ -18,6 +18,7 @@ import pallas_kernels
 from kdtree_jax import roofline, timing
 from kdtree_jax.decoding import loop, step
 from kdtree_jax.decoding.state import DecodeState
+from kdtree_jax.pair import Pair
 from kdtree_jax.target.moe import moe
 from kdtree_jax.bench_state import at_context, bench_state, clone  # noqa: F401 (re-exported)
 from kdtree_jax.phase_costs import INT4_BYTES, phase_costs  # noqa: F401
@@ -73,7 +74,7 @@ def _commit(rest, cache, dc, tree, taps, path, a, nxt, *, tcfg, dcfg, spec):
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
 def _step(tparams, dparams, state, *, tcfg, dcfg, spec):
-  return step.speculative_step(tcfg, tparams, dcfg, dparams, spec, state)
+  return step.speculative_step(Pair(tcfg, tparams, dcfg, dparams), spec, state)
 
 
 def _split(state):
@@ -84,11 +85,12 @@ _PHASES = dict(draft_ctx=_draft_ctx, draft_block=_draft_block, tree=_tree, verif
                accept=_accept, commit=_commit, step=_step)
 
 
-def phase_programs(tcfg, tparams, dcfg, dparams, spec, state, program=None):
+def phase_programs(pair: Pair, spec, state, program=None):
   """{name: (fn, args, feed)}: every phase on the inputs it sees inside the fused step, where
   `feed(args, out)` gives the next call's args (a donating phase gets its own output back).
   `state` is consumed (donated): pass a clone. program(name, jitted) -> the callable used for
   phase `name` (default: the jitted phase with this config; e.g. a program compiled ahead)."""
+  tcfg, tparams, dcfg, dparams = pair.tcfg, pair.tparams, pair.dcfg, pair.dparams
   kw = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
   program = program or (lambda name, f: functools.partial(f, **kw))
   run = {name: program(name, f) for name, f in _PHASES.items()}
@@ -123,12 +125,12 @@ def _structs(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
-def compile_phase_programs(tcfg, tparams, dcfg, dparams, spec, state, extra=None) -> dict:
+def compile_phase_programs(pair: Pair, spec, state, extra=None) -> dict:
   """{name: Compiled} of every phase program, from their abstract inputs (one trace of
   `phase_programs` under eval_shape), and of `extra` ({name: (partial of a jitted fn, args,
   feed)}), lowered one by one and compiled all at once (one thread each: XLA compiles release
   the GIL). Programs that fail to compile are left out (their first call compiles them)."""
-  kw = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
+  kw = dict(tcfg=pair.tcfg, dcfg=pair.dcfg, spec=spec)
   seen = {}
 
   def program(name, f):
@@ -137,11 +139,11 @@ def compile_phase_programs(tcfg, tparams, dcfg, dparams, spec, state, extra=None
       return functools.partial(f, **kw)(*args)
     return call
 
-  def trace(st, tp, dp):
-    for name, (_, args, _) in phase_programs(tcfg, tp, dcfg, dp, spec, st, program).items():
+  def trace(st, pr):
+    for name, (_, args, _) in phase_programs(pr, spec, st, program).items():
       seen.setdefault(name, _structs(args))
 
-  jax.eval_shape(trace, _structs(state), tparams, dparams)
+  jax.eval_shape(trace, _structs(state), pair)
   lowered = {name: _PHASES[name].lower(*args, **kw) for name, args in seen.items()}
   for name, (fn, args, _) in (extra or {}).items():
     lowered[name] = fn.func.lower(*args, **fn.keywords)
@@ -210,18 +212,18 @@ def time_program(fn, args, feed, reps):
   return (wall, wall, "wall") if kern is None else (kern, wall, "cupti")
 
 
-def profile_step(tcfg, tparams, dcfg, dparams, spec, state, ceil, reps=20,
-                 parts=True) -> list[PhaseRow]:
+def profile_step(pair: Pair, spec, state, ceil, reps=20, parts=True) -> list[PhaseRow]:
   """Times every phase alone and the fused step (consumes `state`); rows with roofline floors.
   parts: also verify's attention (all layers) and MoE (all MoE layers) alone, and the rest."""
+  tcfg, tparams, dcfg = pair.tcfg, pair.tparams, pair.dcfg
   batch, ctx = state.bonus.shape[0], int(state.cache.lengths[0])
   wb = state.cache.dtype.itemsize
   costs = phase_costs(tcfg, dcfg, spec, batch, ctx, wb, expert_bytes_per_weight(tparams, wb))
   progs = _verify_parts(tcfg, tparams, spec, state) if parts else {}
-  compiled = compile_phase_programs(tcfg, tparams, dcfg, dparams, spec, state, progs)
+  compiled = compile_phase_programs(pair, spec, state, progs)
   progs = {name: (compiled.get(name, fn), args, feed) for name, (fn, args, feed) in progs.items()}
   kw = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
-  progs.update(phase_programs(tcfg, tparams, dcfg, dparams, spec, state, lambda name, f: (
+  progs.update(phase_programs(pair, spec, state, lambda name, f: (
       compiled[name] if name in compiled else functools.partial(f, **kw))))
   rows = []
   for name, (fn, args, feed) in progs.items():
@@ -261,13 +263,13 @@ def format_table(rows: list[PhaseRow]) -> str:
   return "\n".join(lines)
 
 
-def trace_loop(tcfg, tparams, dcfg, dparams, spec, state, logdir, n_steps=8):
+def trace_loop(pair: Pair, spec, state, logdir, n_steps=8):
   """A jax.profiler trace of the fused loop (named scopes per phase) for Perfetto/TensorBoard."""
-  fn = while_steps_fn(tcfg, dcfg, spec)
+  fn = while_steps_fn(spec)
   st = state.replace(steps=jnp.zeros((), jnp.int32))
-  jax.block_until_ready(fn(tparams, dparams, st, jnp.int32(n_steps)))
+  jax.block_until_ready(fn(pair, st, jnp.int32(n_steps)))
   with jax.profiler.trace(logdir):
-    jax.block_until_ready(fn(tparams, dparams, st, jnp.int32(n_steps)))
+    jax.block_until_ready(fn(pair, st, jnp.int32(n_steps)))
   return logdir
 
 

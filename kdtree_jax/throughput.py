@@ -17,41 +17,40 @@ from kdtree_jax.bench_state import at_context, bench_state
 from kdtree_jax.decoding import loop, step
 
 
-def while_steps_fn(tcfg, dcfg, spec):
-  """jit(tparams, dparams, state, n): n steps in a lax.while_loop, nothing donated (the HLO
-  audit's program: the loop body `generate` runs)."""
-  def run(tp, dp, st, n):
-    return jax.lax.while_loop(lambda s: s.steps < n, lambda s: step.speculative_step(
-        tcfg, tp, dcfg, dp, spec, s), st)
+def while_steps_fn(spec):
+  """jit(pair, state, n): n steps in a lax.while_loop, nothing donated (the HLO audit's
+  program: the loop body `generate` runs)."""
+  def run(pair, st, n):
+    return jax.lax.while_loop(lambda s: s.steps < n,
+                              lambda s: step.speculative_step(pair, spec, s), st)
   return jax.jit(run)
 
 
-def loop_program(tcfg, dcfg, spec):
-  """(tparams, dparams, state, until) -> state: `loop.steps_device`, the donated device loop."""
-  return lambda tp, dp, st, until: loop.steps_device(tp, dp, st, jnp.int32(until), tcfg=tcfg,
-                                                     dcfg=dcfg, spec=spec)
+def loop_program(spec):
+  """(pair, state, until) -> state: `loop.steps_device`, the donated device loop."""
+  return lambda pair, st, until: loop.steps_device(pair, st, jnp.int32(until), spec=spec)
 
 
-def _run(run, tp, dp, st, n):
+def _run(run, pair, st, n):
   """(state after n more steps, wall seconds), waiting for the device."""
   t0 = time.perf_counter()
-  st = run(tp, dp, st, int(st.steps) + n)
+  st = run(pair, st, int(st.steps) + n)
   jax.block_until_ready(st)
   return st, time.perf_counter() - t0
 
 
-def measure_context(run, tp, dp, st, gen):
+def measure_context(run, pair, st, gen):
   """{ms_per_step, timing, accepted_per_step, kernel_us, host_gap_us} from `st` (consumed)."""
-  st, _ = _run(run, tp, dp, st, 2)                      # warm: compile, record command buffers
+  st, _ = _run(run, pair, st, 2)                        # warm: compile, record command buffers
   first = int(st.steps)
-  st, t_short = _run(run, tp, dp, st, 2)
-  st, t_long = _run(run, tp, dp, st, 2 + gen)
+  st, t_short = _run(run, pair, st, 2)
+  st, t_long = _run(run, pair, st, 2 + gen)
   ms, how = 1e3 * (t_long - t_short) / gen, "slope"
   if ms <= 0:  # timing noise swamped the slope (tiny CPU runs): whole chunk per step
     ms, how = 1e3 * t_long / (2 + gen), "total"
   acc = np.asarray(jax.device_get(st.accepted))[first:int(st.steps)]
-  chunk = lambda a, out: (a[0], a[1], out, int(out.steps) + gen)
-  kern, _ = timing.kernel_ms(run, (tp, dp, st, int(st.steps) + gen), chunk, iters=1)
+  chunk = lambda a, out: (a[0], out, int(out.steps) + gen)
+  kern, _ = timing.kernel_ms(run, (pair, st, int(st.steps) + gen), chunk, iters=1)
   kernel_us = None if kern is None else 1e3 * kern / gen
   return dict(ms_per_step=ms, timing=how, accepted_per_step=float(acc.mean()),
               kernel_us=kernel_us, host_gap_us=None if kern is None else 1e3 * ms - kernel_us)
@@ -62,14 +61,15 @@ def loop_state_steps(gen: int) -> int:
   return 4 * gen + 16
 
 
-def time_contexts(tcfg, tparams, dcfg, dparams, spec, ctxs, dtype, batch=1, gen=16, run=None):
+def time_contexts(pair, spec, ctxs, dtype, batch=1, gen=16, run=None):
   """One compiled device loop for `spec` (`run`, e.g. a compiled `loop_program`, or jitted
   here); one row per context (see the module docstring)."""
-  run = run or loop_program(tcfg, dcfg, spec)
+  tcfg, dcfg = pair.tcfg, pair.dcfg
+  run = run or loop_program(spec)
   rows = []
   for ctx in ctxs:  # one state shape (sized for the longest context): one compiled loop
     big = bench_state(tcfg, dcfg, spec, batch, max(ctxs), dtype, steps=loop_state_steps(gen))
-    m = measure_context(run, tparams, dparams, at_context(big, spec, ctx), gen)
+    m = measure_context(run, pair, at_context(big, spec, ctx), gen)
     del big
     rows.append(dict(mode=spec.mode, budget=spec.budget if spec.mode == "ddtree" else None,
                      block_size=spec.block_size if spec.mode != "ar" else None, ctx=ctx,

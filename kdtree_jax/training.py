@@ -9,7 +9,6 @@ still warms up and anneals fully.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -22,7 +21,6 @@ import optax
 import orbax.checkpoint as ocp
 
 from kdtree_jax.draft import model as draft_model
-from kdtree_jax.target import moe as moe_module
 from kdtree_jax.target import transformer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -72,27 +70,6 @@ def cross_entropy(logits, labels):
 
 
 # ---- target: next-token loss + aux-loss-free MoE balancing ---------------------------------
-@contextlib.contextmanager
-def record_routing():
-  """While tracing, collects each MoE layer's expert ids [T, K] (in layer order).
-
-  Wraps `kdtree_jax.target.moe.route`, which `moe()` looks up at call time; the recorded
-  arrays are tracers of the enclosing trace, to be returned from it (e.g. as aux output).
-  """
-  routes, original = [], moe_module.route
-
-  def recording(p, cfg, x_td):
-    idx, w = original(p, cfg, x_td)
-    routes.append(idx)
-    return idx, w
-
-  moe_module.route = recording
-  try:
-    yield routes
-  finally:
-    moe_module.route = original
-
-
 def stop_bias(params):
   """e_score_correction_bias is set by balancing, not by gradient."""
   layers = [dict(lp, moe=dict(lp["moe"], bias=jax.lax.stop_gradient(lp["moe"]["bias"])))
@@ -103,10 +80,10 @@ def stop_bias(params):
 def target_loss(cfg, compute_dtype, params, tokens_bs1):
   """Mean next-token cross-entropy on windows [B, S + 1]; aux = per-MoE-layer expert loads [E]."""
   p = cast_params(stop_bias(params), compute_dtype)
-  with record_routing() as routes:
-    logits, _, _ = transformer.prefill(cfg, p, None, tokens_bs1[:, :-1])
+  routes = []  # each MoE layer's expert ids [T, K], appended while tracing
+  logits, _, _ = transformer.prefill(cfg, p, None, tokens_bs1[:, :-1], routes=routes)
   if len(routes) != cfg.num_moe_layers:
-    raise RuntimeError(f"record_routing saw {len(routes)} MoE layers, not {cfg.num_moe_layers}")
+    raise RuntimeError(f"the prefill recorded {len(routes)} MoE layers, not {cfg.num_moe_layers}")
   loss = jnp.mean(cross_entropy(logits, tokens_bs1[:, 1:]))
   loads = [jnp.bincount(idx.reshape(-1), length=cfg.n_routed_experts) / idx.size for idx in routes]
   return loss, loads

@@ -43,7 +43,7 @@ from kdtree_jax import data
 from kdtree_jax.decoding import step
 from kdtree_jax.decoding.loop import generate, init_state
 from kdtree_jax.decoding.spec_config import SpecConfig
-from kdtree_jax.loader import load_models
+from kdtree_jax.loader import load_pair
 
 GEN = 32 if SMALL else 128          # tokens generated per mode
 BUDGET = 8 if SMALL else 32         # DDTree node budget
@@ -54,9 +54,8 @@ spec_file = importlib.util.spec_from_file_location("k2tiny", "configs/k2tiny.py"
 k2tiny = importlib.util.module_from_spec(spec_file)
 spec_file.loader.exec_module(k2tiny)
 config = k2tiny.get_config()
-models = load_models(config)
-tcfg, tparams, dcfg, dparams, tok = (models.tcfg, models.tparams, models.dcfg, models.dparams,
-                                     models.tokenizer)
+pair, tok = load_pair(config)
+tcfg, tparams, dcfg, dparams = pair.tcfg, pair.tparams, pair.dcfg, pair.dparams
 print(f"target: {tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, "
       f"vocab {tcfg.vocab_size}")
 print(f"draft: {dcfg.num_hidden_layers} layers, block {dcfg.block_size}, "
@@ -73,7 +72,7 @@ print(tok.decode(prompt))'''),
 results = {}
 for mode in ("ar", "chain", "ddtree"):
   spec = SpecConfig(mode=mode, budget=BUDGET, block_size=dcfg.block_size, max_new_tokens=GEN)
-  res = generate(tcfg, tparams, dcfg, dparams, spec, [prompt], max_len=MAX_LEN)
+  res = generate(pair, spec, [prompt], max_len=MAX_LEN)
   results[mode] = res
   print(f"--- {mode}: {len(res.tokens[0])} tokens in {res.steps} steps, "
         f"mean accepted tokens / step {res.mean_accept_len:.2f}")
@@ -88,8 +87,8 @@ states) and picks the first token, the *bonus*: the root of the first tree."""),
     ("code", '''\
 spec = SpecConfig(mode="ddtree", budget=BUDGET, block_size=dcfg.block_size, max_new_tokens=GEN)
 taps = tuple(dcfg.target_layer_ids)
-state = jax.jit(lambda tp, dp, p, n, k: init_state(tcfg, tp, dcfg, dp, spec, p, n, k, MAX_LEN))(
-    tparams, dparams, jnp.asarray([prompt]), jnp.asarray([len(prompt)]), jax.random.key(0))
+state = jax.jit(lambda pr, p, n, k: init_state(pr, spec, p, n, k, MAX_LEN))(
+    pair, jnp.asarray([prompt]), jnp.asarray([len(prompt)]), jax.random.key(0))
 print("cache length", int(state.cache.lengths[0]),
       "bonus", repr(tok.decode([int(state.bonus[0])])))'''),
     ("code", '''\

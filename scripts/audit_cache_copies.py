@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import ml_collections
 
 from kdtree_jax.target import config as C
-from kdtree_jax import hlo_audit, models, profiling, roofline, runtime
+from kdtree_jax import hlo_audit, loader, profiling, roofline, runtime
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.target.params import init_params
+from kdtree_jax.pair import Pair
 
 _LAYERS = flags.DEFINE_integer("layers", 4, "Target layers (tiny widths, K2.6 latent width 576).")
 _ROWS = flags.DEFINE_integer("rows", 4096, "Context the bench state is sized for.")
@@ -37,7 +38,7 @@ def _setup(mode, layers):
   tp = init_params(jax.random.key(0), cfg, jnp.float32)
   dcfg = dp = None
   if mode != "ar":
-    dcfg, dp = models.load_draft(ml_collections.ConfigDict(dict(checkpoint="", preset="tiny",
+    dcfg, dp = loader.load_draft(ml_collections.ConfigDict(dict(checkpoint="", preset="tiny",
                                                                 seed=0)), cfg, jnp.float32)
   return cfg, tp, dcfg, dp, spec
 
@@ -45,10 +46,11 @@ def _setup(mode, layers):
 def step_ms(mode, layers, rows, ctx=1000):
   """Loop time per step at context `ctx` with caches sized for `rows` (slope, 4 vs 24 steps)."""
   cfg, tp, dcfg, dp, spec = _setup(mode, layers)
-  fn = profiling.while_steps_fn(cfg, dcfg, spec)
+  fn = profiling.while_steps_fn(spec)
   st = profiling.bench_state(cfg, dcfg, spec, 1, rows, jnp.float32, steps=40)
   st = profiling.at_context(st, spec, ctx).replace(steps=jnp.zeros((), jnp.int32))
-  t = {n: roofline.wall_time_s(fn, tp, dp, st, jnp.int32(n), reps=3) for n in (4, 24)}
+  pair = Pair(cfg, tp, dcfg, dp)
+  t = {n: roofline.wall_time_s(fn, pair, st, jnp.int32(n), reps=3) for n in (4, 24)}
   return 1e3 * (t[24] - t[4]) / 20
 
 
@@ -56,7 +58,8 @@ def audit(mode, layers, rows):
   """(cache bytes, per-layer bytes, [hlo_audit.Copy]) for one mode's compiled loop."""
   cfg, tp, dcfg, dp, spec = _setup(mode, layers)
   st = jax.eval_shape(lambda: profiling.bench_state(cfg, dcfg, spec, 1, rows, jnp.float32))
-  txt = profiling.while_steps_fn(cfg, dcfg, spec).lower(tp, dp, st, jnp.int32(4)).compile().as_text()
+  txt = profiling.while_steps_fn(spec).lower(Pair(cfg, tp, dcfg, dp), st,
+                                            jnp.int32(4)).compile().as_text()
   caches = [st.cache] + ([st.draft_cache] if st.draft_cache is not None else [])
   leaves = [a for c in caches for a in jax.tree.leaves(c) if a.ndim >= 3]
   total = sum(a.size * a.dtype.itemsize for a in leaves)

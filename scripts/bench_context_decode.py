@@ -18,6 +18,7 @@ from ml_collections import config_flags  # noqa: E402
 from kdtree_jax import plots, profiling, roofline, runtime  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.loader import DTYPES, load_draft, load_target  # noqa: E402
+from kdtree_jax.pair import Pair  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Bench config (configs/bench_*.py).")
 _CTX = flags.DEFINE_list("ctx", ["1024", "4096", "16384", "46000", "131072"], "Context lengths.")
@@ -55,6 +56,7 @@ def main(_):
   dtype = DTYPES[c.dtype]
   tcfg, tp = load_target(c.target, dtype)
   dcfg, dp = load_draft(c.draft, tcfg, dtype)
+  pair = Pair(tcfg, tp, dcfg, dp)
   dev = jax.devices()[0]
   rows = []
   out = open(_JSON.value, "w") if _JSON.value else None  # pylint: disable=consider-using-with
@@ -65,7 +67,7 @@ def main(_):
     for mode in _PROFILE_MODES.value:
       spec = _spec(c, mode, _GEN.value)
       state = profiling.bench_state(tcfg, dcfg, spec, _BATCH.value, _PROFILE_CTX.value, dtype)
-      prow = profiling.profile_step(tcfg, tp, dcfg, dp, spec, state, ceil)  # consumes state
+      prow = profiling.profile_step(pair, spec, state, ceil)  # consumes state
       print(f"\n== phase table: mode={mode} ctx={_PROFILE_CTX.value}\n"
             + profiling.format_table(prow), flush=True)
       if out:
@@ -74,12 +76,11 @@ def main(_):
         out.flush()
       if _TRACE.value and mode == _PROFILE_MODES.value[-1]:
         state = profiling.bench_state(tcfg, dcfg, spec, _BATCH.value, _PROFILE_CTX.value, dtype)
-        profiling.trace_loop(tcfg, tp, dcfg, dp, spec, state, _TRACE.value)
+        profiling.trace_loop(pair, spec, state, _TRACE.value)
   ctxs = [int(x) for x in _CTX.value]
   for mode in _MODE.value:
     spec = _spec(c, mode, _GEN.value)
-    for r in profiling.time_contexts(tcfg, tp, dcfg, dp, spec, ctxs, dtype, _BATCH.value,
-                                     _GEN.value):
+    for r in profiling.time_contexts(pair, spec, ctxs, dtype, _BATCH.value, _GEN.value):
       rows.append(r)
       print(f"ctx={r['ctx']:>7} {mode:>6}: {r['ms_per_step']:8.3f} ms/step "
             f"{r['accepted_per_step']:5.2f} tok/step {r['tokens_per_s']:9.1f} tok/s  "

@@ -31,6 +31,7 @@ from kdtree_jax.bench_state import bench_state
 from kdtree_jax.decoding import loop
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.loader import DTYPES, load_draft, load_target
+from kdtree_jax.pair import Pair
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "bench_k26_full.py")
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Bench config.")
@@ -73,14 +74,14 @@ def lower_programs(m, c, spec):
   Mosaic kernels compile at lowering, once per shape), and the loop's capacity."""
   tcfg, tp, dcfg, dp, dtype = m
   max_len = _loop_capacity(c, spec)
-  kw = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
+  pair, kw = Pair(tcfg, tp, dcfg, dp), dict(spec=spec)
   prompts = jax.ShapeDtypeStruct((1, c.bench.prompt_len), jnp.int32)
   lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
   state = jax.eval_shape(lambda: bench_state(tcfg, dcfg, spec, 1, max(c.bench.ctxs), dtype,
                                              steps=throughput.loop_state_steps(c.bench.gen)))
-  return {"prefill": loop.prefill_device.lower(tp, dp, prompts, lengths, jax.random.key(0),
+  return {"prefill": loop.prefill_device.lower(pair, prompts, lengths, jax.random.key(0),
                                                max_len=max_len, cache_dtype=dtype, **kw),
-          "loop": loop.steps_device.lower(tp, dp, state, jnp.int32(0), **kw)}, max_len
+          "loop": loop.steps_device.lower(pair, state, jnp.int32(0), **kw)}, max_len
 
 
 def _compile(lowered):
@@ -130,8 +131,8 @@ def phase_table(m, c, spec, ceil, deadline, rec, parts=True):
   def run():
     with timing.CompileCounter() as cc:
       state = profiling.bench_state(tcfg, dcfg, spec, 1, c.bench.profile_ctx, dtype)
-      rows = profiling.profile_step(tcfg, tp, dcfg, dp, spec, state, ceil, reps=c.bench.reps,
-                                    parts=parts)
+      rows = profiling.profile_step(Pair(tcfg, tp, dcfg, dp), spec, state, ceil,
+                                    reps=c.bench.reps, parts=parts)
     return rows, cc.as_dict()
 
   out, secs, status = deadline.box(run)
@@ -148,9 +149,9 @@ def phase_table(m, c, spec, ceil, deadline, rec, parts=True):
 def throughput_rows(m, c, spec, compiled_loop, deadline, rec):
   """Throughput vs context with the compiled loop. Returns False on timeout (not on an error)."""
   tcfg, tp, dcfg, dp, dtype = m
-  run = lambda tp_, dp_, st, until: compiled_loop(tp_, dp_, st, jnp.int32(until))
+  run = lambda pair, st, until: compiled_loop(pair, st, jnp.int32(until))
   out, secs, status = deadline.box(lambda: throughput.time_contexts(
-      tcfg, tp, dcfg, dp, spec, list(c.bench.ctxs), dtype, gen=c.bench.gen, run=run))
+      Pair(tcfg, tp, dcfg, dp), spec, list(c.bench.ctxs), dtype, gen=c.bench.gen, run=run))
   for r in out or []:
     rec.add("throughput", **r)
     print(f"ctx={r['ctx']:>7} {spec.mode:>6}: {r['ms_per_step']:8.3f} ms/step "

@@ -31,8 +31,8 @@ from ml_collections import config_flags  # noqa: E402
 from kdtree_jax import profiling, roofline, runtime, timing  # noqa: E402
 from kdtree_jax.decoding import budget, step, step_cost  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
-from kdtree_jax.target import moe as moe_module  # noqa: E402
 from kdtree_jax.loader import DTYPES, load_draft, load_target  # noqa: E402
+from kdtree_jax.pair import Pair
 
 runtime.define_flags()
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Bench config (configs/bench_*.py).")
@@ -51,7 +51,7 @@ def loop_fn(tcfg, dcfg, spec):
   """jit(tp, dp, state, n, idx): n steps of the device while loop at compiled width idx."""
   def run(tp, dp, st, n, idx):
     return jax.lax.while_loop(lambda s: s.steps < n, lambda s: step.speculative_step(
-        tcfg, tp, dcfg, dp, spec, s, width_index=idx), st)
+        Pair(tcfg, tp, dcfg, dp), spec, s, width_index=idx), st)
   return jax.jit(run)
 
 
@@ -67,36 +67,26 @@ def lower_probe(tcfg, dcfg, spec, tp, dp, abstract_state):
   """Lowered (tp, dp, state) -> expert ids [T, K] of every MoE layer in a verify of the largest
   tree (draft -> tree -> verify), recorded from the router while tracing. A node sees only its
   ancestors, so the first n + 1 rows are exactly the routes of a width-(n + 1) verify."""
-  routes, orig = [], moe_module.route
-
-  def recording(p, cfg, x):
-    out = orig(p, cfg, x)
-    routes.append(out[0])
-    return out
-
   def probe(tp_, dp_, st):
+    routes = []
     _, logits = step.draft_phase(dcfg, dp_, tp_, spec, st)
     tree = step.tree_phase(spec, logits, st.bonus.shape[0])
-    step.verify_phase(tcfg, tp_, spec, st, tree, tuple(dcfg.target_layer_ids))
-    return list(routes)
+    step.verify_phase(tcfg, tp_, spec, st, tree, tuple(dcfg.target_layer_ids), routes=routes)
+    return routes
 
-  moe_module.route = recording
-  try:
-    return jax.jit(probe).lower(tp, dp, abstract_state)
-  finally:
-    moe_module.route = orig
+  return jax.jit(probe).lower(tp, dp, abstract_state)
 
 
 def lower_programs(tcfg, tp, dcfg, dp, specs, state_of) -> dict:
   """{name: lowered}: the auto loop (width as data), each fixed mode's loop, the router probe;
-  traced one after another (the probe patches the router while it traces)."""
+  traced one after another."""
   shapes = {n: jax.eval_shape(lambda sp=sp: state_of(sp)) for n, sp in specs.items()}
   i32 = jax.ShapeDtypeStruct((), jnp.int32)
   auto = specs["auto"]
   lowered = {"auto": loop_fn(tcfg, dcfg, auto).lower(tp, dp, shapes["auto"], i32, i32)}
   for m, sp in specs.items():
     if m != "auto":
-      lowered[m] = profiling.while_steps_fn(tcfg, dcfg, sp).lower(tp, dp, shapes[m], i32)
+      lowered[m] = profiling.while_steps_fn(sp).lower(Pair(tcfg, tp, dcfg, dp), shapes[m], i32)
   if tcfg.num_moe_layers:
     lowered["probe"] = lower_probe(tcfg, dcfg, auto, tp, dp, shapes["auto"])
   return lowered
@@ -155,12 +145,12 @@ def mode_spec(c, dcfg, mode):
                     attn_backend=c.attn_backend, forced_accept=c.get("forced_accept", -1))
 
 
-def mode_rows(exe, tcfg, tp, dp, spec, big, analytic, ctxs, steps):
+def mode_rows(exe, tcfg, pair, spec, big, analytic, ctxs, steps):
   """Rows of a fixed mode ('ar' or 'chain', loop `exe`) at every context."""
   rows = []
   for ctx in ctxs:
     st = profiling.at_context(big, spec, ctx)
-    ms, how, kern = timed(exe, lambda n, st=st: (tp, dp, st, jnp.int32(n)), steps)
+    ms, how, kern = timed(exe, lambda n, st=st: (pair, st, jnp.int32(n)), steps)
     rows.append(row(spec.mode, spec.verify_width, ctx, ms, how, kern,
                     analytic.mode_ms(spec.mode, ctx), [], tcfg))
     print(_fmt(rows[-1]), flush=True)
@@ -246,7 +236,8 @@ def main(_):
   print(HEADER, flush=True)
   rows = ddtree_rows(exe, tcfg, tp, dp, spec, state_of(spec), analytic, ctxs, steps, save)
   for m in _MODES.value:  # one cache-sized state in memory at a time
-    rows += mode_rows(exe[m], tcfg, tp, dp, specs[m], state_of(specs[m]), analytic, ctxs, steps)
+    rows += mode_rows(exe[m], tcfg, Pair(tcfg, tp, dcfg, dp), specs[m], state_of(specs[m]),
+                      analytic, ctxs, steps)
     save(rows)
   checks = held_out_contexts(rows)
   print(f"\nwrote {path} ({time.perf_counter() - t0:.0f} s)\n{HEADER}")

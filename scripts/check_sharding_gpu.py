@@ -27,6 +27,7 @@ from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.draft import model as DM
 from kdtree_jax.draft.config import DraftConfig
 from kdtree_jax.target import params as P
+from kdtree_jax.pair import Pair
 
 _MESHES = flags.DEFINE_string("meshes", ";tensor=2;expert=2",
                               "';'-separated meshes ('' = one device).")
@@ -101,7 +102,7 @@ def token_rows(mesh_specs):
     for m in mesh_specs:
       mesh = _mesh(m)
       tp, dp = build(tcfg, dcfg, jnp.float32, mesh, 0.15)
-      toks = loop.generate(tcfg, tp, dcfg, dp, spec, prompts, 128, mesh=mesh).tokens
+      toks = loop.generate(Pair(tcfg, tp, dcfg, dp), spec, prompts, 128, mesh=mesh).tokens
       ref = toks if ref is None else ref
       rows.append(dict(check="same_tokens", mode=mode, mesh=m or "1 device", same=toks == ref))
       print(rows[-1], flush=True)
@@ -125,10 +126,10 @@ def timing_rows(mesh_specs):
       row = dict(check="timing", mesh=m or "1 device", mode=mode, layers=_LAYERS.value)
       try:
         t0 = time.perf_counter()
-        loop.generate(tcfg, tp, dcfg, dp, spec, prompts, 4096, cache_dtype=jnp.bfloat16,
+        loop.generate(Pair(tcfg, tp, dcfg, dp), spec, prompts, 4096, cache_dtype=jnp.bfloat16,
                       mesh=mesh)
         row["first_call_s"] = time.perf_counter() - t0
-        res = loop.generate(tcfg, tp, dcfg, dp, spec, prompts, 4096, cache_dtype=jnp.bfloat16,
+        res = loop.generate(Pair(tcfg, tp, dcfg, dp), spec, prompts, 4096, cache_dtype=jnp.bfloat16,
                             mesh=mesh)
         steps = max(1, len(res.accepted_per_step[0]))
         row.update(ms_per_step=1e3 * res.seconds / steps, steps=steps,

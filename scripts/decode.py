@@ -42,7 +42,7 @@ from kdtree_jax import cli, run_config, sharding
 from kdtree_jax.decoding import loop
 from kdtree_jax.decoding.sampling import SamplingConfig
 from kdtree_jax.decoding.spec_config import SpecConfig
-from kdtree_jax.loader import DTYPES, load_models
+from kdtree_jax.loader import DTYPES, load_pair
 from kdtree_jax import runtime_flags  # noqa: F401  (--compile_cache_dir, --command_buffers)
 
 DEFAULT_CONFIG = os.path.join(cli.REPO_ROOT, "configs", "k2tiny.py")
@@ -144,25 +144,25 @@ def main(argv):
   c = _settings()
   mesh = _mesh(c)
   with cli.progress("loading the target and draft"):
-    models = load_models(c, mesh)
-  block = models.dcfg.block_size if models.dcfg is not None else 2
+    pair, tokenizer = load_pair(c, mesh)
+  block = pair.dcfg.block_size if pair.dcfg is not None else 2
   spec = SpecConfig(mode=c.mode, budget=c.budget, block_size=block,
                     max_new_tokens=c.max_new_tokens, attn_backend=c.attn_backend,
                     sampling=SamplingConfig(c.temperature, c.top_k, c.top_p))
-  prompts = [models.tokenizer.encode(c.prompt)]
-  warnings = _setting_warnings(c) + loop.length_warnings(models.tcfg, spec, prompts, c.max_len,
+  prompts = [tokenizer.encode(c.prompt)]
+  warnings = _setting_warnings(c) + loop.length_warnings(pair.tcfg, spec, prompts, c.max_len,
                                                         c.trained_positions)
   for warning in warnings:
     print(f"warning: {warning}", file=sys.stderr, flush=True)
-  args = (models.tcfg, models.tparams, models.dcfg, models.dparams, spec, prompts)
+  args = (pair, spec, prompts)
   kw = dict(max_len=c.max_len, seed=c.seed, cache_dtype=DTYPES[c.dtype], mesh=mesh,
             memory_limit_gb=c.memory_limit_gb, progress=cli.progress)
   if _STREAM.value:
-    res = _stream(models.tokenizer, c.prompt, loop.Stream(*args, **kw, chunk_steps=_STREAM.value))
+    res = _stream(tokenizer, c.prompt, loop.Stream(*args, **kw, chunk_steps=_STREAM.value))
   else:
     res = loop.generate(*args, **kw, warmup=True)
-    print(c.prompt + models.tokenizer.decode(res.tokens[0]))
-  summary = _summary(c, spec, res, models.tokenizer.decode(res.tokens[0]))
+    print(c.prompt + tokenizer.decode(res.tokens[0]))
+  summary = _summary(c, spec, res, tokenizer.decode(res.tokens[0]))
   _print_summary(summary)
   if _JSON.value:
     with open(_JSON.value, "w") as f:

@@ -20,7 +20,7 @@ import numpy as np
 from kdtree_jax import cli, data, plots
 from kdtree_jax.decoding.loop import generate
 from kdtree_jax.decoding.spec_config import SpecConfig
-from kdtree_jax.loader import DTYPES, load_models
+from kdtree_jax.loader import DTYPES, load_pair
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "k2tiny.py")
 _CONFIG = cli.define_config(DEFAULT_CONFIG, "Run config (the pair).")
@@ -39,9 +39,9 @@ def held_out_prompts(n, length):
   return [list(map(int, corpus.eval[s:s + length])) for s in starts]
 
 
-def run_mode(models, spec, prompts, c):
+def run_mode(pair, spec, prompts, c):
   """Per-prompt generate (batch 1, compile excluded); returns tokens, accepted, seconds."""
-  args = (models.tcfg, models.tparams, models.dcfg, models.dparams, spec)
+  args = (pair, spec)
   dt = DTYPES[c.dtype]
   generate(*args, prompts[:1], max_len=c.max_len, cache_dtype=dt, progress=cli.progress,
            memory_limit_gb=c.memory_limit_gb)  # compile (memory bound checked first)
@@ -69,14 +69,14 @@ def plot(rows, path):
 def main(_):
   c = cli.load_config(_CONFIG, "configs/k2tiny.py")
   with cli.progress("loading the target and draft"):
-    models = load_models(c)
+    pair, _ = load_pair(c)
   prompts = held_out_prompts(_PROMPTS.value, _PROMPT_LEN.value)
   runs = [("ar", 1), ("chain", 1)] + [("ddtree", int(b)) for b in _BUDGETS.value]
   rows, ar_tokens, ar_tps = [], None, None
   for mode, budget in runs:
-    spec = SpecConfig(mode=mode, budget=budget, block_size=models.dcfg.block_size,
+    spec = SpecConfig(mode=mode, budget=budget, block_size=pair.dcfg.block_size,
                       max_new_tokens=_GEN.value, attn_backend=c.attn_backend)
-    toks, acc, secs = run_mode(models, spec, prompts, c)
+    toks, acc, secs = run_mode(pair, spec, prompts, c)
     ntok = sum(len(t) for t in toks)
     row = dict(mode=mode, budget=budget if mode == "ddtree" else None, device=jax.devices()[0].device_kind,
                prompts=len(prompts), gen=_GEN.value, mean_accept_len=float(np.mean(acc)),

@@ -27,7 +27,7 @@ from kdtree_jax import data, plots, runtime  # noqa: E402
 from kdtree_jax.decoding import accept_trace, budget, step_cost  # noqa: E402
 from kdtree_jax.decoding.loop import generate  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
-from kdtree_jax.loader import DTYPES, load_models  # noqa: E402
+from kdtree_jax.loader import DTYPES, load_pair  # noqa: E402
 
 runtime.define_flags()
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "k2tiny.py")
@@ -57,10 +57,10 @@ def prompt_sets(n_test, n_fit, length=192):
       windows[0::2][n_fit:]
 
 
-def run(models, spec, prompts, max_len):
+def run(pair, spec, prompts, max_len):
   """Per prompt (batch 1): tokens, tokens per step, widths per step (auto), decode seconds
   (compile and a first run excluded by `generate`) and each step's context."""
-  args = (models.tcfg, models.tparams, models.dcfg, models.dparams, spec)
+  args = (pair, spec)
   out = dict(tokens=[], accepted=[], widths=[], seconds=0.0, ctx=[])
   for p in prompts:
     r = generate(*args, [p], max_len=max_len)
@@ -73,17 +73,16 @@ def run(models, spec, prompts, max_len):
   return out
 
 
-def records(models, prompts, nodes, gen, max_len):
+def records(pair, prompts, nodes, gen, max_len):
   """Node-level acceptance records of steps verified at the largest width."""
-  spec = SpecConfig(mode="ddtree", budget=nodes[-1], block_size=models.dcfg.block_size,
+  spec = SpecConfig(mode="ddtree", budget=nodes[-1], block_size=pair.dcfg.block_size,
                     max_new_tokens=gen)
-  return accept_trace.collect(models.tcfg, models.tparams, models.dcfg, models.dparams, spec,
-                              prompts, max_len)
+  return accept_trace.collect(pair, spec, prompts, max_len)
 
 
-def fit_acceptance(models, prompts, nodes, gen, max_len, out_dir):
+def fit_acceptance(pair, prompts, nodes, gen, max_len, out_dir):
   """AcceptCalibration fitted on `prompts`; saved as JSON."""
-  recs = records(models, prompts, nodes, gen, max_len)
+  recs = records(pair, prompts, nodes, gen, max_len)
   cal = accept_trace.fit(recs, nodes)
   with open(os.path.join(out_dir, "accept_calibration.json"), "w") as f:
     json.dump(dict(calibration=cal.to_dict(), steps=len(recs["depth"]), prompts=len(prompts),
@@ -91,10 +90,10 @@ def fit_acceptance(models, prompts, nodes, gen, max_len, out_dir):
   return cal
 
 
-def calibration_check(models, cal, prompts, nodes, gen, max_len):
+def calibration_check(pair, cal, prompts, nodes, gen, max_len):
   """Observed vs expected tokens per step on the test prompts, per compiled width: calibrated
   and raw (DDTree's surrogate), with the 3-standard-error band of the mean difference."""
-  recs = records(models, prompts, nodes, gen, max_len)
+  recs = records(pair, prompts, nodes, gen, max_len)
   out = []
   for n in nodes:
     obs = accept_trace.prefix_accept(recs, n)
@@ -137,32 +136,32 @@ def row(name, cost, ctx, mode, b, res, ar_tokens):
   return r
 
 
-def fixed_runs(models, budgets, gen, prompts, max_len):
+def fixed_runs(pair, budgets, gen, prompts, max_len):
   """{(mode, budget): run} for ar, chain and every fixed budget (cost-model independent)."""
-  mk = lambda mode, b=32: SpecConfig(mode=mode, budget=b, block_size=models.dcfg.block_size,
+  mk = lambda mode, b=32: SpecConfig(mode=mode, budget=b, block_size=pair.dcfg.block_size,
                                      max_new_tokens=gen)
-  runs = {("ar", None): run(models, mk("ar"), prompts, max_len),
-          ("chain", None): run(models, mk("chain"), prompts, max_len)}
+  runs = {("ar", None): run(pair, mk("ar"), prompts, max_len),
+          ("chain", None): run(pair, mk("chain"), prompts, max_len)}
   for b in budgets:
-    runs[("ddtree", b)] = run(models, mk("ddtree", b), prompts, max_len)
+    runs[("ddtree", b)] = run(pair, mk("ddtree", b), prompts, max_len)
   return runs
 
 
-def auto_run(models, cost, ctx, nodes, cal, gen, prompts, max_len):
+def auto_run(pair, cost, ctx, nodes, cal, gen, prompts, max_len):
   auto = budget.from_cost_model(cost, nodes, (ctx,), cal)
-  spec = SpecConfig(mode="ddtree", budget="auto", auto=auto, block_size=models.dcfg.block_size,
+  spec = SpecConfig(mode="ddtree", budget="auto", auto=auto, block_size=pair.dcfg.block_size,
                     max_new_tokens=gen)
-  return run(models, spec, prompts, max_len)
+  return run(pair, spec, prompts, max_len)
 
 
-def measured(models, cost_json, nodes, cal, runs, gen, prompts, max_len):
+def measured(pair, cost_json, nodes, cal, runs, gen, prompts, max_len):
   """MEASURED rows: wall-clock tokens/s of every run on this device, auto choosing from the
   pair's own calibrated table; auto's modelled vs measured ms per step."""
   cost = step_cost.load_calibration(cost_json)
   auto = budget.from_cost_model(cost, nodes, cost.contexts, cal)
-  spec = SpecConfig(mode="ddtree", budget="auto", auto=auto, block_size=models.dcfg.block_size,
+  spec = SpecConfig(mode="ddtree", budget="auto", auto=auto, block_size=pair.dcfg.block_size,
                     max_new_tokens=gen)
-  runs = dict(runs, auto=run(models, spec, prompts, max_len))
+  runs = dict(runs, auto=run(pair, spec, prompts, max_len))
   ar = runs[("ar", None)]
   rows = []
   for key, res in runs.items():
@@ -237,26 +236,26 @@ def main(_):
   c = _CONFIG.value
   if c.dtype != "float32":
     raise ValueError(f"--config.dtype={c.dtype}: the lossless check needs float32")
-  models = load_models(c)
+  pair, _ = load_pair(c)
   os.makedirs(_OUT.value, exist_ok=True)
   nodes = tuple(int(n) for n in _NODES.value)
   test, fit = prompt_sets(_PROMPTS.value, _FIT_PROMPTS.value)
   gen, max_len = _GEN.value, c.max_len
-  cal = fit_acceptance(models, fit, nodes, gen, max_len, _OUT.value)
-  checks = calibration_check(models, cal, test, nodes, gen, max_len)
-  runs = fixed_runs(models, [int(b) for b in _BUDGETS.value], gen, test, max_len)
+  cal = fit_acceptance(pair, fit, nodes, gen, max_len, _OUT.value)
+  checks = calibration_check(pair, cal, test, nodes, gen, max_len)
+  runs = fixed_runs(pair, [int(b) for b in _BUDGETS.value], gen, test, max_len)
   ar_tokens = runs[("ar", None)]["tokens"]
   rows = []
   for name, cost in step_cost.k26_models(_STEP_COST.value or None).items():
     for ctx in (int(x) for x in _CTX.value):
       for (mode, b), res in runs.items():
         rows.append(row(name, cost, ctx, mode, b, res, ar_tokens))
-      res = auto_run(models, cost, ctx, nodes, cal, gen, test, max_len)
+      res = auto_run(pair, cost, ctx, nodes, cal, gen, test, max_len)
       rows.append(row(name, cost, ctx, "auto", nodes[-1], res, ar_tokens))
       print(f"[{time.perf_counter() - t0:.0f} s] {name} ctx {ctx}: auto widths "
             f"{rows[-1]['width_histogram']}", flush=True)
   if _MEASURE.value:
-    rows_measured = measured(models, _MEASURE.value, nodes, cal, runs, gen, test, max_len)
+    rows_measured = measured(pair, _MEASURE.value, nodes, cal, runs, gen, test, max_len)
   summary = summarise(rows)
   with open(os.path.join(_OUT.value, "budget_eval.jsonl"), "w") as f:
     for r in checks + rows + summary + (rows_measured if _MEASURE.value else []):

@@ -18,7 +18,7 @@ import os
 import jax
 from absl import flags
 
-from kdtree_jax import cli, models, runtime, sharding
+from kdtree_jax import cli, loader, runtime, sharding
 from kdtree_jax.target.cache import LatentCache
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.draft import model as draft_model
@@ -66,8 +66,8 @@ def abstract_models(c, dtype):
     draft = _Section(draft, preset=_DRAFT.value)
 
   def build():
-    box["tcfg"], tp = models.load_target(c.target, dtype)
-    box["dcfg"], dp = models.load_draft(draft, box["tcfg"], dtype)
+    box["tcfg"], tp = loader.load_target(c.target, dtype)
+    box["dcfg"], dp = loader.load_draft(draft, box["tcfg"], dtype)
     return tp, dp
 
   tp, dp = jax.eval_shape(build)
@@ -96,7 +96,7 @@ def activation_bytes(tcfg, dcfg, spec, batch, max_len, mesh):
 
 def runtime_bytes(c, tcfg, dcfg, mesh, max_len):
   """Per-device target latent cache, draft cache and activations at `max_len`."""
-  dtype, b = models.DTYPES[c.dtype], _BATCH.value
+  dtype, b = loader.DTYPES[c.dtype], _BATCH.value
   spec = SpecConfig(mode=c.mode, budget=c.budget, block_size=dcfg.block_size)
   lat = jax.eval_shape(lambda: LatentCache.zeros(tcfg, b, max_len + spec.verify_width, dtype))
   dc = jax.eval_shape(lambda: draft_model.init_draft_cache(dcfg, b, max_len + spec.commit_width,
@@ -164,7 +164,7 @@ def main(argv):
   max_len = _MAX_LEN.value or c.max_len
   mesh = _MESH.value or c.get("mesh", "") or "tensor=8"
   meshes = ["tensor=8", "expert=8", "tensor=2,expert=4"] if mesh == "all" else [mesh]
-  abstract = abstract_models(c, models.DTYPES[c.dtype])
+  abstract = abstract_models(c, loader.DTYPES[c.dtype])
   rows = [plan(c, abstract, m, max_len) for m in meshes]
   usable = rows[0]["usable"]
   print(f"per-device bytes, batch={_BATCH.value} max_len={max_len} dtype={c.dtype} "

@@ -24,6 +24,7 @@ import jax
 from kdtree_jax import cli, profiling
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.loader import DTYPES, load_draft, load_target
+from kdtree_jax.pair import Pair
 
 _CONFIG = cli.define_config(None, "Bench config (configs/bench_*.py).")
 _MODE = flags.DEFINE_list("mode", ["ar", "chain", "ddtree"], "Modes (ar: once; chain: per block).")
@@ -50,10 +51,10 @@ def points(modes, budgets, blocks, backends):
   return out
 
 
-def sweep_point(tcfg, tp, dcfg, dp, spec, ctxs, dtype, batch, gen):
+def sweep_point(pair, spec, ctxs, dtype, batch, gen):
   """One compiled loop; one row per context (see profiling.time_contexts)."""
   t0 = time.perf_counter()
-  rows = profiling.time_contexts(tcfg, tp, dcfg, dp, spec, ctxs, dtype, batch, gen)
+  rows = profiling.time_contexts(pair, spec, ctxs, dtype, batch, gen)
   return [dict(kind="sweep", **r, wall_s=time.perf_counter() - t0) for r in rows]
 
 
@@ -79,7 +80,7 @@ def main(_):
     spec = SpecConfig(mode=mode, budget=budget, block_size=block, max_new_tokens=4096,
                       attn_backend=backend, forced_accept=forced)
     t0 = time.perf_counter()
-    for r in sweep_point(tcfg, tp, dcfg, dp, spec, ctxs, dtype, _BATCH.value, _GEN.value):
+    for r in sweep_point(Pair(tcfg, tp, dcfg, dp), spec, ctxs, dtype, _BATCH.value, _GEN.value):
       print(f"[{i + 1}/{len(pts)}] {mode:>6} budget={r['budget'] or '-':>4} "
             f"block={r['block_size'] or '-':>3} {backend:>6} ctx={r['ctx']:>7}: "
             f"{r['ms_per_step']:8.3f} ms/step {r['accepted_per_step']:5.2f} tok/step "

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kdtree_jax import bench_models, models
+from kdtree_jax import bench_models, loader
 from kdtree_jax.checkpoint.int4 import Int4Weight
 
 import configs.bench_k26_full as bench_k26_full
@@ -14,8 +14,8 @@ def _abstract(c):
   box = {}
 
   def build():
-    box["tcfg"], tp = models.load_target(c.target, jnp.bfloat16)
-    box["dcfg"], dp = models.load_draft(c.draft, box["tcfg"], jnp.bfloat16)
+    box["tcfg"], tp = loader.load_target(c.target, jnp.bfloat16)
+    box["dcfg"], dp = loader.load_draft(c.draft, box["tcfg"], jnp.bfloat16)
     return tp, dp
 
   tp, dp = jax.eval_shape(build)

@@ -139,13 +139,13 @@ def test_calibrated_acceptance_is_honest_on_held_out_prompts():
   and DDTree's raw surrogate (uncalibrated q) must fail it (the test can fail)."""
   from kdtree_jax import data, run_config  # pylint: disable=import-outside-toplevel
   from kdtree_jax.decoding import accept_trace  # pylint: disable=import-outside-toplevel
-  from kdtree_jax.loader import load_models  # pylint: disable=import-outside-toplevel
-  m = load_models(run_config.trained_pair())
+  from kdtree_jax.loader import load_pair  # pylint: disable=import-outside-toplevel
+  pair, _ = load_pair(run_config.trained_pair())
   held = data.build_corpus().eval
   starts = np.linspace(0, len(held) - 193, 14).astype(int)
   prompts = [list(map(int, held[s0:s0 + 192])) for s0 in starts]
-  spec = SpecConfig(mode="ddtree", budget=63, block_size=m.dcfg.block_size, max_new_tokens=96)
-  collect = lambda ps: accept_trace.collect(m.tcfg, m.tparams, m.dcfg, m.dparams, spec, ps, 512)
+  spec = SpecConfig(mode="ddtree", budget=63, block_size=pair.dcfg.block_size, max_new_tokens=96)
+  collect = lambda ps: accept_trace.collect(pair, spec, ps, 512)
   fit_recs, test_recs = collect(prompts[0::2][:8] + prompts[1::2][6:]), collect(prompts[1::2][:6])
   cal = accept_trace.fit(fit_recs, (7, 15, 31, 63))
   raw_fails = 0

@@ -11,9 +11,10 @@ import ml_collections
 import pytest
 
 from kdtree_jax.target import config as C
-from kdtree_jax import hlo_audit, models, profiling
+from kdtree_jax import hlo_audit, loader, profiling
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.target.params import init_params
+from kdtree_jax.pair import Pair
 
 
 def _loop_hlo(mode):
@@ -22,11 +23,11 @@ def _loop_hlo(mode):
   tp = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg, jnp.float32))
   dcfg = dp = None
   if mode != "ar":
-    dcfg, dp = models.load_draft(ml_collections.ConfigDict(dict(checkpoint="", preset="tiny",
+    dcfg, dp = loader.load_draft(ml_collections.ConfigDict(dict(checkpoint="", preset="tiny",
                                                                 seed=0)), cfg, jnp.float32)
   st = jax.eval_shape(lambda: profiling.bench_state(cfg, dcfg, spec, 1, 4000, jnp.float32))
-  fn = profiling.while_steps_fn(cfg, dcfg, spec)
-  return fn.lower(tp, dp, st, jnp.int32(4)).compile().as_text(), st
+  fn = profiling.while_steps_fn(spec)
+  return fn.lower(Pair(cfg, tp, dcfg, dp), st, jnp.int32(4)).compile().as_text(), st
 
 
 @pytest.mark.parametrize("mode", ["ar", "chain", "ddtree"])

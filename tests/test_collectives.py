@@ -27,6 +27,7 @@ from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.draft import model as DM
 from kdtree_jax.target import moe as moe_lib
 from kdtree_jax.target import params as P
+from kdtree_jax.pair import Pair
 from test_sharding import small_configs
 
 _OP = re.compile(r"\s(" + "|".join(KINDS) + r")(-start)?\(.*stack_frame_id=(\d+)")
@@ -47,8 +48,8 @@ def decode_loop_hlo(mesh_spec: str, mode: str, layers: int) -> str:
   batch = sharding.parse_mesh(mesh_spec)["data"]
   prompts, lengths = jnp.zeros((batch, 16), jnp.int32), jnp.full((batch,), 5, jnp.int32)
   with sharding.use_mesh(mesh):
-    lowered = loop.generate_device.lower(tp, dp, prompts, lengths, jax.random.key(0), tcfg=tcfg,
-                                         dcfg=dcfg, spec=spec, max_len=64)
+    lowered = loop.generate_device.lower(Pair(tcfg, tp, dcfg, dp), prompts, lengths,
+                                         jax.random.key(0), spec=spec, max_len=64)
     return lowered.compile().as_text()
 
 

@@ -15,6 +15,7 @@ from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.draft import model as DM
 from kdtree_jax.draft.config import DraftConfig
 from kdtree_jax.target import params as P
+from kdtree_jax.pair import Pair
 
 BLOCK = 6
 
@@ -25,7 +26,7 @@ def make_pair(seed, vocab=264, eos=None, std=0.15):
   dcfg = DraftConfig.tiny(hidden_size=tcfg.hidden_size, vocab_size=vocab, mask_token_id=vocab - 1,
                           target_layer_ids=(0, 2), num_target_layers=3, block_size=BLOCK)
   dp = DM.init_draft_params(jax.random.key(seed + 100), dcfg, tcfg.hidden_size, 2)
-  return tcfg, tp, dcfg, dp
+  return Pair(tcfg, tp, dcfg, dp)
 
 
 def oracle_draft(ref_bm, miss_rate):
@@ -54,7 +55,7 @@ def oracle_draft(ref_bm, miss_rate):
 
 
 def run(pair, spec, prompts, max_len):
-  return loop.generate(*pair, spec, prompts, max_len=max_len)
+  return loop.generate(pair, spec, prompts, max_len=max_len)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -83,8 +84,7 @@ def test_lossless_eos_inside_accepted_path_and_cache_full(monkeypatch):
   prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15]]
   ar = run(pair, SpecConfig(mode="ar", max_new_tokens=30, block_size=BLOCK), prompts, 64)
   eos = ar.tokens[0][12]  # a token the AR run emits mid-way: stop there
-  tcfg = dataclasses.replace(pair[0], eos_token_id=int(eos))
-  pair_eos = (tcfg,) + pair[1:]
+  pair_eos = pair.replace(tcfg=dataclasses.replace(pair.tcfg, eos_token_id=int(eos)))
   for max_len in (64, 24):  # 24: row 1 hits the cache limit before 30 tokens
     ar = run(pair_eos, SpecConfig(mode="ar", max_new_tokens=30, block_size=BLOCK), prompts, max_len)
     ref = np.zeros((2, 30 + 2 * BLOCK), np.int32)
@@ -113,20 +113,19 @@ def test_lossless_with_the_real_draft():
 
 def test_step_compiles_once_over_50_steps():
   pair = make_pair(5)
-  tcfg, tp, dcfg, dp = pair
   spec = SpecConfig(mode="ddtree", budget=6, max_new_tokens=200, block_size=BLOCK)
   traces = []
 
-  def counted(tp_, dp_, st):
+  def counted(pair_, st):
     traces.append(1)
-    return step.speculative_step(tcfg, tp_, dcfg, dp_, spec, st)
+    return step.speculative_step(pair_, spec, st)
 
-  jitted = jax.jit(counted, donate_argnums=2)
-  state = jax.jit(lambda: loop.init_state(tcfg, tp, dcfg, dp, spec, jnp.array([[1, 2, 3, 4]]),
-                                          jnp.array([4]), jax.random.key(0), 256))()
+  jitted = jax.jit(counted, donate_argnums=1)
+  state = jax.jit(lambda: loop.init_state(pair, spec, jnp.array([[1, 2, 3, 4]]), jnp.array([4]),
+                                          jax.random.key(0), 256))()
   lengths = set()
   for _ in range(50):
-    state = jitted(tp, dp, state)
+    state = jitted(pair, state)
     lengths.add(int(state.cache.lengths[0]))
   assert len(lengths) == 50 and len(traces) == 1
 
@@ -135,7 +134,7 @@ def test_sampling_matches_target_distribution():
   """At temperature 1, the second emitted token's law is sum_t1 p(t1) p(t2 | t1) (chi-square)."""
   vocab = 8
   pair = make_pair(6, vocab=vocab, std=0.5)
-  tcfg, tp = pair[0], pair[1]
+  tcfg, tp = pair.tcfg, pair.tparams
   prompt = [1, 2, 3]
   n = 4000
   spec = SpecConfig(mode="ddtree", budget=4, max_new_tokens=3, block_size=BLOCK,
@@ -162,7 +161,8 @@ def test_sampling_matches_target_distribution():
     (dict(draft=dict(target_layer_ids=(0, 7))), "target_layer_ids"),
 ])
 def test_bad_input(bad, match):
-  tcfg, tp, dcfg, dp = make_pair(0)
+  pair = make_pair(0)
+  tcfg, dcfg = pair.tcfg, pair.dcfg
   with pytest.raises(ValueError, match=match):
     spec = SpecConfig(**{"mode": "chain", "block_size": BLOCK, **bad.get("spec", {})})
     if "draft" in bad:
@@ -175,7 +175,7 @@ def test_streaming_equals_one_dispatch_and_compiles_once():
   prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
   spec = SpecConfig(mode="ddtree", budget=5, max_new_tokens=30, block_size=BLOCK)
   whole = run(pair, spec, prompts, 64)
-  stream = loop.Stream(*pair, spec, prompts, 64, chunk_steps=3)
+  stream = loop.Stream(pair, spec, prompts, 64, chunk_steps=3)
   pieces = [[], []]
   for delta in stream:
     for i, d in enumerate(delta):

@@ -9,6 +9,7 @@ from kdtree_jax.target import config as C
 from kdtree_jax import loader, profiling, timing
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.target.params import init_params
+from kdtree_jax.pair import Pair
 
 CEIL = dict(copy_tbps=0.01, mm_tflops=0.1)
 
@@ -20,18 +21,17 @@ def _setup(mode):
   dcfg, dp = loader.load_draft(ref, tcfg, jnp.float32)
   spec = SpecConfig(mode=mode, budget=6, block_size=dcfg.block_size, max_new_tokens=256,
                     forced_accept=2)
-  return tcfg, tp, dcfg, dp, spec
+  return Pair(tcfg, tp, dcfg, dp), spec
 
 
 def test_second_context_compiles_nothing_and_state_is_donated():
-  tcfg, tp, dcfg, dp, spec = _setup("ddtree")
-  big = profiling.bench_state(tcfg, dcfg, spec, 1, 96, jnp.float32)
+  pair, spec = _setup("ddtree")
+  big = profiling.bench_state(pair.tcfg, pair.dcfg, spec, 1, 96, jnp.float32)
   first = profiling.clone(profiling.at_context(big, spec, 48))
   with timing.CompileCounter() as c1:
-    rows = profiling.profile_step(tcfg, tp, dcfg, dp, spec, first, CEIL, reps=1)
+    rows = profiling.profile_step(pair, spec, first, CEIL, reps=1)
   with timing.CompileCounter() as c2:
-    profiling.profile_step(tcfg, tp, dcfg, dp, spec, profiling.at_context(big, spec, 96), CEIL,
-                           reps=1)
+    profiling.profile_step(pair, spec, profiling.at_context(big, spec, 96), CEIL, reps=1)
   assert c1.compiles > 0 and c2.compiles == 0, (c1.as_dict(), c2.as_dict())
   assert {r.phase for r in rows} >= {"draft_ctx", "draft_block", "tree", "verify", "attention",
                                      "moe", "rest", "accept", "commit", "step"}
@@ -40,7 +40,8 @@ def test_second_context_compiles_nothing_and_state_is_donated():
 
 
 def test_commit_phase_bytes_only_where_rows_move():
-  tcfg, _, dcfg, _, spec = _setup("ddtree")
+  pair, spec = _setup("ddtree")
+  tcfg, dcfg = pair.tcfg, pair.dcfg
   ddtree = profiling.phase_costs(tcfg, dcfg, spec, 1, 100)
   chain = profiling.phase_costs(tcfg, dcfg, SpecConfig(mode="chain", block_size=spec.block_size),
                                 1, 100)

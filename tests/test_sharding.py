@@ -25,7 +25,8 @@ from kdtree_jax.draft.config import DraftConfig
 from kdtree_jax.target import moe as moe_lib
 from kdtree_jax.target import params as P
 from kdtree_jax.target.moe_parallel import routed_experts_ep
-from kdtree_jax.loader import load_models
+from kdtree_jax.loader import load_pair
+from kdtree_jax.pair import Pair
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "fixtures", "golden_partition_specs.json")
@@ -47,7 +48,7 @@ def pair():
   tcfg, dcfg = small_configs()
   tp = P.init_params(jax.random.key(0), tcfg, jnp.float32, std=0.15)
   dp = DM.init_draft_params(jax.random.key(1), dcfg, tcfg.hidden_size, dcfg.n_taps)
-  return tcfg, tp, dcfg, dp
+  return Pair(tcfg, tp, dcfg, dp)
 
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
@@ -59,7 +60,7 @@ _REF = {}
 def reference(pair, mode):
   """Single-device tokens (computed once per mode)."""
   if mode not in _REF:
-    _REF[mode] = loop.generate(*pair, SPECS[mode], PROMPTS, max_len=48).tokens
+    _REF[mode] = loop.generate(pair, SPECS[mode], PROMPTS, max_len=48).tokens
   return _REF[mode]
 
 
@@ -77,7 +78,7 @@ def test_sharded_decoding_matches_one_device(pair, mesh_spec, mode, monkeypatch)
 
   spy.trace = device_fn.trace  # generate traces + compiles through loop.compile_checked first
   monkeypatch.setattr(loop, "generate_device", spy)
-  res = loop.generate(*pair, SPECS[mode], PROMPTS, max_len=48, mesh=mesh)
+  res = loop.generate(pair, SPECS[mode], PROMPTS, max_len=48, mesh=mesh)
   assert res.tokens == reference(pair, mode)
   check_state_shardings(states[0], mesh)
 
@@ -103,10 +104,9 @@ def test_decode_script_with_mesh_matches_one_device(tmp_path):
   mod = importlib.util.module_from_spec(loader)
   loader.loader.exec_module(mod)
   c = mod.get_config()
-  m = load_models(c)
-  s = SpecConfig(mode="ar", block_size=m.dcfg.block_size, max_new_tokens=8)
-  ref = loop.generate(m.tcfg, m.tparams, m.dcfg, m.dparams, s, [m.tokenizer.encode(c.prompt)],
-                      max_len=64)
+  pair, tokenizer = load_pair(c)
+  s = SpecConfig(mode="ar", block_size=pair.dcfg.block_size, max_new_tokens=8)
+  ref = loop.generate(pair, s, [tokenizer.encode(c.prompt)], max_len=64)
   assert json.loads(out.read_text())["tokens"] == ref.tokens[0]
 
 

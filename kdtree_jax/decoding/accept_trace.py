@@ -18,8 +18,9 @@ import numpy as np
 from kdtree_jax.decoding import budget, loop, step
 
 
-def trace_step(tcfg, tparams, dcfg, dparams, spec, state):
+def trace_step(pair, spec, state):
   """One fixed-budget ddtree step (the phases of `step.speculative_step`) and its record."""
+  tcfg, tparams, dcfg, dparams = pair.tcfg, pair.tparams, pair.dcfg, pair.dparams
   key, sub = jax.random.split(state.key)
   b = state.bonus.shape[0]
   draft_cache, draft_logits = step.draft_phase(dcfg, dparams, tparams, spec, state)
@@ -38,22 +39,22 @@ def trace_step(tcfg, tparams, dcfg, dparams, spec, state):
                    ctx=state.cache.lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec"))
-def _jit_step(tparams, dparams, state, *, tcfg, dcfg, spec):
-  return trace_step(tcfg, tparams, dcfg, dparams, spec, state)
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _jit_step(pair, state, *, spec):
+  return trace_step(pair, spec, state)
 
 
-def collect(tcfg, tparams, dcfg, dparams, spec, prompts, max_len, cache_dtype=jnp.float32):
+def collect(pair, spec, prompts, max_len, cache_dtype=jnp.float32):
   """Records of every live step of each prompt decoded alone: dict of [steps, N] / [steps]."""
   if spec.mode != "ddtree" or spec.budget == "auto":
     raise ValueError(f"collect needs a fixed-budget ddtree spec, got {spec.mode=} {spec.budget=}")
   recs = []
   for p in prompts:
-    state = loop.prefill_device(tparams, dparams, jnp.asarray([p], jnp.int32),
-                                jnp.asarray([len(p)], jnp.int32), jax.random.key(0), tcfg=tcfg,
-                                dcfg=dcfg, spec=spec, max_len=max_len, cache_dtype=cache_dtype)
+    state = loop.prefill_device(pair, jnp.asarray([p], jnp.int32),
+                                jnp.asarray([len(p)], jnp.int32), jax.random.key(0), spec=spec,
+                                max_len=max_len, cache_dtype=cache_dtype)
     while not bool(state.done.all()) and int(state.steps) < spec.max_new_tokens:
-      state, rec = _jit_step(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, spec=spec)
+      state, rec = _jit_step(pair, state, spec=spec)
       rec = jax.device_get(rec)
       recs.append({k: np.asarray(v)[rec["live"]] for k, v in rec.items()})
   return {k: np.concatenate([r[k] for r in recs]) for k in recs[0]}

@@ -22,6 +22,7 @@ from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.decoding.state import DecodeState
 from kdtree_jax.decoding.step import speculative_step
 from kdtree_jax.draft import model as draft_model
+from kdtree_jax.pair import Pair
 from kdtree_jax.target import transformer
 
 
@@ -35,9 +36,10 @@ def physical_rows(max_len: int, spec: SpecConfig) -> int:
   return -(-(max_len + spec.verify_width) // 64) * 64
 
 
-def init_state(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts_bs, lengths_b, key,
-               max_len: int, cache_dtype=jnp.float32) -> DecodeState:
+def init_state(pair: Pair, spec: SpecConfig, prompts_bs, lengths_b, key, max_len: int,
+               cache_dtype=jnp.float32) -> DecodeState:
   """Prefills the target (and the draft context) and picks the first token."""
+  tcfg, tparams, dcfg, dparams = pair.tcfg, pair.tparams, pair.dcfg, pair.dparams
   b, s = prompts_bs.shape
   tap_layers = () if spec.mode == "ar" else tuple(dcfg.target_layer_ids)
   cache = LatentCache.zeros(tcfg, b, physical_rows(max_len, spec), cache_dtype)
@@ -67,8 +69,7 @@ def init_state(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts_bs, lengt
       widths=jnp.zeros((spec.max_new_tokens,), jnp.int32) if spec.budget == "auto" else None))
 
 
-def run_loop(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: DecodeState,
-             until=None) -> DecodeState:
+def run_loop(pair: Pair, spec: SpecConfig, state: DecodeState, until=None) -> DecodeState:
   """Steps until every row is done, max_new_tokens steps, or `until` steps (data, so one
   compiled program serves every chunk length): a device-side while loop."""
   last = spec.max_new_tokens if until is None else jnp.minimum(until, spec.max_new_tokens)
@@ -77,35 +78,34 @@ def run_loop(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: DecodeState,
     return jnp.any(~st.done) & (st.steps < last)
 
   def body(st):
-    return sharding.constrain_state(speculative_step(tcfg, tparams, dcfg, dparams, spec, st))
+    return sharding.constrain_state(speculative_step(pair, spec, st))
 
   return jax.lax.while_loop(cond, body, state)
 
 
-_STATICS = ("tcfg", "dcfg", "spec", "max_len", "cache_dtype")
+# The pair's configs are static through its pytree structure; spec and shapes are static args.
+_STATICS = ("spec", "max_len", "cache_dtype")
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS)
-def generate_device(tparams, dparams, prompts_bs, lengths_b, key, *, tcfg, dcfg, spec, max_len,
+def generate_device(pair: Pair, prompts_bs, lengths_b, key, *, spec, max_len,
                     cache_dtype=jnp.float32):
   """Prefill + the whole decode loop as one XLA program."""
-  state = init_state(tcfg, tparams, dcfg, dparams, spec, prompts_bs, lengths_b, key, max_len,
-                     cache_dtype)
-  return sharding.constrain_state(run_loop(tcfg, tparams, dcfg, dparams, spec, state))
+  state = init_state(pair, spec, prompts_bs, lengths_b, key, max_len, cache_dtype)
+  return sharding.constrain_state(run_loop(pair, spec, state))
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS)
-def prefill_device(tparams, dparams, prompts_bs, lengths_b, key, *, tcfg, dcfg, spec, max_len,
+def prefill_device(pair: Pair, prompts_bs, lengths_b, key, *, spec, max_len,
                    cache_dtype=jnp.float32):
   """Prefill only (streaming: the loop then runs in chunks of steps)."""
-  return init_state(tcfg, tparams, dcfg, dparams, spec, prompts_bs, lengths_b, key, max_len,
-                    cache_dtype)
+  return init_state(pair, spec, prompts_bs, lengths_b, key, max_len, cache_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec"), donate_argnames=("state",))
-def steps_device(tparams, dparams, state, until, *, tcfg, dcfg, spec):
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",))
+def steps_device(pair: Pair, state, until, *, spec):
   """The device loop up to step `until`: one dispatch per chunk, the state donated."""
-  return sharding.constrain_state(run_loop(tcfg, tparams, dcfg, dparams, spec, state, until))
+  return sharding.constrain_state(run_loop(pair, spec, state, until))
 
 
 STOP_REASONS = ("eos", "max_new_tokens", "max_len")
@@ -199,9 +199,10 @@ def prompt_bucket(length: int, max_len: int) -> int:
   return min(max_len, max(64, 1 << (length - 1).bit_length()))
 
 
-def _prepare(tcfg, tparams, dcfg, dparams, spec, prompts, max_len, mesh):
+def _prepare(pair: Pair, spec, prompts, max_len, mesh):
   """Validates, right-pads the prompts, and places params on the mesh (if any)."""
-  validate(tcfg, dcfg, spec, prompts, max_len)
+  tparams, dparams = pair.tparams, pair.dparams
+  validate(pair.tcfg, pair.dcfg, spec, prompts, max_len)
   b, s = len(prompts), prompt_bucket(max(len(p) for p in prompts), max_len)
   padded = np.zeros((b, s), np.int32)
   for i, p in enumerate(prompts):
@@ -211,7 +212,8 @@ def _prepare(tcfg, tparams, dcfg, dparams, spec, prompts, max_len, mesh):
     tparams = sharding.shard(tparams, sharding.param_shardings(tparams, mesh))
     if dparams is not None:
       dparams = sharding.shard(dparams, sharding.param_shardings(dparams, mesh))
-  return jnp.asarray(padded), jnp.asarray(lengths), tparams, dparams
+  placed = pair.replace(tparams=tparams, dparams=dparams)
+  return jnp.asarray(padded), jnp.asarray(lengths), placed
 
 
 def stop_reason(tokens: list[int], eos_id, max_new_tokens: int, length: int,
@@ -277,8 +279,7 @@ def compile_checked(jitted, args, statics, mesh, limit_gb=0.0, field="max_len",
   return time.perf_counter() - t0
 
 
-def generate(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts: list[list[int]],
-             max_len: int, seed: int = 0, cache_dtype=jnp.float32, mesh=None,
+def generate(pair: Pair, spec: SpecConfig, prompts: list[list[int]], max_len: int, seed: int = 0, cache_dtype=jnp.float32, mesh=None,
              memory_limit_gb: float = 0.0, progress=_no_progress,
              warmup: bool = False) -> GenerationResult:
   """Decodes a batch of (ragged) prompts in one dispatch. Tokens are exactly the target's.
@@ -289,10 +290,9 @@ def generate(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts: list[list[
   context manager around the compile (e.g. `cli.progress`). warmup: run once untimed first (a
   new program's first run pays one-time costs: 0.21 s vs 0.07 s for 32 k2tiny tokens, CPU).
   """
-  prompts_bs, lengths_b, tparams, dparams = _prepare(tcfg, tparams, dcfg, dparams, spec, prompts,
-                                                     max_len, mesh)
-  statics = dict(tcfg=tcfg, dcfg=dcfg, spec=spec, max_len=max_len, cache_dtype=cache_dtype)
-  args = (tparams, dparams, prompts_bs, lengths_b, jax.random.key(seed))
+  prompts_bs, lengths_b, pair = _prepare(pair, spec, prompts, max_len, mesh)
+  statics = dict(spec=spec, max_len=max_len, cache_dtype=cache_dtype)
+  args = (pair, prompts_bs, lengths_b, jax.random.key(seed))
   with sharding.use_mesh(mesh):
     compile_s = compile_checked(generate_device, args, statics, mesh, memory_limit_gb,
                                 _size_field(spec), progress, f"compiling the {spec.mode} loop")
@@ -301,7 +301,7 @@ def generate(tcfg, tparams, dcfg, dparams, spec: SpecConfig, prompts: list[list[
       jax.block_until_ready(generate_device(*args, **statics))
     t1 = time.perf_counter()
     state = generate_device(*args, **statics)
-    return _result(spec, state, t1, max_len, tcfg.eos_token_id, compile_s, t1 - t0)
+    return _result(spec, state, t1, max_len, pair.tcfg.eos_token_id, compile_s, t1 - t0)
 
 
 class Stream:
@@ -313,38 +313,38 @@ class Stream:
   the decode alone, `.result.compile_seconds` the compile.
   """
 
-  def __init__(self, tcfg, tparams, dcfg, dparams, spec, prompts, max_len, seed=0,
+  def __init__(self, pair: Pair, spec, prompts, max_len, seed=0,
                cache_dtype=jnp.float32, mesh=None, chunk_steps=8, memory_limit_gb=0.0,
                progress=_no_progress):
     if chunk_steps < 1:
       raise UsageError("stream", f"{chunk_steps} is too small; print every N >= 1 device steps")
-    self._args = (tcfg, dcfg, spec, max_len, cache_dtype, mesh, chunk_steps, seed)
+    self._args = (spec, max_len, cache_dtype, mesh, chunk_steps, seed)
     self._limits = (memory_limit_gb, progress)
-    self._data = _prepare(tcfg, tparams, dcfg, dparams, spec, prompts, max_len, mesh)
+    self._data = _prepare(pair, spec, prompts, max_len, mesh)
     self.result: GenerationResult | None = None
 
-  def _warm(self, tparams, dparams, prefill_args, prefill_statics, statics):
+  def _warm(self, pair, prefill_args, prefill_statics, statics):
     """Compiles prefill and steps; runs each once untimed. (compile s, warm-up s)."""
-    _, _, spec, _, _, mesh, _, _ = self._args
+    spec, _, _, mesh, _, _ = self._args
     limit_gb, progress = self._limits
     field = _size_field(spec)
     c1 = compile_checked(prefill_device, prefill_args, prefill_statics, mesh, limit_gb, field,
                          progress, "compiling the prefill")
     warm = prefill_device(*prefill_args, **prefill_statics)
-    c2 = compile_checked(steps_device, (tparams, dparams, warm, jnp.int32(1)), statics, mesh,
+    c2 = compile_checked(steps_device, (pair, warm, jnp.int32(1)), statics, mesh,
                          limit_gb, field, progress, f"compiling the {spec.mode} loop")
     t0 = time.perf_counter()
-    jax.block_until_ready(steps_device(tparams, dparams, warm, jnp.int32(1), **statics))
+    jax.block_until_ready(steps_device(pair, warm, jnp.int32(1), **statics))
     return c1 + c2, time.perf_counter() - t0
 
   def __iter__(self):
-    tcfg, dcfg, spec, max_len, cache_dtype, mesh, chunk, seed = self._args
-    prompts_bs, lengths_b, tparams, dparams = self._data
-    statics = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
+    spec, max_len, cache_dtype, mesh, chunk, seed = self._args
+    prompts_bs, lengths_b, pair = self._data
+    statics = dict(spec=spec)
     prefill_statics = dict(statics, max_len=max_len, cache_dtype=cache_dtype)
-    prefill_args = (tparams, dparams, prompts_bs, lengths_b, jax.random.key(seed))
+    prefill_args = (pair, prompts_bs, lengths_b, jax.random.key(seed))
     with sharding.use_mesh(mesh):
-      compile_s, warmup_s = self._warm(tparams, dparams, prefill_args, prefill_statics, statics)
+      compile_s, warmup_s = self._warm(pair, prefill_args, prefill_statics, statics)
       t0 = time.perf_counter()
       state = prefill_device(*prefill_args, **prefill_statics)
       sent = [0] * prompts_bs.shape[0]
@@ -358,5 +358,6 @@ class Stream:
         yield new
         if done.all() or steps >= spec.max_new_tokens:
           break
-        state = steps_device(tparams, dparams, state, jnp.int32(steps + chunk), **statics)
-      self.result = _result(spec, state, t0, max_len, tcfg.eos_token_id, compile_s, warmup_s)
+        state = steps_device(pair, state, jnp.int32(steps + chunk), **statics)
+      self.result = _result(spec, state, t0, max_len, pair.tcfg.eos_token_id, compile_s,
+                            warmup_s)

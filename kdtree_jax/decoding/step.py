@@ -15,6 +15,7 @@ from kdtree_jax.decoding import budget, sampling
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.decoding.state import DecodeState
 from kdtree_jax.draft import model as draft_model
+from kdtree_jax.pair import Pair
 from kdtree_jax.target import transformer
 
 
@@ -66,13 +67,15 @@ def tree_phase(spec: SpecConfig, draft_logits_bdv, batch: int) -> Tree:
   return Tree(*jax.vmap(lambda x: ddtree.build_ddtree(x, spec.max_budget))(draft_logits_bdv))
 
 
-def verify_phase(tcfg, tparams, spec: SpecConfig, state: DecodeState, tree: Tree, tap_layers):
-  """One target forward over [bonus, tree nodes] at positions len + depth, under the tree mask."""
+def verify_phase(tcfg, tparams, spec: SpecConfig, state: DecodeState, tree: Tree, tap_layers,
+                 routes=None):
+  """One target forward over [bonus, tree nodes] at positions len + depth, under the tree mask.
+  routes: a list receiving each MoE layer's expert ids (the step-cost router probe), or None."""
   tokens = jnp.concatenate([state.bonus[:, None], tree.node_tokens], axis=1)
   depth = jnp.concatenate([jnp.zeros_like(state.bonus)[:, None], tree.depths], axis=1)
   positions = state.cache.lengths[:, None] + depth
   return transformer.decode(tcfg, tparams, state.cache, tokens, positions, tree.vis, tap_layers,
-                            attn_backend=spec.attn_backend)
+                            attn_backend=spec.attn_backend, routes=routes)
 
 
 def accept_phase(spec: SpecConfig, tree: Tree, logits_bnv, key, room_b):
@@ -156,13 +159,13 @@ def verify_chosen_width(tcfg, tparams, dcfg, spec: SpecConfig, state: DecodeStat
   return logits, cache, taps, tree, rec["nodes"]
 
 
-def speculative_step(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: DecodeState,
-                     width_index=None):
+def speculative_step(pair: Pair, spec: SpecConfig, state: DecodeState, width_index=None):
   """The whole step as one pure function (jit it, or run it inside the device loop).
 
   width_index (budget='auto' only; traced int or None): verify this compiled width instead of
   the chosen one (step-cost calibration).
   """
+  tcfg, tparams, dcfg, dparams = pair.tcfg, pair.tparams, pair.dcfg, pair.dparams
   key, sub = jax.random.split(state.key)
   tap_layers = () if spec.mode == "ar" else tuple(dcfg.target_layer_ids)
   b = state.bonus.shape[0]

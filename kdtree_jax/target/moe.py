@@ -57,16 +57,26 @@ def routed_experts(p, cfg: ModelConfig, x_td, idx_tk, w_tk):
   return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], impl=cfg.expert_backend)
 
 
-def moe(p, cfg: ModelConfig, x):
-  """MoE block on x [..., D]: routed experts (expert-parallel under a mesh) + shared experts."""
+def moe(p, cfg: ModelConfig, x, routes: list | None = None):
+  """MoE block on x [..., D]: routed experts (expert-parallel under a mesh) + shared experts.
+
+  routes: a list to which this layer's expert ids [T, K] are appended (training's load
+  balancing, the step-cost router probe); None records nothing."""
   shape = x.shape
   x_td = x.reshape(-1, shape[-1])
   mesh = sharding.current_mesh()
   if mesh is not None:  # one psum for routed + shared where they split alike (moe_parallel)
     idx, w = route_local(lambda rp, x: route(rp, cfg, x), p, x_td, mesh)
+    _record(routes, idx)
     return experts_ep(p, x_td, idx, w, mesh, impl=cfg.expert_backend).reshape(shape)
   idx, w = route(p, cfg, x_td)
+  _record(routes, idx)
   y = routed_experts(p, cfg, x_td, idx, w)
   if "shared" in p:
     y = y + swiglu(p["shared"], x_td).astype(jnp.float32)
   return y.astype(x.dtype).reshape(shape)
+
+
+def _record(routes: list | None, idx_tk):
+  if routes is not None:
+    routes.append(idx_tk)

@@ -19,8 +19,8 @@ from kdtree_jax.target.moe import moe
 from kdtree_jax.target.norm import rms_norm
 
 
-def _ffn(lp, cfg: ModelConfig, x):
-  return swiglu(lp["mlp"], x) if "mlp" in lp else moe(lp["moe"], cfg, x)
+def _ffn(lp, cfg: ModelConfig, x, routes):
+  return swiglu(lp["mlp"], x) if "mlp" in lp else moe(lp["moe"], cfg, x, routes)
 
 
 def _head(params, cfg: ModelConfig, x):
@@ -35,12 +35,13 @@ def _concat_taps(taps: dict, tap_layers: Sequence[int]):
 
 
 def prefill(cfg: ModelConfig, params, cache: LatentCache | None, tokens_bs,
-            tap_layers: Sequence[int] = ()):
+            tap_layers: Sequence[int] = (), routes: list | None = None):
   """Causal forward of prompts from position 0. Returns (logits [B,S,V] f32, cache, taps).
 
   Right-padded prompts are fine: row b's valid tokens only see earlier tokens. Cache rows
   [0, S) are written; `cache.lengths` is left for the caller to set to the prompt lengths.
   taps: [B, S, len(tap_layers) * D], hidden states after each listed layer (0-based).
+  routes: a list that receives each MoE layer's expert ids [B*S, K], in layer order (or None).
   """
   b, s = tokens_bs.shape
   positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
@@ -51,7 +52,7 @@ def prefill(cfg: ModelConfig, params, cache: LatentCache | None, tokens_bs,
     h, rows = mla.prefill_attention(lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps),
                                     positions)
     x = x + h
-    x = x + _ffn(lp, cfg, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
+    x = x + _ffn(lp, cfg, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), routes)
     if latent is not None:
       latent[i] = latent[i].at[:, :s].set(rows.astype(latent[i].dtype))
     if i in tap_layers:
@@ -62,11 +63,12 @@ def prefill(cfg: ModelConfig, params, cache: LatentCache | None, tokens_bs,
 
 
 def decode(cfg: ModelConfig, params, cache: LatentCache, tokens_bn, positions_bn, tree_mask_bnn,
-           tap_layers: Sequence[int] = (), *, attn_backend="auto"):
+           tap_layers: Sequence[int] = (), *, attn_backend="auto", routes: list | None = None):
   """N new tokens against the cache (absorbed MLA). Returns (logits [B,N,V] f32, cache, taps).
 
   The tokens' latent rows are written at [len, len + N); `cache.lengths` is NOT advanced:
   the caller commits (see `cache.compact_rows`) or simply advances lengths for a chain.
+  routes: as in `prefill`.
   """
   x = params["embed"][tokens_bn]
   taps = {}
@@ -76,7 +78,7 @@ def decode(cfg: ModelConfig, params, cache: LatentCache, tokens_bn, positions_bn
         lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions_bn, latent[i],
         cache.lengths, tree_mask_bnn, backend=attn_backend)
     x = x + h
-    x = x + _ffn(lp, cfg, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
+    x = x + _ffn(lp, cfg, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), routes)
     if i in tap_layers:
       taps[i] = x
   return _head(params, cfg, x), cache.replace(latent=tuple(latent)), _concat_taps(taps, tap_layers)
