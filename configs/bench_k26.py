@@ -8,17 +8,12 @@ cut to `layers` (1 dense + MoE) to fit and compile fast; per-layer numbers scale
   python scripts/bench_context_decode.py --config configs/bench_k26.py --ctx 4096,16384,46000
 """
 
-import ml_collections
+from kdtree_jax import run_config
 
 
 def get_config():
-  c = ml_collections.ConfigDict()
-  c.target = ml_collections.ConfigDict(dict(checkpoint="", preset="bench_k26", seed=0, layers=4))
-  c.draft = ml_collections.ConfigDict(dict(checkpoint="", preset="bench_k26", seed=1))
-  c.tokenizer = "none"
-  c.dtype = "bfloat16"
-  c.attn_backend = "auto"
-  c.block_size = 16
-  c.budget = 64
-  c.forced_accept = 6  # fixed acceptance pattern for timing (random weights accept nothing)
-  return c
+  return run_config.bench_config(
+      run_config.model_ref(preset="bench_k26", seed=0, layers=4),
+      run_config.model_ref(preset="bench_k26", seed=1),
+      block_size=16, budget=64, tokenizer="none", dtype="bfloat16", attn_backend="auto",
+      forced_accept=6)  # fixed acceptance pattern for timing (random weights accept nothing)

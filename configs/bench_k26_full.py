@@ -9,26 +9,19 @@ acceptance (`forced_accept`). Plan the memory first (one device), then run the b
   python scripts/bench_k26_full.py --config configs/bench_k26_full.py --out_dir runs/k26_full
 """
 
-import ml_collections
+from kdtree_jax import run_config
 
 
 def get_config():
-  c = ml_collections.ConfigDict()
-  c.target = ml_collections.ConfigDict(dict(checkpoint="", preset="k26_share", seed=0, layers=61,
-                                            shards=8, int4_experts=True))
-  c.draft = ml_collections.ConfigDict(dict(checkpoint="", preset="k26_dflash_share", seed=1,
-                                           shards=8))
-  c.tokenizer = "none"
-  c.dtype = "bfloat16"
-  c.attn_backend = "auto"
-  c.block_size = 16
-  c.budget = 15
-  c.mode = "ddtree"  # plan_memory.py: the verify width it plans activations for
-  c.max_len = 135168  # 128k context + rows for the timed steps
-  c.forced_accept = 6  # fixed acceptance pattern for timing (random weights accept nothing)
-  c.bench = ml_collections.ConfigDict(dict(
-      modes=["ar", "chain", "ddtree"], budget=15,        # compile + throughput
-      ctxs=[4096, 16384, 46000, 131072], gen=16,         # throughput vs context
-      profile_ctx=46000, profile_budgets=[15, 7, 31, 63],  # phase tables (ar first, always)
-      prompt_len=1024, reps=10, compile_box_s=240.0))
-  return c
+  return run_config.bench_config(
+      run_config.model_ref(preset="k26_share", seed=0, layers=61, shards=8, int4_experts=True),
+      run_config.model_ref(preset="k26_dflash_share", seed=1, shards=8),
+      tokenizer="none", dtype="bfloat16", attn_backend="auto", block_size=16, budget=15,
+      mode="ddtree",  # plan_memory.py: the verify width it plans activations for
+      max_len=135168,  # 128k context + rows for the timed steps
+      forced_accept=6,  # fixed acceptance pattern for timing (random weights accept nothing)
+      bench=dict(
+          modes=["ar", "chain", "ddtree"], budget=15,        # compile + throughput
+          ctxs=[4096, 16384, 46000, 131072], gen=16,         # throughput vs context
+          profile_ctx=46000, profile_budgets=[15, 7, 31, 63],  # phase tables (ar first, always)
+          prompt_len=1024, reps=10, compile_box_s=240.0))

@@ -149,6 +149,16 @@ def load_config_file(path: str):
   return module.get_config(*arg)
 
 
+def _fields_under(fields: list[str], parent: str) -> list[str]:
+  """The fields below `parent` ('' = the top), a section shown once as 'name.*'."""
+  out = set()
+  for f in fields:
+    if f.startswith(parent):
+      rest = f[len(parent):]
+      out.add(parent + (rest.split(".", 1)[0] + ".*" if "." in rest else rest))
+  return sorted(out)
+
+
 def _override_error(exc, default) -> Exception:
   """A `--config.x=v` naming no field of the config file -> UsageError naming that flag."""
   path = _argv_config_path(sys.argv, default)
@@ -163,8 +173,12 @@ def _override_error(exc, default) -> Exception:
     if a.startswith("--config."):
       name = a[len("--config."):].split("=", 1)[0]
       if name not in known:
-        return UsageError(f"--config.{name}", f"{path} has no field {name!r}; its fields: "
-                          f"{', '.join(sorted(fields))}")
+        parent = name.rsplit(".", 1)[0] + "." if "." in name else ""
+        while parent and not any(f.startswith(parent) for f in fields):  # nearest real section
+          parent = parent[:-1].rsplit(".", 1)[0] + "." if "." in parent[:-1] else ""
+        where = f"fields under {parent[:-1]}" if parent else "fields"
+        return UsageError(f"--config.{name}", f"{path} has no field {name!r}; its {where}: "
+                          f"{', '.join(_fields_under(fields, parent))}")
   return UsageError("--config", f"{path}: {' '.join(str(exc).split())}")
 
 

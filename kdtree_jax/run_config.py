@@ -1,4 +1,8 @@
-"""The decode run config (ml_collections) that configs/*.py build on: one place for its fields.
+"""The run config (ml_collections) that every configs/*.py builds on: one place for its fields.
+
+Sections: the decode fields below (every config has them), `target` / `draft` (`model_ref`),
+`bench` + `block_size` / `forced_accept` in benchmark configs (`bench_config`), `train.target` /
+`train.draft` in configs/k2tiny.py (the training runs of the shipped pair).
 
 Fields a newcomer sets most (`--config.<field>=value` on scripts/decode.py):
   max_len              cache rows: prompt + generated tokens must fit (default 1024; k2tiny 512)
@@ -42,7 +46,19 @@ def decode_config(target, draft, **overrides):
   return c
 
 
-# The k2tiny target was trained on 512-token sequences (configs/train_target.py seq_len); its
+def bench_config(target, draft, *, block_size, forced_accept, bench=None, **overrides):
+  """A benchmark run: every decode field, plus the block size of a random-preset draft, the fixed
+  acceptance pattern (`forced_accept` tokens per step: random weights accept nothing) and, when
+  given, the `bench` section the bench scripts read (modes, contexts, repetitions, time boxes)."""
+  c = decode_config(target, draft, **overrides)
+  c.block_size = block_size
+  c.forced_accept = forced_accept
+  if bench is not None:
+    c.bench = ml_collections.ConfigDict(bench)
+  return c
+
+
+# The k2tiny target was trained on 512-token sequences (configs/k2tiny.py train.target.seq_len); its
 # config.json claims 2048 positions (YaRN factor 4 over 512), which it never saw in training.
 K2TINY_TRAINED_POSITIONS = 512
 

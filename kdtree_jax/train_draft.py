@@ -1,6 +1,6 @@
 """Trains a DFlash draft against a frozen target checkpoint; writes it in the z-lab layout.
 
-`train(c)` takes a configs/train_draft.py config (the CLI: scripts/train_draft.py).
+`train(c)` takes the `train.draft` section of configs/k2tiny.py (CLI: scripts/train_draft.py).
 """
 
 import time

@@ -1,6 +1,6 @@
 """Trains the small K2.6-architecture target on the stdlib corpus; writes it in HF format.
 
-`train(c)` takes a configs/train_target.py config (the CLI: scripts/train_target.py).
+`train(c)` takes the `train.target` section of configs/k2tiny.py (CLI: scripts/train_target.py).
 """
 
 import time

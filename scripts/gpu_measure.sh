@@ -13,7 +13,7 @@
 #   calibrate   scripts/calibrate_step_cost.py on configs/bench_k26_full.py
 #   sharding    scripts/check_sharding_gpu.py over all visible GPUs (2 on nvidia-h200-x2)
 #   multiprocess  two processes of one GPU each (jax.distributed, NCCL) vs one process, 2 GPUs
-#   train_pair  train the k2tiny target, then its draft (configs/train_*.py, ~7 min with
+#   train_pair  train the k2tiny target, then its draft (configs/k2tiny.py, ~7 min with
 #               start-up): HF checkpoints in k2tiny/{target,draft} (copy into checkpoints/ to
 #               replace the shipped pair), both log.jsonl and losses.png
 # A persistent compilation cache ($OUT/../xla_cache, or JAX_COMPILATION_CACHE_DIR) is shared by
@@ -47,11 +47,13 @@ run_part() {
                 --out "$RAW/sharding.jsonl" ;;
     multiprocess) timeout "$secs" bash scripts/check_multiprocess_gpu.sh "$RAW" ;;
     train_pair) one_gpu timeout "$secs" bash -c "rm -rf /tmp/train_state && python3 \
-                  scripts/train_target.py --config configs/train_target.py \
-                  --config.out_dir=$RAW/k2tiny/target --config.work_dir=/tmp/train_state/target \
-                  && python3 scripts/train_draft.py --config configs/train_draft.py \
-                  --config.target_checkpoint=$RAW/k2tiny/target --config.out_dir=$RAW/k2tiny/draft \
-                  --config.work_dir=/tmp/train_state/draft && for m in target draft; do \
+                  scripts/train_target.py --config configs/k2tiny.py \
+                  --config.train.target.out_dir=$RAW/k2tiny/target \
+                  --config.train.target.work_dir=/tmp/train_state/target \
+                  && python3 scripts/train_draft.py --config configs/k2tiny.py \
+                  --config.train.draft.target_checkpoint=$RAW/k2tiny/target \
+                  --config.train.draft.out_dir=$RAW/k2tiny/draft \
+                  --config.train.draft.work_dir=/tmp/train_state/draft && for m in target draft; do \
                   cp /tmp/train_state/\$m/log.jsonl $RAW/\${m}_log.jsonl; done && python3 \
                   scripts/plot_losses.py --logs $RAW/target_log.jsonl,$RAW/draft_log.jsonl \
                   --out $RAW/losses.png" ;;

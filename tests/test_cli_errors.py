@@ -170,7 +170,8 @@ def test_training_output_never_lands_in_shipped_checkpoints():
   cli.refuse_shipped_output(shipped, "out_dir", "--write_checkpoints", allowed=True)
   cli.refuse_shipped_output(os.path.join(ROOT, "runs", "k2tiny", "hf", "target"), "out_dir",
                             "--write_checkpoints", allowed=False)
-  for name in ("train_target", "train_draft"):  # the shipped training configs write elsewhere
-    config = cli.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
-    assert not os.path.realpath(os.path.join(ROOT, config.out_dir)).startswith(
-        os.path.join(ROOT, "checkpoints")), name
+  for preset in ("", ":cpu"):  # the shipped training configs write elsewhere
+    train = cli.load_config_file(os.path.join(ROOT, "configs", f"k2tiny.py{preset}")).train
+    for name, config in (("target", train.target), ("draft", train.draft)):
+      assert not os.path.realpath(os.path.join(ROOT, config.out_dir)).startswith(
+          os.path.join(ROOT, "checkpoints")), (preset, name)

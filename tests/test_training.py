@@ -1,6 +1,5 @@
 """Training: held-out split; both drivers cut the loss on one batch, write loadable checkpoints."""
 
-import importlib.util
 import json
 import os
 
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 
 import kdtree_jax
-from kdtree_jax import data, train_draft, train_target, training
+from kdtree_jax import cli, data, train_draft, train_target, training
 from kdtree_jax.draft import model as draft_model
 from kdtree_jax.target import transformer
 from kdtree_jax.tokenizer import ByteTokenizer
@@ -28,13 +27,6 @@ LOOP = dict(seq_len=32, batch=4, steps=STEPS, max_seconds=0.0, lr=1e-2, warmup_f
             min_lr_frac=1.0, weight_decay=0.0, eval_batches=1, eval_batch=2, log_every=1,
             eval_every=STEPS, ckpt_every=STEPS, overfit_one_batch=True, compute_dtype="float32")
 BIAS_RATE = 1e-2
-
-
-def load_module(folder, name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, folder, name + ".py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
 
 
 def read_log(work_dir):
@@ -69,12 +61,13 @@ def test_heldout_files_never_trained(corpus):
 def trained(tmp_path_factory, corpus):
   """Both training drivers on one fixed batch at a tiny size; returns configs and trained params."""
   tmp = tmp_path_factory.mktemp("k2tiny")
-  tc = load_module("configs", "train_target").get_config("cpu")
+  train_cpu = cli.load_config_file(os.path.join(ROOT, "configs", "k2tiny.py:cpu")).train
+  tc = train_cpu.target
   tc.model.update(TINY_MODEL)
   tc.update(LOOP, bias_update_rate=BIAS_RATE, out_dir=str(tmp / "target"),
             work_dir=str(tmp / "runs/target"))
   tcfg, tparams = train_target.train(tc, corpus)
-  dc = load_module("configs", "train_draft").get_config("cpu")
+  dc = train_cpu.draft
   dc.draft.update(TINY_DRAFT)
   dc.update(LOOP, anchors=6, gamma=2.0, target_checkpoint=tc.out_dir, out_dir=str(tmp / "draft"),
             work_dir=str(tmp / "runs/draft"))
