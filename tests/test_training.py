@@ -75,6 +75,7 @@ def trained(tmp_path_factory, corpus):
   return tc, tcfg, tparams, dc, dcfg, dparams
 
 
+@pytest.mark.slow
 def test_target_loss_goes_down_and_bias_balances(trained):
   tc, _, tparams, *_ = trained
   losses = train_losses(tc.work_dir)
@@ -83,6 +84,7 @@ def test_target_loss_goes_down_and_bias_balances(trained):
   assert np.any(bias) and np.allclose(bias / BIAS_RATE, np.round(bias / BIAS_RATE), atol=1e-3)
 
 
+@pytest.mark.slow
 def test_draft_loss_goes_down(trained):
   dc = trained[3]
   log = read_log(dc.work_dir)
@@ -91,6 +93,7 @@ def test_draft_loss_goes_down(trained):
   assert log[-1]["step"] == STEPS and "eval_prefix_len" in log[-1]
 
 
+@pytest.mark.slow
 def test_checkpoints_load_back_with_identical_outputs(trained, corpus):
   tc, tcfg, tparams, dc, dcfg, dparams = trained
   to_bf16 = lambda t: training.cast_params(training.cast_params(t, jnp.bfloat16), jnp.float32)

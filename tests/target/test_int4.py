@@ -53,7 +53,7 @@ def test_int4_checkpoint_loads_packed_and_matches_dequantised(tmp_path):
   """An INT4 (compressed-tensors) checkpoint loaded packed == loaded dequantised, bf16 tolerance."""
   import os  # pylint: disable=import-outside-toplevel
   import kdtree_jax  # pylint: disable=import-outside-toplevel
-  path = os.path.join(os.path.dirname(__file__), "fixtures", "quant", "int4_k25")
+  path = os.path.join(os.path.dirname(__file__), "..", "fixtures", "quant", "int4_k25")
   cfg, dense = kdtree_jax.load_hf_checkpoint(path, dtype=jnp.bfloat16)
   _, packed = kdtree_jax.target.checkpoint.load_hf_checkpoint(path, dtype=jnp.bfloat16,
                                                           int4_experts=True)

@@ -6,7 +6,9 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _run(out_dir, *args, timeout=600):
@@ -21,6 +23,7 @@ def _run(out_dir, *args, timeout=600):
   return proc.stdout, rows
 
 
+@pytest.mark.slow
 def test_all_parts_at_tiny_size(tmp_path):
   stdout, rows = _run(tmp_path)
   compiles = [r for r in rows if r["kind"] == "compile"]
@@ -50,6 +53,7 @@ def test_all_parts_at_tiny_size(tmp_path):
   assert "==== summary" in stdout and "NOT DONE" not in stdout
 
 
+@pytest.mark.slow
 def test_time_box_stops_cleanly(tmp_path):
   stdout, rows = _run(tmp_path, "--time_budget_s=0.1")
   compiles = [r for r in rows if r["kind"] == "compile"]
@@ -58,6 +62,7 @@ def test_time_box_stops_cleanly(tmp_path):
   assert "NOT DONE" in stdout and "==== summary" in stdout
 
 
+@pytest.mark.slow
 def test_compile_only_needs_no_weights(tmp_path):
   stdout, rows = _run(tmp_path, "--compile_only")
   assert [r["kind"] for r in rows] == ["setup"] + ["compile"] * 6

@@ -1,7 +1,7 @@
 """Sharding on 8 simulated CPU devices: same tokens as one device, rules, EP MoE, errors.
 
 Regenerate the golden PartitionSpecs after an intended rule change:
-  REGEN_GOLDEN=1 .venv/bin/python -m pytest tests/test_sharding.py -k golden
+  REGEN_GOLDEN=1 .venv/bin/python -m pytest tests/sharding/test_sharding.py -k golden
 """
 
 import importlib.util
@@ -28,7 +28,7 @@ from kdtree_jax.target.moe_parallel import routed_experts_ep
 from kdtree_jax.loader import load_pair
 from kdtree_jax.pair import Pair
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GOLDEN = os.path.join(ROOT, "tests", "fixtures", "golden_partition_specs.json")
 V = 264  # = 8 * 33: vocab-parallel over 8 devices
 MB = 1 << 20
@@ -192,7 +192,7 @@ def test_ep_moe_traces_through_the_pallas_kernel(mesh_spec, int4_experts):
   A Pallas call's output loses its weights' varying `tensor` axis under shard_map, so the psum
   over the expert-splitting axes was rejected before the first step on 2 H200s ("psum can only
   accept axis_name which corresponds to one of varying ..."). Tracing checks exactly that (the
-  kernel itself runs on GPUs; its numerics are tests/test_grouped_matmul_kernel.py's).
+  kernel itself runs on GPUs; its numerics are tests/kernels/test_grouped_matmul_kernel.py's).
   """
   cfg = C.tiny(hidden_size=256, moe_intermediate_size=256, n_routed_experts=4,
                num_experts_per_tok=2, n_group=1, topk_group=1, expert_backend="pallas")

@@ -16,7 +16,7 @@ from kdtree_jax.checkpoint import safetensors_io
 from kdtree_jax.target import hf_writer
 from kdtree_jax.target import params as P
 
-QUANT = os.path.join(os.path.dirname(__file__), "fixtures", "quant")
+QUANT = os.path.join(os.path.dirname(__file__), "..", "fixtures", "quant")
 
 
 def rel(a, b):

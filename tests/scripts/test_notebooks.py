@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 NOTEBOOKS = ("01_decode_and_tree.ipynb", "02_benchmarks.ipynb")
 
 
@@ -22,6 +22,7 @@ def nb_env(monkeypatch):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name, nb_env):
   nbformat = pytest.importorskip("nbformat")

@@ -16,7 +16,7 @@ from kdtree_jax.decoding import loop, memory_bound
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.tokenizer import ByteTokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DECODE = os.path.join(ROOT, "scripts", "decode.py")
 TINY = os.path.join(ROOT, "configs", "tiny.py")
 SHIPPED_DRAFT = os.path.join(ROOT, "checkpoints", "k2tiny", "draft")

@@ -16,8 +16,7 @@ from kdtree_jax.decoding import budget, step, step_cost
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.draft.config import DraftConfig
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_decoding import make_pair, oracle_draft, run  # noqa: E402
+from test_decoding import make_pair, oracle_draft, run  # same folder (pytest's rootdir-less import)
 
 BLOCK = 6
 
@@ -130,6 +129,7 @@ def test_calibration_fit_recovers_known_rates():
   np.testing.assert_allclose(np.asarray(p[0, 7]), 0.2, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_calibrated_acceptance_is_honest_on_held_out_prompts():
   """The trained pair (k2tiny, f32, greedy), DDTree order verified at 63 nodes, 96 tokens per
   prompt: calibrate on 8 held-out windows, test on 6 others. For every compiled width n, per step
@@ -208,12 +208,13 @@ def test_budget_auto_validation():
   assert SpecConfig(budget="auto", auto=budget.AutoBudget(node_counts=(7, 15))).verify_width == 16
 
 
+@pytest.mark.slow
 def test_calibrate_step_cost_script(tmp_path):
   """scripts/calibrate_step_cost.py on the tiny bench pair: a row per (context, width) and mode,
   router-counted experts that never shrink as the prefix grows (a verify's node sees only its
   ancestors, so a longer prefix routes the shorter one's tokens the same way), and a JSON that
   load_calibration turns into the same numbers."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   cmd = [sys.executable, os.path.join(root, "scripts", "calibrate_step_cost.py"),
@@ -244,10 +245,11 @@ def test_calibrate_step_cost_script(tmp_path):
   assert cost.mode_ms("ar", 64) == pytest.approx(by[("ar", 1, 64)])
 
 
+@pytest.mark.slow
 def test_eval_budget_script(tmp_path):
   """scripts/eval_budget.py at minimal size: every run lossless, the simulated rows charge the
   K2.6 cost model per step, the measured rows use the pair's own (here synthetic) table."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
   table = [dict(mode="ddtree", width=w, ctx=c, loop_ms=1.0 + w, kernel_ms=None)
            for w in (2, 4) for c in (100, 1000)]
   table += [dict(mode=m, width=w, ctx=c, loop_ms=1.0, kernel_ms=None)

@@ -8,7 +8,9 @@ import socket
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DECODE = os.path.join(ROOT, "scripts", "decode.py")
 ARGS = ["--config.mode=ddtree", "--config.budget=16", "--config.max_new_tokens=24",
         "--config.dtype=float32"]
@@ -32,6 +34,7 @@ def _tokens(path):
     return json.load(f)["tokens"]
 
 
+@pytest.mark.slow
 def test_two_processes_decode_like_one(tmp_path):
   port = _free_port()
   procs = []

@@ -287,7 +287,7 @@ def test_hidden_size_mismatch():
                               jnp.ones((1,), jnp.int32))
 
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "dflash")
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "dflash")
 
 
 def decode_path_logits(cfg, params, ref, dtype=jnp.float32):
@@ -353,11 +353,12 @@ def test_matches_reference_fixture_bf16(name):
   assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.95
 
 
+@pytest.mark.slow
 def test_bench_draft_script_cpu(tmp_path):
   """scripts/bench_draft.py --small runs on the CPU: both phases, floors from its cost model."""
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
   cmd = [sys.executable, os.path.join(root, "scripts", "bench_draft.py"), "--small", "--ctx", "256",
          "--reps", "3", "--loop_steps", "4", "--out_dir", str(tmp_path),

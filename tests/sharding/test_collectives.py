@@ -6,7 +6,7 @@ once-per-step collectives (embedding, sampling, the draft's layers and logits, t
 layer); models of 2 and 4 target layers differ by exactly two MoE layers, so
 (count(4) - count(2)) / 2 is the per-layer count, whatever the once-per-step part is.
 
-  .venv/bin/python -m pytest -s tests/test_collectives.py   (prints where each one comes from)
+  .venv/bin/python -m pytest -s tests/sharding/test_collectives.py   (prints where each one comes from)
   .venv/bin/python scripts/count_collectives.py "tensor=8" "tensor=2,expert=4"
 """
 

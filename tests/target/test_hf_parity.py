@@ -18,7 +18,7 @@ import pytest
 import kdtree_jax
 from kdtree_jax.target import config as C
 
-FIXTURE_ROOT = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
+FIXTURE_ROOT = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
 FIXTURES = sorted(
     d for d in (os.listdir(FIXTURE_ROOT) if os.path.isdir(FIXTURE_ROOT) else [])
     if os.path.exists(os.path.join(FIXTURE_ROOT, d, "reference.npz")))
