@@ -32,10 +32,10 @@ one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
 run_part() {
   local part=$1 secs=$2
   case $part in
-    moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu tests/test_grouped_matmul_kernel.py ;;
+    moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu tests/kernels/test_grouped_matmul_kernel.py ;;
     moe_bench) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench \
                  --out "$RAW/bench_moe.jsonl" ;;
-    verify) one_gpu timeout "$secs" bash -c "python3 -m pytest -q tests/test_tree_verify_attention.py \
+    verify) one_gpu timeout "$secs" bash -c "python3 -m pytest -q tests/kernels/test_tree_verify_attention.py \
                 -k 'Gpu or gpu or nh_grid or lengths or tunings'; python3 -m pallas_kernels.tree_verify.bench \
                 --B=1 --N=1,16,64 --H=8,64 --L=46000 --json_out=$RAW/bench_verify_attention.jsonl" ;;
     k26_full) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
