@@ -16,7 +16,7 @@ from kdtree_jax.decoding import budget, step, step_cost
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.draft.config import DraftConfig
 
-from test_decoding import make_pair, oracle_draft, run  # same folder (pytest's rootdir-less import)
+from test_decoding import make_pair, oracle_draft, run  # its neighbour (pytest imports by folder)
 
 BLOCK = 6
 
