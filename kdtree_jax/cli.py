@@ -25,6 +25,8 @@ import traceback
 from absl import app, flags
 from absl import logging as absl_logging
 
+from kdtree_jax import sharding
+
 EXIT_DATA, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Print tracebacks and INFO logs (absl, jax, orbax).")
 _QUIET_LOGGERS = ("jax", "orbax", "absl", "etils", "tensorstore")
@@ -295,3 +297,18 @@ def progress(label: str, every_s: float = 10.0, out=None):
     stop.set()
     ticker.join()
   print(f"{label}: {time.perf_counter() - t0:.1f} s", file=out, flush=True)
+
+
+def distributed_from_env() -> sharding.Distributed:
+  """The multi-process launch as the launcher sets it: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES
+  and JAX_PROCESS_ID (jax itself reads JAX_LOCAL_DEVICE_IDS). Scripts only: the library takes a
+  `sharding.Distributed`."""
+  env = os.environ
+  n = int(env.get("JAX_NUM_PROCESSES", "1"))
+  rank = env.get("JAX_PROCESS_ID")
+  if env.get("JAX_COORDINATOR_ADDRESS") and n > 1 and rank is None:
+    raise UsageError("JAX_PROCESS_ID", "JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES are set "
+                     "but JAX_PROCESS_ID is not; set it to this host's rank in "
+                     "[0, JAX_NUM_PROCESSES)")
+  return sharding.Distributed(env.get("JAX_COORDINATOR_ADDRESS"), n,
+                              None if rank is None else int(rank))

@@ -12,8 +12,8 @@ over 1 MB ends up replicated).
 """
 
 import contextlib
+import dataclasses
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +61,7 @@ _DRAFT_LAYER = {"q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"),
                 "post_attention_layernorm": ("norm",), "gate_proj": ("embed", "mlp"),
                 "up_proj": ("embed", "mlp"), "down_proj": ("mlp", "embed")}
 
-# Parameter path (ints dropped, "/"-joined) -> logical axes. Target: model/params.py; draft:
+# Parameter path (ints dropped, "/"-joined) -> logical axes. Target: target/params.py; draft:
 # draft/model.py (a list of per-layer dicts, like the target's layers).
 PARAM_AXES = {
     "embed": ("vocab", "embed"), "lm_head": ("embed", "vocab"), "final_norm": ("norm",),
@@ -73,7 +73,7 @@ PARAM_AXES = {
     "layers/moe/gate": ("experts", "embed", "expert_mlp"),
     "layers/moe/up": ("experts", "embed", "expert_mlp"),
     "layers/moe/down": ("experts", "expert_mlp", "embed"),
-    # INT4 routed experts (model/int4.py Int4Weight): packed int4 [E, out, in], scale [E, in/G, out].
+    # INT4 routed experts (checkpoint/int4.py Int4Weight): packed int4 [E, out, in], scale [E, in/Q, out].
     **{f"layers/moe/{m}/packed": ("experts", "expert_mlp", "embed") for m in ("gate", "up")},
     **{f"layers/moe/{m}/scale": ("experts", "embed", "expert_mlp") for m in ("gate", "up")},
     "layers/moe/down/packed": ("experts", "embed", "expert_mlp"),
@@ -246,17 +246,23 @@ def to_host(tree):
 
 
 # ---- multi-host -----------------------------------------------------------------------------
-def maybe_initialize_distributed() -> bool:
-  """jax.distributed.initialize() when JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES > 1 are set.
+@dataclasses.dataclass(frozen=True)
+class Distributed:
+  """This process's place in a multi-process run: the coordinator's 'host:port', the number of
+  processes and this one's rank (scripts read it from the launcher: cli.distributed_from_env)."""
 
-  Also reads JAX_PROCESS_ID (and jax itself JAX_LOCAL_DEVICE_IDS). Returns whether it ran.
-  """
-  addr = os.environ.get("JAX_COORDINATOR_ADDRESS")
-  n = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
-  if not addr or n <= 1 or jax.distributed.is_initialized():
+  coordinator: str | None = None
+  num_processes: int = 1
+  process_id: int | None = None
+
+
+def initialize_distributed(d: Distributed) -> bool:
+  """jax.distributed.initialize() for a run of several processes; returns whether it ran."""
+  if not d.coordinator or d.num_processes <= 1 or jax.distributed.is_initialized():
     return False
-  if "JAX_PROCESS_ID" not in os.environ:
-    raise ValueError("JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES are set but JAX_PROCESS_ID "
-                     "is not; set it to this host's rank in [0, JAX_NUM_PROCESSES)")
-  jax.distributed.initialize(addr, num_processes=n, process_id=int(os.environ["JAX_PROCESS_ID"]))
+  if d.process_id is None or not 0 <= d.process_id < d.num_processes:
+    raise ValueError(f"a run of {d.num_processes} processes (coordinator {d.coordinator}) needs "
+                     f"this process's rank in [0, {d.num_processes}), got {d.process_id}")
+  jax.distributed.initialize(d.coordinator, num_processes=d.num_processes,
+                             process_id=d.process_id)
   return True

@@ -82,7 +82,7 @@ def main(argv):
   if not _HF_DIR.value or not _OUT_DIR.value:
     raise app.UsageError("--hf_dir and --out_dir are required")
   check_dirs(_HF_DIR.value, _OUT_DIR.value, _OVERWRITE.value)
-  sharding.maybe_initialize_distributed()
+  sharding.initialize_distributed(cli.distributed_from_env())
   mesh = sharding.make_mesh(_MESH.value) if _MESH.value else None
   dtype = DTYPES[_DTYPE.value]
   t0 = time.perf_counter()

@@ -85,7 +85,7 @@ def _setting_warnings(c) -> list[str]:
 
 
 def _mesh(c):
-  sharding.maybe_initialize_distributed()
+  sharding.initialize_distributed(cli.distributed_from_env())
   if not c.mesh:
     return None
   try:

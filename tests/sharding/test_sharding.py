@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kdtree_jax.target import config as C
-from kdtree_jax import sharding
+from kdtree_jax import cli, sharding
 from kdtree_jax.target.checkpoint import load_hf_checkpoint
 from kdtree_jax.decoding import loop
 from kdtree_jax.decoding.spec_config import SpecConfig
@@ -251,13 +251,21 @@ def test_loader_put_places_each_tensor_sharded():
 
 
 # ---- multi-host helper ----------------------------------------------------------------------
-def test_maybe_initialize_distributed(monkeypatch):
+def test_initialize_distributed_only_for_several_processes():
+  assert sharding.initialize_distributed(sharding.Distributed()) is False
+  assert sharding.initialize_distributed(sharding.Distributed("localhost:1234", 1)) is False
+  for rank in (None, 2):
+    with pytest.raises(ValueError, match="rank"):
+      sharding.initialize_distributed(sharding.Distributed("localhost:1234", 2, rank))
+
+
+def test_distributed_from_the_launcher_environment(monkeypatch):
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     monkeypatch.delenv(k, raising=False)
-  assert sharding.maybe_initialize_distributed() is False
+  assert cli.distributed_from_env() == sharding.Distributed()
   monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "localhost:1234")
-  monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
-  assert sharding.maybe_initialize_distributed() is False
   monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
   with pytest.raises(ValueError, match="JAX_PROCESS_ID"):
-    sharding.maybe_initialize_distributed()
+    cli.distributed_from_env()
+  monkeypatch.setenv("JAX_PROCESS_ID", "1")
+  assert cli.distributed_from_env() == sharding.Distributed("localhost:1234", 2, 1)
