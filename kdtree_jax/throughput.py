@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax import timing
+from kdtree_jax import forced_accept, timing
 from kdtree_jax.bench_state import at_context, bench_state
 from kdtree_jax.decoding import loop, step
 
@@ -74,7 +74,7 @@ def time_contexts(pair, spec, ctxs, dtype, batch=1, gen=16, run=None):
     rows.append(dict(mode=spec.mode, budget=spec.budget if spec.mode == "ddtree" else None,
                      block_size=spec.block_size if spec.mode != "ar" else None, ctx=ctx,
                      batch=batch, attn_backend=spec.attn_backend,
-                     forced_accept=spec.forced_accept, verify_width=spec.verify_width, **m,
+                     forced_accept=forced_accept.forced_count(spec), verify_width=spec.verify_width, **m,
                      tokens_per_s=1e3 * m["accepted_per_step"] * batch / m["ms_per_step"],
                      layers=tcfg.num_hidden_layers, device=jax.devices()[0].device_kind))
   return rows

@@ -21,6 +21,7 @@ from kdtree_jax import hlo_audit, loader, profiling, roofline, runtime
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.target.params import init_params
 from kdtree_jax.pair import Pair
+from kdtree_jax import forced_accept
 
 _LAYERS = flags.DEFINE_integer("layers", 4, "Target layers (tiny widths, K2.6 latent width 576).")
 _ROWS = flags.DEFINE_integer("rows", 4096, "Context the bench state is sized for.")
@@ -34,7 +35,7 @@ def _setup(mode, layers):
   """(target config, params, draft config, params, spec) with random weights, f32."""
   cfg = C.tiny(kv_lora_rank=512, qk_rope_head_dim=64, num_hidden_layers=layers)
   spec = SpecConfig(mode=mode, budget=16, block_size=8, max_new_tokens=64,
-                    forced_accept=3 if mode != "ar" else -1)
+                    target_choice=forced_accept.target_choice(3 if mode != "ar" else -1))
   tp = init_params(jax.random.key(0), cfg, jnp.float32)
   dcfg = dp = None
   if mode != "ar":

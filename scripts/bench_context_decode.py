@@ -19,6 +19,7 @@ from kdtree_jax import plots, profiling, roofline, runtime  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.loader import DTYPES, load_draft, load_target  # noqa: E402
 from kdtree_jax.pair import Pair  # noqa: E402
+from kdtree_jax import forced_accept
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Bench config (configs/bench_*.py).")
 _CTX = flags.DEFINE_list("ctx", ["1024", "4096", "16384", "46000", "131072"], "Context lengths.")
@@ -37,7 +38,8 @@ runtime.define_flags()
 def _spec(c, mode, gen):
   budget = _BUDGET.value or c.budget
   return SpecConfig(mode=mode, budget=budget, block_size=c.block_size, max_new_tokens=4096,
-                    attn_backend=c.attn_backend, forced_accept=c.forced_accept)
+                    attn_backend=c.attn_backend,
+                    target_choice=forced_accept.target_choice(c.forced_accept))
 
 
 def plot(rows, path):

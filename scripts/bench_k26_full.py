@@ -32,6 +32,7 @@ from kdtree_jax.decoding import loop
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.loader import DTYPES, load_draft, load_target
 from kdtree_jax.pair import Pair
+from kdtree_jax import forced_accept
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "bench_k26_full.py")
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Bench config.")
@@ -62,7 +63,7 @@ class Recorder:
 def _spec(c, mode, budget=None):
   return SpecConfig(mode=mode, budget=budget or c.bench.budget, block_size=c.block_size,
                     max_new_tokens=4096, attn_backend=c.attn_backend,
-                    forced_accept=c.forced_accept)
+                    target_choice=forced_accept.target_choice(c.forced_accept))
 
 
 def _loop_capacity(c, spec):

@@ -33,6 +33,7 @@ from kdtree_jax.decoding import budget, step, step_cost  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.loader import DTYPES, load_draft, load_target  # noqa: E402
 from kdtree_jax.pair import Pair
+from kdtree_jax import forced_accept
 
 runtime.define_flags()
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Bench config (configs/bench_*.py).")
@@ -142,7 +143,8 @@ def ddtree_rows(exe, tcfg, tp, dp, spec, big, analytic, ctxs, steps, save):
 
 def mode_spec(c, dcfg, mode):
   return SpecConfig(mode=mode, block_size=dcfg.block_size, max_new_tokens=4096,
-                    attn_backend=c.attn_backend, forced_accept=c.get("forced_accept", -1))
+                    attn_backend=c.attn_backend,
+                    target_choice=forced_accept.target_choice(c.get("forced_accept", -1)))
 
 
 def mode_rows(exe, tcfg, pair, spec, big, analytic, ctxs, steps):
@@ -214,7 +216,8 @@ def main(_):
   analytic = step_cost.AnalyticCost(tcfg, dcfg, share, hw)
   auto = budget.AutoBudget(node_counts=tuple(int(n) for n in _NODES.value))
   spec = SpecConfig(mode="ddtree", budget="auto", block_size=dcfg.block_size, max_new_tokens=4096,
-                    attn_backend=c.attn_backend, forced_accept=c.get("forced_accept", -1),
+                    attn_backend=c.attn_backend,
+                    target_choice=forced_accept.target_choice(c.get("forced_accept", -1)),
                     auto=budget.resolve(auto, tcfg, dcfg))
   state_of = lambda sp: profiling.bench_state(tcfg, dcfg, sp, 1, max(ctxs), dtype,
                                               steps=max(steps) + 4)
@@ -226,7 +229,8 @@ def main(_):
   os.makedirs(_OUT.value, exist_ok=True)
   path = os.path.join(_OUT.value, "step_cost.json")
   meta = dict(config=c.to_dict(), device=jax.devices()[0].device_kind, ceilings=ceil,
-              layers=tcfg.num_hidden_layers, dtype=c.dtype, forced_accept=spec.forced_accept)
+              layers=tcfg.num_hidden_layers, dtype=c.dtype,
+              forced_accept=forced_accept.forced_count(spec))
 
   def save(rows):  # after every stage: a time-boxed run still leaves what it measured
     with open(path, "w") as f:

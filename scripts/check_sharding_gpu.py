@@ -21,7 +21,7 @@ import numpy as np
 from absl import app, flags
 
 from kdtree_jax.target import config as C
-from kdtree_jax import sharding
+from kdtree_jax import cli, forced_accept, sharding
 from kdtree_jax.decoding import loop
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.draft import model as DM
@@ -122,7 +122,8 @@ def timing_rows(mesh_specs):
     tp, dp = build(tcfg, dcfg, jnp.bfloat16, mesh, 0.02, int4_experts=True)
     for mode in ("ar", "ddtree"):
       spec = SpecConfig(mode=mode, budget=_BUDGET.value, block_size=16,
-                        max_new_tokens=_NEW.value, forced_accept=_FORCED.value)
+                        max_new_tokens=_NEW.value,
+                        target_choice=forced_accept.target_choice(_FORCED.value))
       row = dict(check="timing", mesh=m or "1 device", mode=mode, layers=_LAYERS.value)
       try:
         t0 = time.perf_counter()
@@ -155,7 +156,7 @@ def _fmt(r):
 
 def main(argv):
   del argv
-  sharding.maybe_initialize_distributed()
+  sharding.initialize_distributed(cli.distributed_from_env())
   jax.config.update("jax_default_matmul_precision", "highest")  # the f32 check: no TF32
   print(jax.devices(), flush=True)
   specs = _MESHES.value.split(";")

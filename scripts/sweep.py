@@ -25,6 +25,7 @@ from kdtree_jax import cli, profiling
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.loader import DTYPES, load_draft, load_target
 from kdtree_jax.pair import Pair
+from kdtree_jax import forced_accept
 
 _CONFIG = cli.define_config(None, "Bench config (configs/bench_*.py).")
 _MODE = flags.DEFINE_list("mode", ["ar", "chain", "ddtree"], "Modes (ar: once; chain: per block).")
@@ -78,7 +79,7 @@ def main(_):
   for i, (mode, budget, block, backend) in enumerate(pts):
     dcfg = None if dcfg0 is None else dataclasses.replace(dcfg0, block_size=block)
     spec = SpecConfig(mode=mode, budget=budget, block_size=block, max_new_tokens=4096,
-                      attn_backend=backend, forced_accept=forced)
+                      attn_backend=backend, target_choice=forced_accept.target_choice(forced))
     t0 = time.perf_counter()
     for r in sweep_point(Pair(tcfg, tp, dcfg, dp), spec, ctxs, dtype, _BATCH.value, _GEN.value):
       print(f"[{i + 1}/{len(pts)}] {mode:>6} budget={r['budget'] or '-':>4} "

@@ -10,6 +10,7 @@ from kdtree_jax import loader, profiling, timing
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.target.params import init_params
 from kdtree_jax.pair import Pair
+from kdtree_jax import forced_accept
 
 CEIL = dict(copy_tbps=0.01, mm_tflops=0.1)
 
@@ -20,7 +21,7 @@ def _setup(mode):
   ref = ml_collections.ConfigDict(dict(checkpoint="", preset="tiny", seed=1))
   dcfg, dp = loader.load_draft(ref, tcfg, jnp.float32)
   spec = SpecConfig(mode=mode, budget=6, block_size=dcfg.block_size, max_new_tokens=256,
-                    forced_accept=2)
+                    target_choice=forced_accept.target_choice(2))
   return Pair(tcfg, tp, dcfg, dp), spec
 
 

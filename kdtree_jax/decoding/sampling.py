@@ -55,3 +55,10 @@ def choose(logits, key, cfg: SamplingConfig):
   if cfg.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   return jax.random.categorical(key, filtered_logits(logits, cfg), axis=-1).astype(jnp.int32)
+
+
+def target_choice(spec, tree, logits_bnv, key, room_b):
+  """The target's own choice at every node [B, N] (per `spec.sampling`) and the commit room,
+  unchanged: what `SpecConfig.target_choice` is outside benchmarks. `tree` is unused here."""
+  del tree
+  return choose(logits_bnv, key, spec.sampling), room_b

@@ -1,10 +1,10 @@
 """Static settings of one decoding run (hashable: part of the jit cache key)."""
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from kdtree_jax.cli import UsageError
-from kdtree_jax.decoding.sampling import SamplingConfig
+from kdtree_jax.decoding.sampling import SamplingConfig, target_choice as own_choice
 
 MODES = ("ar", "chain", "ddtree")
 # budget="auto": tree node counts compiled (8k - 1 nodes: with the root, x 8 heads = 64k rows).
@@ -21,9 +21,10 @@ class SpecConfig:
   max_new_tokens: int = 128
   sampling: SamplingConfig = SamplingConfig()
   attn_backend: str = "auto"
-  # Benchmarks with random weights only: the target "agrees" with the draft along the first-child
-  # spine for `forced_accept` nodes (a fixed acceptance pattern). -1 = real acceptance.
-  forced_accept: int = -1
+  # (spec, tree, logits [B, N, V], key, room [B]) -> (choice [B, N], room): the token the target
+  # picks at every node. Benchmarks with random weights pass forced_accept.ForcedAccept(n) (a
+  # fixed acceptance pattern); decoding itself always uses the target's own choice.
+  target_choice: Callable = own_choice
   # budget='auto' only: a decoding.budget.AutoBudget (node counts, cost table, acceptance
   # calibration); None = default node counts and the analytic cost of the run's own target.
   auto: Any = None

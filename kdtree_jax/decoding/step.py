@@ -2,7 +2,8 @@
 
 Every phase is a pure function of arrays so it can be compiled alone (phase profiler) or fused
 into `speculative_step`, which the device loop runs with no host round trip.
-Letters: B batch, N verify width (root + tree nodes), W commit width (depth + 1), V vocab.
+Letters (the package glossary, kdtree_jax/__init__.py): B batch, N verify width (root + tree
+nodes), J draft depth, W commit width (J + 1), V vocab.
 """
 
 import flax.struct
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 
 from kdtree_jax import tree as ddtree
 from kdtree_jax.target.cache import compact_rows
-from kdtree_jax.decoding import budget, sampling
+from kdtree_jax.decoding import budget
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.decoding.state import DecodeState
 from kdtree_jax.draft import model as draft_model
@@ -32,7 +33,7 @@ class Tree:
 def draft_phase(dcfg, dparams, tparams, spec: SpecConfig, state: DecodeState):
   """Materialises pending context K/V, then drafts [bonus, MASK x (B-1)] in one forward.
 
-  Returns (draft cache, draft logits [B, depth, V] for block positions 1..depth).
+  Returns (draft cache, draft logits [B, J, V] for block positions 1..J).
   """
   dc = draft_context_phase(dcfg, dparams, state)
   return dc, draft_block_phase(dcfg, dparams, tparams, spec, state, dc)
@@ -48,7 +49,7 @@ def draft_context_phase(dcfg, dparams, state: DecodeState):
 
 
 def draft_block_phase(dcfg, dparams, tparams, spec: SpecConfig, state: DecodeState, dc):
-  """Draft logits [B, depth, V] of one non-causal block forward against the draft cache `dc`."""
+  """Draft logits [B, J, V] of one non-causal block forward against the draft cache `dc`."""
   b = state.pending_count.shape[0]
   block = jnp.full((b, spec.block_size), dcfg.mask_token_id, jnp.int32).at[:, 0].set(state.bonus)
   logits = draft_model.draft_block(dparams, dcfg, dc, block, state.cache.lengths,
@@ -56,15 +57,15 @@ def draft_block_phase(dcfg, dparams, tparams, spec: SpecConfig, state: DecodeSta
   return logits[:, 1:]
 
 
-def tree_phase(spec: SpecConfig, draft_logits_bdv, batch: int) -> Tree:
+def tree_phase(spec: SpecConfig, draft_logits_bjv, batch: int) -> Tree:
   """The verify tree: root only ('ar'), the greedy chain, or the DDTree of `budget` nodes (of
   the largest compiled width for budget='auto': the verify step picks a prefix of it)."""
   if spec.mode == "ar":
     return Tree(jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0), jnp.int32),
                 jnp.full((batch, 1), -1, jnp.int32), jnp.ones((batch, 1, 1), bool))
   if spec.mode == "chain":
-    return Tree(*jax.vmap(ddtree.build_chain)(draft_logits_bdv))
-  return Tree(*jax.vmap(lambda x: ddtree.build_ddtree(x, spec.max_budget))(draft_logits_bdv))
+    return Tree(*jax.vmap(ddtree.build_chain)(draft_logits_bjv))
+  return Tree(*jax.vmap(lambda x: ddtree.build_ddtree(x, spec.max_budget))(draft_logits_bjv))
 
 
 def verify_phase(tcfg, tparams, spec: SpecConfig, state: DecodeState, tree: Tree, tap_layers,
@@ -83,10 +84,7 @@ def accept_phase(spec: SpecConfig, tree: Tree, logits_bnv, key, room_b):
 
   `room_b` caps a (the cache's free committed rows minus one), so commit never overflows.
   """
-  choice = sampling.choose(logits_bnv, key, spec.sampling)  # [B, N]
-  if spec.forced_accept >= 0 and spec.mode != "ar":
-    choice = _first_child_tokens(tree, choice)
-    room_b = jnp.minimum(room_b, spec.forced_accept)
+  choice, room_b = spec.target_choice(spec, tree, logits_bnv, key, room_b)  # [B, N], [B]
   if spec.mode == "ar":  # root only: nothing to walk
     return jnp.zeros_like(choice), jnp.zeros_like(choice[:, 0]), choice[:, 0]
   walk = jax.vmap(lambda p, t, c, v: ddtree.accept_walk(p, t, c, spec.depth, v))
@@ -95,16 +93,6 @@ def accept_phase(spec: SpecConfig, tree: Tree, logits_bnv, key, room_b):
   last = jnp.take_along_axis(path, a[:, None], axis=1)
   nxt = jnp.take_along_axis(choice, last, axis=1)[:, 0]
   return jnp.maximum(path, 0), a, nxt
-
-
-def _first_child_tokens(tree: Tree, choice_bn):
-  """Benchmark stand-in for the target's choice: each node's first (lowest-index) child's token."""
-  n = choice_bn.shape[1]
-  child_parent = tree.parents[:, 1:]  # [B, N-1]: parent of tree index k + 1
-  is_child = child_parent[:, None, :] == jnp.arange(n)[None, :, None]  # [B, N, N-1]
-  first = jnp.argmax(is_child, axis=-1)
-  tok = jnp.take_along_axis(tree.node_tokens, first, axis=1)
-  return jnp.where(jnp.any(is_child, axis=-1), tok, choice_bn)
 
 
 def commit_phase(spec: SpecConfig, eos_id, state: DecodeState, cache, draft_cache, tree: Tree,
