@@ -162,14 +162,14 @@ def target_taps(tcfg, tparams, tokens_bs, tap_layers, compute_dtype):
 def draft_loss(dcfg, tcfg, compute_dtype, gamma, dparams, tparams, tokens_bs, anchors_ba):
   """Weighted block cross-entropy (normalised by sum of weights) and metrics."""
   taps = target_taps(tcfg, tparams, tokens_bs, dcfg.target_layer_ids, compute_dtype)
-  K = dcfg.block_size
-  pos = anchors_ba[..., None] + jnp.arange(K)  # [B, A, K]
+  n_block = dcfg.block_size
+  pos = anchors_ba[..., None] + jnp.arange(n_block)  # [B, A, block_size]
   labels = jnp.take_along_axis(tokens_bs[:, None, :], pos, axis=-1)
   block = labels.at[..., 1:].set(dcfg.mask_token_id)
   logits = draft_model.draft_train_forward(
       cast_params(dparams, compute_dtype), dcfg, taps, anchors_ba, block,
       tparams["embed"].astype(compute_dtype), tparams["lm_head"].astype(compute_dtype))
-  w = block_weights(K, gamma)
+  w = block_weights(n_block, gamma)
   ce = cross_entropy(logits, labels)
   loss = jnp.sum(jnp.mean(ce, axis=(0, 1)) * w) / jnp.sum(w)
   hit = (jnp.argmax(logits, -1) == labels)[..., 1:]

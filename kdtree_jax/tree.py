@@ -1,14 +1,15 @@
 """DDTree on device: best-first draft tree, chain tree, and the acceptance walk.
 
-Letters: L depth (draft positions 1..L), V vocab, K top-k per depth, N node budget
-(tree indices 0..N, index 0 = the root = the bonus token).
+Letters (the package glossary, kdtree_jax/__init__.py): J draft depth (block positions 1..J),
+V vocab, K top-k per depth, N verify width: tree indices 0..N-1, index 0 = the root = the bonus
+token, the n = `budget` = N - 1 nodes at 1..N-1 (arrays over the nodes alone have N - 1 rows).
 
 `build_ddtree` reproduces `build_ddtree_tree` of liranringel/ddtree node for node. The published
 algorithm is a max-heap on path log-prob with entries (-score, rank_tuple): popping a node emits
 it, then pushes its next sibling (rank r+1) and first child (depth+1, rank 0). Pops come out in
-(score desc, rank tuple asc) order, so the tree is the first N prefixes in that order; here it is
+(score desc, rank tuple asc) order, so the tree is the first n prefixes in that order; here it is
 computed without a pop loop: one sort per depth over the candidates that can still make the top
-N, then one sort over the survivors (a per-pop loop cost 2.9 ms per step on an H200 at N = 64:
+n, then one sort over the survivors (a per-pop loop cost 2.9 ms per step on an H200 at n = 64:
 each pop was a few tiny kernels inside a device while loop).
 
 Deviations (documented, tested):
@@ -31,9 +32,9 @@ import numpy as np
 _LOGP_FLOOR = -1e30
 
 
-def topk_logprobs(draft_logits_lv: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """Top-k log-probs [L, K] f32 (log_softmax over full V) and their token ids [L, K] int32."""
-  logits = draft_logits_lv.astype(jnp.float32)
+def topk_logprobs(draft_logits_jv: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """Top-k log-probs [J, K] f32 (log_softmax over full V) and their token ids [J, K] int32."""
+  logits = draft_logits_jv.astype(jnp.float32)
   top, ids = lax.top_k(logits, k)
   logp = top - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
   return jnp.maximum(logp, _LOGP_FLOOR), ids.astype(jnp.int32)
@@ -105,133 +106,136 @@ def _lexrank(tie, ok):
   return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
 
 
-def build_ddtree(draft_logits_lv: jax.Array, budget: int):
-  """Best-first DDTree -> (node_tokens [N], node_depths [N], parents [N+1], visibility [N+1, N+1]).
+def build_ddtree(draft_logits_jv: jax.Array, budget: int):
+  """Best-first DDTree of n = budget nodes (N = n + 1 with the root) -> (node_tokens [N-1],
+  node_depths [N-1], parents [N], visibility [N, N]).
 
   Vectorised, no pop loop: the heap pops nodes in (score desc, rank tuple asc) order, so the
-  tree is the first N prefixes in that order. The best N prefixes of depth d are among the
-  children of the best N of depth d-1 (a better parent's rank-0 child beats any child of a worse
-  parent), so each level is one sort of N*K candidates; a final sort of the L*N survivors by
+  tree is the first n prefixes in that order. The best n prefixes of depth d are among the
+  children of the best n of depth d-1 (a better parent's rank-0 child beats any child of a worse
+  parent), so each level is one sort of n*K candidates; a final sort of the J*n survivors by
   (score, whole rank tuple) gives exactly the heap's pop order.
   """
-  L, V = draft_logits_lv.shape
-  _check_budget(budget, L)
-  N, K = budget, min(budget, V)
-  lp_lk, ids_lk = topk_logprobs(draft_logits_lv, K)
-  first = jnp.arange(N)
+  J, V = draft_logits_jv.shape
+  _check_budget(budget, J)
+  n, K = budget, min(budget, V)
+  lp_jk, ids_jk = topk_logprobs(draft_logits_jv, K)
+  first = jnp.arange(n)
   ok = first < K
-  hi = jnp.where(ok, lp_lk[0, jnp.minimum(first, K - 1)], -jnp.inf)
-  lo = jnp.zeros((N,), jnp.float32)
+  hi = jnp.where(ok, lp_jk[0, jnp.minimum(first, K - 1)], -jnp.inf)
+  lo = jnp.zeros((n,), jnp.float32)
   tie = jnp.where(ok, first, 0)
-  levels = [dict(hi=hi, lo=lo, ok=ok, parent=jnp.full((N,), -1), r=tie)]
-  for d in range(1, L):
-    hi, lo, ok, parent, r, tie = _level(lp_lk[d], hi, lo, ok, _lexrank(tie, ok), N)
+  levels = [dict(hi=hi, lo=lo, ok=ok, parent=jnp.full((n,), -1), r=tie)]
+  for d in range(1, J):
+    hi, lo, ok, parent, r, tie = _level(lp_jk[d], hi, lo, ok, _lexrank(tie, ok), n)
     levels.append(dict(hi=hi, lo=lo, ok=ok, parent=parent, r=r))
-  return _assemble(levels, ids_lk, N)
+  return _assemble(levels, ids_jk, n)
 
 
 def _digits(levels, n):
-  """[L, N, L] rank tuples (r + 1, 0-padded) of every kept node, through its parents."""
-  L = len(levels)
+  """[J, n, J] rank tuples (r + 1, 0-padded) of every kept node, through its parents."""
+  J = len(levels)
   dig = []
   for d, lev in enumerate(levels):
-    cur = jnp.zeros((n, L), jnp.int32).at[:, d].set(lev["r"] + 1)
+    cur = jnp.zeros((n, J), jnp.int32).at[:, d].set(lev["r"] + 1)
     if d:
-      cur = cur + jnp.where(jnp.arange(L) < d, dig[-1][jnp.clip(lev["parent"], 0, n - 1)], 0)
+      cur = cur + jnp.where(jnp.arange(J) < d, dig[-1][jnp.clip(lev["parent"], 0, n - 1)], 0)
     dig.append(cur)
   return jnp.stack(dig)
 
 
-def _assemble(levels, ids_lk, n):
+def _assemble(levels, ids_jk, n):
   """Global pop order over all levels' survivors -> tokens, depths, parents, visibility."""
-  L = len(levels)
-  flat_dig = _digits(levels, n).reshape(L * n, L)
+  J = len(levels)
+  flat_dig = _digits(levels, n).reshape(J * n, J)
   cat = lambda k: jnp.concatenate([lev[k] for lev in levels])
   hi, lo, ok = cat("hi"), cat("lo"), cat("ok")
-  keys = (jnp.where(ok, -hi, jnp.inf), -lo) + _packed_digits(flat_dig, ids_lk.shape[1])
-  (sel,) = _sort_take(keys, (jnp.arange(L * n),), n)
+  keys = (jnp.where(ok, -hi, jnp.inf), -lo) + _packed_digits(flat_dig, ids_jk.shape[1])
+  (sel,) = _sort_take(keys, (jnp.arange(J * n),), n)
   valid = ok[sel]
   depth = sel // n + 1
-  tokens = jnp.where(valid, ids_lk[depth - 1, cat("r")[sel]], 0)
+  tokens = jnp.where(valid, ids_jk[depth - 1, cat("r")[sel]], 0)
   # Tree index of each selected (level, slot); a node's parent is a slot of the level above.
-  pos = jnp.zeros((L * n,), jnp.int32).at[sel].set(jnp.arange(1, n + 1, dtype=jnp.int32))
-  par_flat = jnp.clip((depth - 2) * n + cat("parent")[sel], 0, L * n - 1)
+  pos = jnp.zeros((J * n,), jnp.int32).at[sel].set(jnp.arange(1, n + 1, dtype=jnp.int32))
+  par_flat = jnp.clip((depth - 2) * n + cat("parent")[sel], 0, J * n - 1)
   parents = jnp.where(valid, jnp.where(depth == 1, 0, pos[par_flat]), -1)
   parents = jnp.concatenate([jnp.array([-1]), parents]).astype(jnp.int32)
   depths = jnp.where(valid, depth, 0).astype(jnp.int32)
   return tokens.astype(jnp.int32), depths, parents, _ancestor_mask(flat_dig[sel], depths, valid)
 
 
-def _packed_digits(dig_ml, k):
-  """Rank tuples packed big-endian into as few int32 sort keys as keep lexicographic order."""
+def _packed_digits(digits, k):
+  """Rank tuples [rows, J] packed big-endian into as few int32 sort keys as keep lexicographic
+  order."""
   bits = int(np.ceil(np.log2(k + 2)))
   per = max(1, 31 // bits)
   keys = []
-  for start in range(0, dig_ml.shape[1], per):
-    key = jnp.zeros(dig_ml.shape[:1], jnp.int32)
-    for i in range(start, min(start + per, dig_ml.shape[1])):
-      key = key * (1 << bits) + dig_ml[:, i]
+  for start in range(0, digits.shape[1], per):
+    key = jnp.zeros(digits.shape[:1], jnp.int32)
+    for i in range(start, min(start + per, digits.shape[1])):
+      key = key * (1 << bits) + digits[:, i]
     keys.append(key)
   return tuple(keys)
 
 
-def _ancestor_mask(dig_nl, depth_n, valid_n):
+def _ancestor_mask(dig_nj, depth_n, valid_n):
   """vis[i, j]: j is i or an ancestor of i (tree indices, root 0), from the rank tuples."""
-  n, L = dig_nl.shape
-  dig = jnp.concatenate([jnp.zeros((1, L), jnp.int32), dig_nl])
+  n, J = dig_nj.shape
+  dig = jnp.concatenate([jnp.zeros((1, J), jnp.int32), dig_nj])
   dep = jnp.concatenate([jnp.zeros((1,), jnp.int32), depth_n])
   ok = jnp.concatenate([jnp.array([True]), valid_n])
-  prefix = jnp.all((dig[:, None, :] == dig[None, :, :]) | (jnp.arange(L) >= dep[None, :, None]), -1)
+  prefix = jnp.all((dig[:, None, :] == dig[None, :, :]) | (jnp.arange(J) >= dep[None, :, None]), -1)
   vis = prefix & (dep[None, :] <= dep[:, None]) & ok[:, None] & ok[None, :]
   return vis | jnp.eye(n + 1, dtype=bool)
 
 
-def build_chain(draft_logits_lv: jax.Array):
+def build_chain(draft_logits_jv: jax.Array):
   """Greedy DFlash chain as a tree: node k = argmax at depth k+1, parent of node k is node k-1."""
-  L = draft_logits_lv.shape[0]
-  tokens = jnp.argmax(draft_logits_lv.astype(jnp.float32), axis=-1).astype(jnp.int32)
-  depths = jnp.arange(1, L + 1, dtype=jnp.int32)
-  parents = jnp.arange(-1, L, dtype=jnp.int32)
-  vis = jnp.tril(jnp.ones((L + 1, L + 1), bool))
+  J = draft_logits_jv.shape[0]
+  tokens = jnp.argmax(draft_logits_jv.astype(jnp.float32), axis=-1).astype(jnp.int32)
+  depths = jnp.arange(1, J + 1, dtype=jnp.int32)
+  parents = jnp.arange(-1, J, dtype=jnp.int32)
+  vis = jnp.tril(jnp.ones((J + 1, J + 1), bool))
   return tokens, depths, parents, vis
 
 
-def accept_walk(parents_n1, node_tokens_n, target_tokens_n1, max_depth: int | None = None,
+def accept_walk(parents_n, node_tokens_n, target_tokens_n, max_depth: int | None = None,
                 vis_nn=None):
   """The accepted root path: node k is accepted iff its token is its parent's target choice (the
   lowest-index such sibling) and every ancestor is accepted. One vectorised pass, no loop.
 
-  vis_nn [N+1, N+1] (optional): vis[i, j] = j is i or an ancestor of i (the tree's visibility
-  mask); without it the ancestors are found from `parents_n1` by pointer doubling.
-  Returns (path [max_depth+1] int32 tree indices, root first, -1 padded; accept_len int32
-  = accepted draft nodes; next_bonus int32 = the target token after the last accepted node).
-  max_depth (static) bounds the path; default N (always enough).
+  parents_n [N], target_tokens_n [N]: over the tree indices (root included); node_tokens_n
+  [N-1]: over the nodes. vis_nn [N, N] (optional): vis[i, j] = j is i or an ancestor of i (the
+  tree's visibility mask); without it the ancestors are found from `parents_n` by pointer
+  doubling. Returns (path [max_depth+1] int32 tree indices, root first, -1 padded; accept_len
+  int32 = accepted draft nodes; next_bonus int32 = the target token after the last accepted
+  node). max_depth (static) bounds the path; default N - 1 (always enough).
   """
-  N = node_tokens_n.shape[0]
-  D = N if max_depth is None else max_depth
-  vis = ancestor_matrix(parents_n1) if vis_nn is None else vis_nn
-  par = parents_n1[1:]
-  match = (par >= 0) & (node_tokens_n == target_tokens_n1[jnp.maximum(par, 0)])
-  idx = jnp.arange(N)
+  nodes = node_tokens_n.shape[0]
+  max_d = nodes if max_depth is None else max_depth
+  vis = ancestor_matrix(parents_n) if vis_nn is None else vis_nn
+  par = parents_n[1:]
+  match = (par >= 0) & (node_tokens_n == target_tokens_n[jnp.maximum(par, 0)])
+  idx = jnp.arange(nodes)
   earlier_twin = (par[None, :] == par[:, None]) & match[None, :] & (idx[None, :] < idx[:, None])
   ok = jnp.concatenate([jnp.array([True]), match & ~jnp.any(earlier_twin, axis=1)])
-  accepted = jnp.all(ok[None, :] | ~vis, axis=1)                   # [N+1]
+  accepted = jnp.all(ok[None, :] | ~vis, axis=1)                   # [N]
   depth = jnp.sum(vis, axis=1, dtype=jnp.int32) - 1
-  slot = jnp.where(accepted & (depth <= D), depth, D + 1)
-  path = jnp.full((D + 1,), -1, jnp.int32).at[slot].set(jnp.arange(N + 1, dtype=jnp.int32),
-                                                         mode="drop")
-  n = jnp.sum(path >= 0, dtype=jnp.int32) - 1
-  return path, n, target_tokens_n1[path[n]].astype(jnp.int32)
+  slot = jnp.where(accepted & (depth <= max_d), depth, max_d + 1)
+  path = jnp.full((max_d + 1,), -1, jnp.int32).at[slot].set(
+      jnp.arange(nodes + 1, dtype=jnp.int32), mode="drop")
+  a = jnp.sum(path >= 0, dtype=jnp.int32) - 1
+  return path, a, target_tokens_n[path[a]].astype(jnp.int32)
 
 
-def ancestor_matrix(parents_n1):
+def ancestor_matrix(parents_n):
   """vis[i, j]: j is i or an ancestor of i, from parent indices (-1: the root, or an invalid
-  node that sees only itself), by pointer doubling: log2(N) gathers of the [N+1, N+1] mask."""
-  n1 = parents_n1.shape[0]
-  idx = jnp.arange(n1)
-  up = jnp.where(parents_n1 >= 0, parents_n1, idx)  # 2^k-th ancestor (the root is its own)
+  node that sees only itself), by pointer doubling: log2(N) gathers of the [N, N] mask."""
+  n = parents_n.shape[0]
+  idx = jnp.arange(n)
+  up = jnp.where(parents_n >= 0, parents_n, idx)  # 2^k-th ancestor (the root is its own)
   vis = (idx[:, None] == idx[None, :]) | (up[:, None] == idx[None, :])
-  for _ in range(int(np.ceil(np.log2(max(n1, 2))))):  # ancestors within 2^k -> within 2^(k+1)
+  for _ in range(int(np.ceil(np.log2(max(n, 2))))):  # ancestors within 2^k -> within 2^(k+1)
     vis = vis | vis[up]
     up = up[up]
   return vis

@@ -2,7 +2,7 @@
 
 Layout (for x @ W with the logical W [E, in, out]): `packed` is a jnp.int4 array [E, out, in]
 (output-major like HF's `weight_packed`; XLA stores two values per byte), `scale` bf16
-[E, in/G, out] per group of G = 32 input rows. 4.5 bits per weight instead of 16: K2.6's routed
+[E, in/Q, out] per group of Q = 32 input rows. 4.5 bits per weight instead of 16: K2.6's routed
 experts take ~520 GB, not 2 TB. On a GPU the grouped matmul dequantises inside the Mosaic kernel
 (pallas_kernels/grouped_matmul: the [out, in] tile is the wgmma register operand); elsewhere the
 XLA reference dequantises in front of the matmul.
@@ -22,7 +22,7 @@ from pallas_kernels.grouped_matmul import reference as kernel_reference
 
 @flax.struct.dataclass
 class Int4Weight:
-  """Int4 expert stack: packed int4 [E, out, in], scale [E, in/G, out]; `shape` is [E, in, out]."""
+  """Int4 expert stack: packed int4 [E, out, in], scale [E, in/Q, out]; `shape` is [E, in, out]."""
 
   packed: jax.Array
   scale: jax.Array
@@ -49,7 +49,7 @@ def quantize(w_eio, group=32) -> Int4Weight:
 
 
 def pack_numpy(q_eio, scale) -> tuple[np.ndarray, np.ndarray]:
-  """int values in [-8, 7] [E, in, out] + scale [E, in/G, out] -> (int4 [E, out, in], bf16 scale)."""
+  """int values in [-8, 7] [E, in, out] + scale [E, in/Q, out] -> (int4 [E, out, in], bf16 scale)."""
   q = np.asarray(q_eio)
   if q.size and (q.min() < -8 or q.max() > 7):
     raise ValueError(f"int4 values must lie in [-8, 7], got [{q.min()}, {q.max()}]")
@@ -58,13 +58,13 @@ def pack_numpy(q_eio, scale) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pack(q_eio, scale) -> Int4Weight:
-  """int values in [-8, 7] [E, in, out] + scale [E, in/G, out] -> Int4Weight on device."""
+  """int values in [-8, 7] [E, in, out] + scale [E, in/Q, out] -> Int4Weight on device."""
   packed, s = pack_numpy(q_eio, scale)
   return Int4Weight(jnp.asarray(packed), jnp.asarray(s))
 
 
 def from_hf(weight_packed, weight_scale, shape) -> tuple[np.ndarray, np.ndarray]:
-  """One HF expert matrix (int32 [out, in/8], bf16 [out, in/G]) -> (int8 q [in, out], scale [in/G, out])."""
+  """One HF expert matrix (int32 [out, in/8], bf16 [out, in/Q]) -> (int8 q [in, out], scale [in/Q, out])."""
   q = quant.unpack_int4(np.asarray(weight_packed), int(shape[1]))
   return q.T, np.asarray(weight_scale, np.float32).T
 

@@ -6,7 +6,7 @@ every prefix n of the node order, how many tokens a width-n verify would have ac
 same state. Per step and node: its path log-prob under the draft's marginals (DDTree's score),
 its depth, and whether it is on the accepted path.
 
-Letters: B batch, N tree nodes (root excluded), W commit width.
+Letters: B batch, N verify width (records cover its N - 1 nodes, root excluded), W commit width.
 """
 
 import functools

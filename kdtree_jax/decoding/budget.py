@@ -10,7 +10,8 @@ observed in an eval run (per bin of q and width slot of the node's index); `step
 the step time per width. The chosen width is data; `lax.switch` runs the verify compiled at
 that width, so the step compiles once.
 
-Letters: B batch, L draft depth, V vocab, N verify width (root + nodes), W compiled widths.
+Letters (the package glossary, kdtree_jax/__init__.py): B batch, J draft depth, V vocab,
+N verify width (root + nodes), I compiled widths.
 """
 
 from __future__ import annotations
@@ -133,10 +134,10 @@ def resolve(auto: AutoBudget | None, tcfg, dcfg) -> AutoBudget:
 
 
 # ---- on device ----------------------------------------------------------------------------
-def node_own_logq(draft_logits_lv, node_tokens_n, depths_n):
+def node_own_logq(draft_logits_jv, node_tokens_n, depths_n):
   """The draft's log-marginal of every node's token at its depth [N-1] (0 for padding)."""
-  logp_lv = jax.nn.log_softmax(draft_logits_lv.astype(jnp.float32), axis=-1)
-  own = logp_lv[jnp.maximum(depths_n - 1, 0), node_tokens_n]
+  logp_jv = jax.nn.log_softmax(draft_logits_jv.astype(jnp.float32), axis=-1)
+  own = logp_jv[jnp.maximum(depths_n - 1, 0), node_tokens_n]
   return jnp.where(depths_n > 0, own, 0.0)
 
 
@@ -146,9 +147,9 @@ def path_sum(values_n, vis_nn):
   return jnp.sum(jnp.where(vis_nn[..., 1:, :], v1[..., None, :], 0.0), axis=-1)
 
 
-def node_logq(draft_logits_lv, node_tokens_n, depths_n, vis_nn):
+def node_logq(draft_logits_jv, node_tokens_n, depths_n, vis_nn):
   """DDTree's score of every node: path log-prob under the draft's marginals [N-1]."""
-  return path_sum(node_own_logq(draft_logits_lv, node_tokens_n, depths_n), vis_nn)
+  return path_sum(node_own_logq(draft_logits_jv, node_tokens_n, depths_n), vis_nn)
 
 
 def expected_accept(calibration, logq_bn, depths_bn):
@@ -159,7 +160,7 @@ def expected_accept(calibration, logq_bn, depths_bn):
 
 
 def cost_at(auto: AutoBudget, ctx):
-  """[W] modelled ms per compiled width at context ctx (linear between grid contexts)."""
+  """[I] modelled ms per compiled width at context ctx (linear between grid contexts)."""
   table = jnp.asarray(auto.cost_ms, jnp.float32)
   if table.shape[0] == 1:
     return table[0]
@@ -171,10 +172,10 @@ def choose_width(auto: AutoBudget, expected_bn, live_b, ctx):
   """Index into node_counts maximising the batch's expected tokens / modelled ms; also the
   expected tokens and ms at the chosen width."""
   n = jnp.asarray(auto.node_counts)
-  tokens_w = jnp.sum(jnp.where(live_b[:, None], expected_bn[:, n], 0.0), axis=0)
-  ms_w = cost_at(auto, ctx)
-  idx = jnp.argmax(tokens_w / ms_w).astype(jnp.int32)
-  return idx, tokens_w[idx], ms_w[idx]
+  tokens_i = jnp.sum(jnp.where(live_b[:, None], expected_bn[:, n], 0.0), axis=0)
+  ms_i = cost_at(auto, ctx)
+  idx = jnp.argmax(tokens_i / ms_i).astype(jnp.int32)
+  return idx, tokens_i[idx], ms_i[idx]
 
 
 def prefix_tree(tree, nodes: int):
@@ -189,7 +190,7 @@ def _pad_nodes(x, n):
   return x if x is None else jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
-def verify_auto(auto: AutoBudget, tree, draft_logits_bdv, state, verify_fn, width_index=None):
+def verify_auto(auto: AutoBudget, tree, draft_logits_bjv, state, verify_fn, width_index=None):
   """Chooses the width, verifies that prefix of `tree` (lax.switch over the compiled widths).
 
   verify_fn(tree) -> (logits [B, n, V], cache, taps [B, n, F]). width_index (traced int, or
@@ -197,7 +198,7 @@ def verify_auto(auto: AutoBudget, tree, draft_logits_bdv, state, verify_fn, widt
   width, the tree with nodes beyond the verified prefix detached (parent -1: never accepted),
   and a record {nodes, expected_tokens, modelled_ms} of the step).
   """
-  logq = jax.vmap(node_logq)(draft_logits_bdv, tree.node_tokens, tree.depths, tree.vis)
+  logq = jax.vmap(node_logq)(draft_logits_bjv, tree.node_tokens, tree.depths, tree.vis)
   expected = expected_accept(auto.calibration, logq, tree.depths)
   idx, tokens, ms = choose_width(auto, expected, ~state.done, jnp.max(state.cache.lengths))
   if width_index is not None:

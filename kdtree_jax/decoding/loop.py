@@ -279,9 +279,9 @@ def compile_checked(jitted, args, statics, mesh, limit_gb=0.0, field="max_len",
   return time.perf_counter() - t0
 
 
-def generate(pair: Pair, spec: SpecConfig, prompts: list[list[int]], max_len: int, seed: int = 0, cache_dtype=jnp.float32, mesh=None,
-             memory_limit_gb: float = 0.0, progress=_no_progress,
-             warmup: bool = False) -> GenerationResult:
+def generate(pair: Pair, spec: SpecConfig, prompts: list[list[int]], max_len: int,
+             seed: int = 0, cache_dtype=jnp.float32, mesh=None, memory_limit_gb: float = 0.0,
+             progress=_no_progress, warmup: bool = False) -> GenerationResult:
   """Decodes a batch of (ragged) prompts in one dispatch. Tokens are exactly the target's.
 
   mesh: run sharded over it (params are placed by the rules unless already; caches and the

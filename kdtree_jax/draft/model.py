@@ -1,11 +1,13 @@
 """DFlash draft forward: pure functions over a params pytree (Qwen3-style layers).
 
-Letters: B batch, T new ctx tokens, C cache rows, S block tokens, A anchors, D hidden,
-H query heads, G kv heads, R = H/G heads per kv head, E head_dim, F ffn, V vocab, Y layers.
+Letters (the package glossary, kdtree_jax/__init__.py): B batch, T ctx tokens, L cache rows,
+S block tokens, A blocks per training row (anchors), D hidden, H query heads, G kv heads,
+U = H/G query heads per kv head, Y head_dim, X key positions of one attention call, F ffn,
+V vocab, Z tapped features (n_taps * D).
 
-Params (HF Linear [out, in] stored as [in, out]): fc [n_tap*D, D], hidden_norm [D], norm [D],
-layers: a list of Y dicts (one per layer, so no step slices a stacked weight): q_proj
-[D, H*E], k_proj / v_proj [D, G*E], o_proj [H*E, D], q_norm / k_norm [E], input_layernorm /
+Params (HF Linear [out, in] stored as [in, out]): fc [Z, D], hidden_norm [D], norm [D],
+layers: a list of dicts (one per layer, so no step slices a stacked weight): q_proj
+[D, H*Y], k_proj / v_proj [D, G*Y], o_proj [H*Y, D], q_norm / k_norm [Y], input_layernorm /
 post_attention_layernorm [D], gate_proj / up_proj [D, F], down_proj [F, D].
 
 Attention rule: z-lab's reference (github.com/z-lab/dflash dflash/model.py, run by its
@@ -30,8 +32,8 @@ from kdtree_jax.draft.config import DraftConfig
 
 @struct.dataclass
 class DraftCache:
-  """Dense draft ctx K/V: k, v = one [B, G, C, E] buffer per draft layer (k normed + roped;
-  kv heads before rows so attention reads each head's rows as one contiguous matrix), pos [B, C],
+  """Dense draft ctx K/V: k, v = one [B, G, L, Y] buffer per draft layer (k normed + roped;
+  kv heads before rows so attention reads each head's rows as one contiguous matrix), pos [B, L],
   ctx_len [B]. Separate per-layer buffers are written in place (see cache.py)."""
 
   k: tuple
@@ -55,11 +57,11 @@ def init_draft_params(rng, cfg: DraftConfig, target_hidden: int, n_taps: int, dt
   _check_target(cfg, target_hidden)
   if n_taps != cfg.n_taps:
     raise ValueError(f"{n_taps=} != len(cfg.target_layer_ids)={cfg.n_taps}")
-  D, E, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-  HE, GE = cfg.num_attention_heads * E, cfg.num_key_value_heads * E
-  shapes = dict(q_proj=(D, HE), k_proj=(D, GE), v_proj=(D, GE), o_proj=(HE, D),
+  D, Y, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+  HY, GY = cfg.num_attention_heads * Y, cfg.num_key_value_heads * Y
+  shapes = dict(q_proj=(D, HY), k_proj=(D, GY), v_proj=(D, GY), o_proj=(HY, D),
                 gate_proj=(D, F), up_proj=(D, F), down_proj=(F, D))
-  norms = dict(q_norm=E, k_norm=E, input_layernorm=D, post_attention_layernorm=D)
+  norms = dict(q_norm=Y, k_norm=Y, input_layernorm=D, post_attention_layernorm=D)
   fc_key, *layer_keys = jax.random.split(rng, cfg.num_hidden_layers + 1)
   normal = lambda k, s: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype)
 
@@ -85,29 +87,29 @@ def rms_norm(x, w, eps):
   return w * y.astype(x.dtype)
 
 
-def rope(x_bshe, pos_bs, theta):
+def rope(x_bshy, pos_bs, theta):
   """NeoX / rotate_half RoPE at integer positions (f32 math)."""
-  E = x_bshe.shape[-1]
-  inv = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
+  Y = x_bshy.shape[-1]
+  inv = 1.0 / (theta ** (jnp.arange(0, Y, 2, dtype=jnp.float32) / Y))
   ang = pos_bs.astype(jnp.float32)[..., None] * inv
   cos = jnp.concatenate([jnp.cos(ang)] * 2, -1)[:, :, None]
   sin = jnp.concatenate([jnp.sin(ang)] * 2, -1)[:, :, None]
-  xf = x_bshe.astype(jnp.float32)
-  rot = jnp.concatenate([-xf[..., E // 2:], xf[..., : E // 2]], -1)
-  return (xf * cos + rot * sin).astype(x_bshe.dtype)
+  xf = x_bshy.astype(jnp.float32)
+  rot = jnp.concatenate([-xf[..., Y // 2:], xf[..., : Y // 2]], -1)
+  return (xf * cos + rot * sin).astype(x_bshy.dtype)
 
 
-def context_feature(params, cfg: DraftConfig, taps_btf):
+def context_feature(params, cfg: DraftConfig, taps_btz):
   """c = hidden_norm(fc(concat taps)) [B, T, D]."""
   want = cfg.n_taps * cfg.hidden_size
-  if taps_btf.shape[-1] != want:
-    raise ValueError(f"taps last dim {taps_btf.shape[-1]} != n_taps*hidden = {want}")
-  return rms_norm(taps_btf.astype(params["fc"].dtype) @ params["fc"], params["hidden_norm"],
+  if taps_btz.shape[-1] != want:
+    raise ValueError(f"taps last dim {taps_btz.shape[-1]} != n_taps*hidden = {want}")
+  return rms_norm(taps_btz.astype(params["fc"].dtype) @ params["fc"], params["hidden_norm"],
                   cfg.rms_norm_eps)
 
 
 def _kv(lp, cfg, x_btd, pos_bt):
-  """One layer's K (k_norm + rope) and V [B, T, G, E] from inputs x."""
+  """One layer's K (k_norm + rope) and V [B, T, G, Y] from inputs x."""
   B, T, _ = x_btd.shape
   k = (x_btd @ lp["k_proj"]).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
   v = (x_btd @ lp["v_proj"]).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
@@ -115,14 +117,14 @@ def _kv(lp, cfg, x_btd, pos_bt):
   return k, v
 
 
-def materialize_context(params, cfg: DraftConfig, cache: DraftCache, taps_btf, positions_bt,
+def materialize_context(params, cfg: DraftConfig, cache: DraftCache, taps_btz, positions_bt,
                         num_valid_b) -> DraftCache:
   """Append ctx K/V of T new committed tokens at rows [ctx_len, ctx_len+T); ctx_len += num_valid."""
-  c = context_feature(params, cfg, taps_btf)
+  c = context_feature(params, cfg, taps_btz)
 
-  def put(dst_gce, src_tge, at):
-    src_gte = jnp.swapaxes(src_tge, 0, 1).astype(dst_gce.dtype)
-    return jax.lax.dynamic_update_slice(dst_gce, src_gte, (0, at, 0))
+  def put(dst_gly, src_tgy, at):
+    src_gty = jnp.swapaxes(src_tgy, 0, 1).astype(dst_gly.dtype)
+    return jax.lax.dynamic_update_slice(dst_gly, src_gty, (0, at, 0))
 
   put_b = jax.vmap(put)
   ks, vs = [], []
@@ -146,35 +148,36 @@ def _both(a, b):
   return b if a is None else a if b is None else a & b
 
 
-def _partial_attention(q_bgrse, k_bgke, v_bgke, ok_bsk, scale):
+def _partial_attention(q_bgusy, k_bgxy, v_bgxy, ok_bsx, scale):
   """Unnormalised softmax attention over one key set; inputs in the K/V dtype, f32 statistics.
 
-  Returns o [B, G, R, S, E] = sum_k exp(s - m) v, m [B, G, R, S] (row max, -inf if no key is
-  visible) and l [B, G, R, S] = sum_k exp(s - m). ok_bsk (None: all visible) broadcasts over S.
+  Returns o [B, G, U, S, Y] = sum_x exp(s - m) v, m [B, G, U, S] (row max, -inf if no key is
+  visible) and l [B, G, U, S] = sum_x exp(s - m). ok_bsx (None: all visible) broadcasts over
+  G and U.
   """
-  s = jnp.einsum("bgrse,bgke->bgrsk", q_bgrse.astype(k_bgke.dtype), k_bgke,
+  s = jnp.einsum("bgusy,bgxy->bgusx", q_bgusy.astype(k_bgxy.dtype), k_bgxy,
                  preferred_element_type=jnp.float32) * scale
-  if ok_bsk is not None:
-    s = jnp.where(ok_bsk[:, None, None], s, -jnp.inf)
+  if ok_bsx is not None:
+    s = jnp.where(ok_bsx[:, None, None], s, -jnp.inf)
   m = jnp.max(s, axis=-1)
   p = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m)[..., None])
-  o = jnp.einsum("bgrsk,bgke->bgrse", p.astype(v_bgke.dtype), v_bgke,
+  o = jnp.einsum("bgusx,bgxy->bgusy", p.astype(v_bgxy.dtype), v_bgxy,
                  preferred_element_type=jnp.float32)
   return o, m, jnp.sum(p, axis=-1)
 
 
-def _merged_attention(q_bshe, parts, scale):
-  """Softmax attention over the union of key sets [(k_bgke, v_bgke, ok_bsk)], merged through
-  their log-sum-exps (every query must see at least one key) -> [B, S, H*E] in q's dtype."""
-  B, S, H, E = q_bshe.shape
+def _merged_attention(q_bshy, parts, scale):
+  """Softmax attention over the union of key sets [(k_bgxy, v_bgxy, ok_bsx)], merged through
+  their log-sum-exps (every query must see at least one key) -> [B, S, H*Y] in q's dtype."""
+  B, S, H, Y = q_bshy.shape
   G = parts[0][0].shape[1]
-  q = q_bshe.reshape(B, S, G, H // G, E).transpose(0, 2, 3, 1, 4)
+  q = q_bshy.reshape(B, S, G, H // G, Y).transpose(0, 2, 3, 1, 4)
   outs = [_partial_attention(q, k, v, ok, scale) for k, v, ok in parts]
   m = jnp.max(jnp.stack([m for _, m, _ in outs]), axis=0)
   num = sum(o * jnp.exp(mi - m)[..., None] for o, mi, _ in outs)
   den = sum(l * jnp.exp(mi - m) for _, mi, l in outs)
-  o = (num / den[..., None]).transpose(0, 3, 1, 2, 4).reshape(B, S, H * E)
-  return o.astype(q_bshe.dtype)
+  o = (num / den[..., None]).transpose(0, 3, 1, 2, 4).reshape(B, S, H * Y)
+  return o.astype(q_bshy.dtype)
 
 
 def _layer(lp, cfg, x_bsd, q_pos_bs, ctx_parts, blk_ok_bss):
@@ -232,35 +235,35 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   B, S = block_tokens_bs.shape
   x = _embed(params, cfg, block_tokens_bs, embed_vd)
   q_pos = start_b.astype(jnp.int32)[:, None] + jnp.arange(S, dtype=jnp.int32)
-  C = cache.pos.shape[1]
-  live = (jnp.arange(C)[None, :] < cache.ctx_len[:, None])[:, None, :]  # [B, 1, C]
+  L = cache.pos.shape[1]
+  live = (jnp.arange(L)[None, :] < cache.ctx_len[:, None])[:, None, :]  # [B, 1, L]
   for i, lp in enumerate(params["layers"]):
     ctx_ok = _both(live, _window_ok(q_pos[:, :, None], cache.pos[:, None, :], cfg.window(i)))
     x = _layer(lp, cfg, x, q_pos, [(cache.k[i], cache.v[i], ctx_ok)], _block_mask(cfg, i, q_pos))
   return _logits(params, cfg, x, head_dv)
 
 
-def draft_train_forward(params, cfg: DraftConfig, ctx_taps_bsf, anchors_ba, block_tokens_bak,
+def draft_train_forward(params, cfg: DraftConfig, ctx_taps_btz, anchors_ba, block_tokens_bas,
                         embed_vd, head_dv):
-  """Training forward (DFlash recipe): A blocks per row, one forward -> [B, A, K, V] f32.
+  """Training forward (DFlash recipe): A blocks per row, one forward -> [B, A, S, V] f32.
 
-  Block a sits at positions anchors[a] + 0..K-1; it sees ctx keys at positions < anchors[a]
+  Block a sits at positions anchors[a] + 0..S-1; it sees ctx keys at positions < anchors[a]
   (ctx row j = position j) and its own block keys; nothing else. Same layers and attention
   rule as draft_block.
   """
-  B, Sc, _ = ctx_taps_bsf.shape
-  _, A, K = block_tokens_bak.shape
-  c = context_feature(params, cfg, ctx_taps_bsf)
-  ctx_pos = jnp.broadcast_to(jnp.arange(Sc, dtype=jnp.int32), (B, Sc))
-  x = _embed(params, cfg, block_tokens_bak.reshape(B, A * K), embed_vd)
-  anchor_q = jnp.repeat(anchors_ba.astype(jnp.int32), K, axis=1)  # [B, A*K]
-  q_pos = anchor_q + jnp.tile(jnp.arange(K, dtype=jnp.int32), A)
-  blk_id = jnp.repeat(jnp.arange(A), K)
-  same = jnp.broadcast_to(blk_id[:, None] == blk_id[None, :], (B, A * K, A * K))
+  B, T, _ = ctx_taps_btz.shape
+  _, A, S = block_tokens_bas.shape
+  c = context_feature(params, cfg, ctx_taps_btz)
+  ctx_pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  x = _embed(params, cfg, block_tokens_bas.reshape(B, A * S), embed_vd)
+  anchor_q = jnp.repeat(anchors_ba.astype(jnp.int32), S, axis=1)  # [B, A*S]
+  q_pos = anchor_q + jnp.tile(jnp.arange(S, dtype=jnp.int32), A)
+  blk_id = jnp.repeat(jnp.arange(A), S)
+  same = jnp.broadcast_to(blk_id[:, None] == blk_id[None, :], (B, A * S, A * S))
   before = ctx_pos[:, None, :] < anchor_q[:, :, None]
   for i, lp in enumerate(params["layers"]):
     ctx_k, ctx_v = _kv(lp, cfg, c, ctx_pos)
     ctx_ok = _both(before, _window_ok(q_pos[:, :, None], ctx_pos[:, None, :], cfg.window(i)))
     ctx = (jnp.swapaxes(ctx_k, 1, 2), jnp.swapaxes(ctx_v, 1, 2), ctx_ok)
     x = _layer(lp, cfg, x, q_pos, [ctx], _block_mask(cfg, i, q_pos, same))
-  return _logits(params, cfg, x, head_dv).reshape(B, A, K, -1)
+  return _logits(params, cfg, x, head_dv).reshape(B, A, S, -1)

@@ -100,7 +100,7 @@ class _Reader:
     return name.endswith(".weight") and name[:-len(".weight")] + ".weight_packed" in self.ckpt
 
   def read_int4(self, name, want_shape):
-    """A packed INT4 matrix kept quantised -> (int8 q [in, out], scale [in/G, out])."""
+    """A packed INT4 matrix kept quantised -> (int8 q [in, out], scale [in/Q, out])."""
     base = name[:-len(".weight")]
     parts = [base + s for s in (".weight_packed", ".weight_scale", ".weight_shape")]
     packed, scale, shape = (self.ckpt.get(n) for n in parts)

@@ -35,10 +35,10 @@ def latent_rows(p, cfg: ModelConfig, x_bsd, cos, sin):
   return jnp.concatenate([c_kv, k_pe], axis=-1)
 
 
-def split_q(cfg: ModelConfig, q_bshk, cos, sin):
+def split_q(cfg: ModelConfig, q_bshy, cos, sin):
   """(q_nope [B,S,H,Dn], rotated q_pe [B,S,H,P])."""
-  q_nope = q_bshk[..., :cfg.qk_nope_head_dim]
-  q_pe = apply_rope(q_bshk[..., cfg.qk_nope_head_dim:], cos[:, :, None, :], sin[:, :, None, :])
+  q_nope = q_bshy[..., :cfg.qk_nope_head_dim]
+  q_pe = apply_rope(q_bshy[..., cfg.qk_nope_head_dim:], cos[:, :, None, :], sin[:, :, None, :])
   return q_nope, q_pe
 
 

@@ -1,6 +1,7 @@
 """Sigmoid-routed, group-limited, dropless MoE (DeepSeek-V3 `noaux_tc`, Kimi K2).
 
-Letters: T tokens, D hidden, E routed experts, F expert width, K experts per token, G groups.
+Letters: T tokens, D hidden, E routed experts, F expert width, K experts per token (routing
+groups: cfg.n_group, no letter).
 """
 
 import jax

@@ -1,6 +1,6 @@
 """XLA references for the grouped expert matmul (f32 accumulation): bf16 and INT4 weights.
 
-INT4 layout (model/int4.py): q int4 [G, N, K] (output-major, as HF stores `weight_packed`),
+INT4 layout (kdtree_jax/checkpoint/int4.py): q int4 [G, N, K] (output-major, as HF stores `weight_packed`),
 scale [G, K/S, N] (one scale per S = 32 input rows and output column).
 """
 
