@@ -4,8 +4,8 @@ the repository shows them): edit here, then run from the repo root
   .venv/bin/python notebooks/make_notebooks.py            # execute at full size (~minutes, CPU)
   .venv/bin/python notebooks/make_notebooks.py --no_execute   # sources only, outputs cleared
 
-CI (tests/test_notebooks.py) checks the committed sources equal these, then re-executes them at
-small size (KDTREE_NB_SMALL=1).
+CI (tests/scripts/test_notebooks.py) checks the committed sources equal these, then re-executes
+them at small size (KDTREE_NB_SMALL=1).
 """
 
 import os
@@ -142,7 +142,7 @@ BENCH = [
 
 Reads the committed results (results/*.jsonl, results/h200/*.txt) and any extra files named in
 `EXTRA` (or the env var `KDTREE_RESULTS`, comma-separated): JSON lines of
-scripts/eval_acceptance.py, bench_context_decode.py, sweep.py and bench_verify_attention.py.
+scripts/eval_acceptance.py, bench_context_decode.py, sweep.py and pallas_kernels/tree_verify/bench.py.
 The plotting functions live in `kdtree_jax/plots.py` (shared with scripts/plot_results.py)."""),
     ("code", SETUP + '''
 EXTRA = []  # e.g. ["runs/sweep.jsonl", "runs/ctx.jsonl"]
