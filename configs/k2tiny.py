@@ -26,7 +26,7 @@ from kdtree_jax.tokenizer import ByteTokenizer
 
 
 def model_fields():
-  """ModelConfig fields (YaRN given by yarn_factor / yarn_original_max_position_embeddings).
+  """TargetConfig fields (YaRN given by yarn_factor / yarn_original_max_position_embeddings).
 
   max_position_embeddings (2048 = YaRN x4 over 512) is what config.json will claim; training
   only sees seq_len (512) positions, so decode configs of the result set trained_positions

@@ -40,7 +40,7 @@ MLA weights also use Dn (qk_nope dim), Dv (value dim), Rq (q_lora_rank).
 
 from kdtree_jax.api import forward, load_hf_checkpoint
 from kdtree_jax.target.cache import LatentCache
-from kdtree_jax.target.config import ModelConfig, load_hf_config
+from kdtree_jax.target.config import TargetConfig, load_hf_config
 from kdtree_jax.decoding.loop import GenerationResult, generate
 from kdtree_jax.decoding.sampling import SamplingConfig
 from kdtree_jax.decoding.spec_config import SpecConfig
@@ -49,7 +49,7 @@ from kdtree_jax.draft.config import DraftConfig
 from kdtree_jax.tree import accept_walk, build_chain, build_ddtree
 
 __all__ = [
-    "forward", "load_hf_checkpoint", "LatentCache", "ModelConfig", "load_hf_config",
+    "forward", "load_hf_checkpoint", "LatentCache", "TargetConfig", "load_hf_config",
     "GenerationResult", "generate", "SamplingConfig", "SpecConfig", "load_dflash_checkpoint",
     "save_dflash_checkpoint", "DraftConfig", "accept_walk", "build_chain", "build_ddtree",
 ]

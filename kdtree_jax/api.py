@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax.target.checkpoint import load_hf_checkpoint as _load
-from kdtree_jax.target.config import ModelConfig
+from kdtree_jax.target.config import TargetConfig
 from kdtree_jax.target import transformer
 
 
@@ -28,7 +28,7 @@ def _forward(cfg, params, tokens):
   return transformer.prefill(cfg, params, None, tokens)[0]
 
 
-def forward(config: ModelConfig, params, tokens):
+def forward(config: TargetConfig, params, tokens):
   """Causal prefill from position 0: int32 [B, S] -> f32 logits [B, S, V]."""
   tokens = jnp.asarray(tokens)
   if tokens.ndim != 2:

@@ -20,7 +20,7 @@ TARGET_PRESETS = ("k26_share",)
 DRAFT_PRESETS = ("k26_dflash_share",)
 
 
-def k26_share(layers: int = 61, shards: int = 8) -> model_config.ModelConfig:
+def k26_share(layers: int = 61, shards: int = 8) -> model_config.TargetConfig:
   """One GPU's share of K2.6 under `shards`-way tensor x expert parallelism, `layers` deep."""
   full = model_config.kimi_k2_6()
   for name, n in (("heads", full.num_attention_heads), ("experts", full.n_routed_experts),
@@ -49,7 +49,7 @@ def k26_dflash_share(tcfg, shards: int = 8) -> DraftConfig:
 
 
 def load_target(c, dtype, mesh=None):
-  """(ModelConfig, params) of a `k26_share` run-config entry (fields: layers, shards,
+  """(TargetConfig, params) of a `k26_share` run-config entry (fields: layers, shards,
   int4_experts, seed)."""
   if mesh is not None:
     raise ValueError(f"preset {c.preset!r} is one GPU's share of K2.6; run it without --mesh")

@@ -1,4 +1,5 @@
-"""Params pytrees as orbax checkpoints, with their model config; restored straight onto a mesh.
+"""Params pytrees as orbax checkpoints, with their TargetConfig or DraftConfig; restored straight
+onto a mesh.
 
 A directory written by `save_params`:
   kdtree_jax_orbax.json   marker: format version, kind (target | draft | params), HF config dict
@@ -106,7 +107,7 @@ def _commit(tmp: str, path: str):
 
 
 def save_params(path: str, params, *, config=None, draft_config=None, extra_files=()):
-  """Writes params (+ the ModelConfig or DraftConfig, + extra files) to `path`, atomically.
+  """Writes params (+ the TargetConfig or DraftConfig, + extra files) to `path`, atomically.
 
   An existing checkpoint at `path` is replaced only once the new one is complete.
   """
@@ -178,7 +179,7 @@ def _config(meta: dict):
 def restore_params(path: str, *, mesh=None, dtype=None):
   """(config, params) from a `save_params` directory, placed by the sharding rules on `mesh`.
 
-  config: ModelConfig (target), DraftConfig (draft) or None. dtype: cast floating weights to
+  config: TargetConfig (target), DraftConfig (draft) or None. dtype: cast floating weights to
   it (the routing bias and INT4 packed/scale keep their saved dtypes); None keeps them all.
   mesh None: everything on the first device.
   """

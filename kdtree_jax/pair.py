@@ -8,14 +8,14 @@ draft is None for autoregressive decoding (`SpecConfig(mode='ar')`).
 import flax.struct
 
 from kdtree_jax.draft.config import DraftConfig
-from kdtree_jax.target.config import ModelConfig
+from kdtree_jax.target.config import TargetConfig
 
 
 @flax.struct.dataclass
 class Pair:
   """tcfg / tparams: the target model's config and params; dcfg / dparams: the draft's (or None)."""
 
-  tcfg: ModelConfig = flax.struct.field(pytree_node=False)
+  tcfg: TargetConfig = flax.struct.field(pytree_node=False)
   tparams: dict
   dcfg: DraftConfig | None = flax.struct.field(pytree_node=False, default=None)
   dparams: dict | None = None

@@ -12,7 +12,7 @@ INT4_BYTES = 0.5 + 2 / 32
 
 
 def local_experts(c) -> int:
-  """Routed experts held on this device (ModelConfig.num_local_experts; None = all)."""
+  """Routed experts held on this device (TargetConfig.num_local_experts; None = all)."""
   return getattr(c, "num_local_experts", None) or c.n_routed_experts
 
 

@@ -10,17 +10,17 @@ import jax.numpy as jnp
 
 from kdtree_jax import data, training
 from kdtree_jax.target.hf_writer import save_hf_checkpoint
-from kdtree_jax.target.config import ModelConfig, YarnScaling
+from kdtree_jax.target.config import TargetConfig, YarnScaling
 from kdtree_jax.target.params import count_params, init_params
 
 
-def model_config(m) -> ModelConfig:
-  """ModelConfig from the config's `model` fields."""
+def model_config(m) -> TargetConfig:
+  """TargetConfig from the config's `model` fields."""
   fields = dict(m)
   orig = fields.pop("yarn_original_max_position_embeddings")
   ys = YarnScaling(factor=fields.pop("yarn_factor"), original_max_position_embeddings=orig,
                    mscale=1.0, mscale_all_dim=1.0)
-  return ModelConfig(**fields, rope_scaling=ys)
+  return TargetConfig(**fields, rope_scaling=ys)
 
 
 def init_model(c, cfg):

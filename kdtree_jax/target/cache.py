@@ -15,7 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kdtree_jax.target.config import ModelConfig
+from kdtree_jax.target.config import TargetConfig
 
 
 @flax.struct.dataclass
@@ -39,7 +39,7 @@ class LatentCache:
     return self.latent[0].dtype
 
   @classmethod
-  def zeros(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> "LatentCache":
+  def zeros(cls, cfg: TargetConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> "LatentCache":
     latent = tuple(jnp.zeros((batch, max_len, cfg.cache_dim), dtype)
                    for _ in range(cfg.num_hidden_layers))
     return cls(latent=latent, lengths=jnp.zeros((batch,), jnp.int32))

@@ -17,7 +17,7 @@ import numpy as np
 from kdtree_jax.checkpoint import quant
 from kdtree_jax.checkpoint.safetensors_io import CheckpointDir
 from kdtree_jax.cli import DataError
-from kdtree_jax.target.config import ModelConfig, config_from_hf_dict
+from kdtree_jax.target.config import TargetConfig, config_from_hf_dict
 from kdtree_jax.checkpoint import int4
 from kdtree_jax.target.params import param_shapes
 
@@ -38,7 +38,7 @@ def _vector(n):
   return (n,), lambda w: w
 
 
-def layer_specs(cfg: ModelConfig, i: int) -> dict:
+def layer_specs(cfg: TargetConfig, i: int) -> dict:
   """{param path: (hf name, hf shape, transform)} for layer i (routed experts listed per expert)."""
   d, h, r, p = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
   qk, dn, dv = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
@@ -75,7 +75,7 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict:
   return s
 
 
-def top_specs(cfg: ModelConfig) -> dict:
+def top_specs(cfg: TargetConfig) -> dict:
   v, d = cfg.vocab_size, cfg.hidden_size
   return {("embed",): ("model.embed_tokens.weight", (v, d), lambda w: w),
           ("final_norm",): ("model.norm.weight",) + _vector(d),
@@ -171,7 +171,7 @@ def default_put(dtype):
 
 def load_hf_checkpoint(path: str, dtype=jnp.float32, put: Callable | None = None,
                        progress: bool = False, int4_experts: bool = False):
-  """Loads a HF checkpoint directory -> (ModelConfig, params pytree).
+  """Loads a HF checkpoint directory -> (TargetConfig, params pytree).
 
   dtype: the dtype of every weight except the routing bias (kept f32). put(path, np.ndarray)
   places one tensor (default `default_put(dtype)`). int4_experts: keep INT4-packed routed
@@ -237,7 +237,7 @@ def _missing_message(missing, present, prefix):
           f"(A few names it does hold: {unknown}; check the model_type / weight prefix.)")
 
 
-def _check_unused(reader: _Reader, cfg: ModelConfig):
+def _check_unused(reader: _Reader, cfg: TargetConfig):
   """Unexpected tensors mean a misnamed or foreign weight: fail rather than silently ignore."""
   extra = []
   for n in reader.ckpt.keys():

@@ -1,4 +1,5 @@
-"""Model configuration: a frozen dataclass built from a Hugging Face config.json or a preset.
+"""The target's architecture: `TargetConfig`, a frozen dataclass built from a Hugging Face
+config.json or a preset.
 
 Every rope / eps / routing field is read from the file; nothing is a module-level constant.
 Supported files: Kimi K2 / DeepSeek-V3 (`model_type` "kimi_k2" or "deepseek_v3") and the
@@ -38,7 +39,7 @@ class YarnScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class TargetConfig:
   """Kimi K2 / DeepSeek-V3 decoder shape. Letters: D hidden, H heads, R kv_lora_rank, P rope dim."""
 
   vocab_size: int
@@ -133,7 +134,7 @@ class ModelConfig:
       scale *= m * m
     return scale
 
-  def replace(self, **kw) -> "ModelConfig":
+  def replace(self, **kw) -> "TargetConfig":
     return dataclasses.replace(self, **kw)
 
 
@@ -183,8 +184,8 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, YarnScaling | None]:
   return float(theta), ys
 
 
-def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
-  """Builds a ModelConfig from the parsed contents of a Hugging Face config.json."""
+def config_from_hf_dict(raw: dict[str, Any]) -> TargetConfig:
+  """Builds a TargetConfig from the parsed contents of a Hugging Face config.json."""
   model_type = raw.get("model_type")
   prefix = ""
   d = raw
@@ -211,7 +212,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
   eos = d.get("eos_token_id", raw.get("eos_token_id"))
   if isinstance(eos, list):
     eos = eos[0]
-  return ModelConfig(
+  return TargetConfig(
       vocab_size=int(d["vocab_size"]),
       hidden_size=int(d["hidden_size"]),
       intermediate_size=int(d["intermediate_size"]),
@@ -242,7 +243,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
   )
 
 
-def load_hf_config(path: str) -> ModelConfig:
+def load_hf_config(path: str) -> TargetConfig:
   """Reads `config.json` from a checkpoint directory (or the file itself)."""
   fname = os.path.join(path, "config.json") if os.path.isdir(path) else path
   if not os.path.exists(fname):
@@ -251,7 +252,7 @@ def load_hf_config(path: str) -> ModelConfig:
     return config_from_hf_dict(json.load(f))
 
 
-def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
+def to_hf_dict(cfg: TargetConfig) -> dict[str, Any]:
   """The DeepSeek-V3 style config.json for `cfg` (used to write small test checkpoints)."""
   ys = cfg.rope_scaling
   return {
@@ -277,9 +278,9 @@ def to_hf_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 
 # ---- presets ----------------------------------------------------------------------------
-def kimi_k2_6() -> ModelConfig:
+def kimi_k2_6() -> TargetConfig:
   """Kimi K2.6 text model (K2.5 `text_config` values; read the real config.json when you have it)."""
-  return ModelConfig(
+  return TargetConfig(
       vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
       num_hidden_layers=61, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512,
       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384,
@@ -291,7 +292,7 @@ def kimi_k2_6() -> ModelConfig:
       pad_token_id=163839, weight_prefix="language_model.")
 
 
-def tiny(**overrides) -> ModelConfig:
+def tiny(**overrides) -> TargetConfig:
   """A few-layer model of the K2 architecture for tests and CPU demos (byte vocabulary)."""
   base = dict(
       vocab_size=264, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -303,10 +304,10 @@ def tiny(**overrides) -> ModelConfig:
                                beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
       max_position_embeddings=512, bos_token_id=256, eos_token_id=257, pad_token_id=258)
   base.update(overrides)
-  return ModelConfig(**base)
+  return TargetConfig(**base)
 
 
-def bench_k26(layers: int = 4) -> ModelConfig:
+def bench_k26(layers: int = 4) -> TargetConfig:
   """One GPU's share of K2.6 under 8-way TP/EP (8 heads, 48 experts, V/8, F/8), `layers` deep."""
   full = kimi_k2_6()
   return full.replace(num_hidden_layers=layers, num_attention_heads=8, n_routed_experts=48,

@@ -13,7 +13,7 @@ import numpy as np
 from kdtree_jax.checkpoint import quant
 from kdtree_jax.target.checkpoint import layer_specs, top_specs
 from kdtree_jax.checkpoint.safetensors_io import save_file
-from kdtree_jax.target.config import ModelConfig, to_hf_dict
+from kdtree_jax.target.config import TargetConfig, to_hf_dict
 
 FP8_MAX = 448.0
 
@@ -24,7 +24,7 @@ def _get(tree, path):
   return tree
 
 
-def hf_tensors(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
+def hf_tensors(cfg: TargetConfig, params) -> dict[str, np.ndarray]:
   """{HF name: f32 array in HF layout} for every weight (no prefix)."""
   out = {}
   specs = dict(top_specs(cfg))
@@ -102,7 +102,7 @@ def quant_config(fmt: str) -> dict | None:
   return None
 
 
-def save_hf_checkpoint(path: str, cfg: ModelConfig, params, fmt="float32", num_shards=1,
+def save_hf_checkpoint(path: str, cfg: TargetConfig, params, fmt="float32", num_shards=1,
                        kimi_k25_wrapper=False):
   """Writes config.json + safetensors shards (+ index when sharded); atomic via a temp dir."""
   tensors = encode(hf_tensors(cfg, params), fmt)

@@ -13,13 +13,13 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from kdtree_jax import sharding
-from kdtree_jax.target.config import ModelConfig
+from kdtree_jax.target.config import TargetConfig
 from kdtree_jax.target.norm import rms_norm
 from kdtree_jax.target.rope import apply_rope, cos_sin
 from pallas_kernels.tree_verify.api import resolve_backend
 
 
-def project_q(p, cfg: ModelConfig, x_bsd):
+def project_q(p, cfg: TargetConfig, x_bsd):
   """Queries [B, S, H, Dn + P] (plain q projection or the q LoRA path)."""
   if cfg.q_lora_rank is None:
     return jnp.einsum("bsd,dhk->bshk", x_bsd, p["q"])
@@ -27,7 +27,7 @@ def project_q(p, cfg: ModelConfig, x_bsd):
   return jnp.einsum("bsr,rhk->bshk", c_q, p["q_b"])
 
 
-def latent_rows(p, cfg: ModelConfig, x_bsd, cos, sin):
+def latent_rows(p, cfg: TargetConfig, x_bsd, cos, sin):
   """Cache rows [B, S, C]: normalized c_kv (R) followed by the rotated shared rope key (P)."""
   a = x_bsd @ p["kv_a"]
   c_kv = rms_norm(a[..., :cfg.kv_lora_rank], p["kv_a_norm"], cfg.lora_norm_eps)
@@ -35,14 +35,14 @@ def latent_rows(p, cfg: ModelConfig, x_bsd, cos, sin):
   return jnp.concatenate([c_kv, k_pe], axis=-1)
 
 
-def split_q(cfg: ModelConfig, q_bshy, cos, sin):
+def split_q(cfg: TargetConfig, q_bshy, cos, sin):
   """(q_nope [B,S,H,Dn], rotated q_pe [B,S,H,P])."""
   q_nope = q_bshy[..., :cfg.qk_nope_head_dim]
   q_pe = apply_rope(q_bshy[..., cfg.qk_nope_head_dim:], cos[:, :, None, :], sin[:, :, None, :])
   return q_nope, q_pe
 
 
-def prefill_attention(p, cfg: ModelConfig, x_bsd, positions_bs):
+def prefill_attention(p, cfg: TargetConfig, x_bsd, positions_bs):
   """Naive causal MLA over the prompt itself (HF formulation). Returns (out [B,S,D], rows [B,S,C])."""
   cos, sin = cos_sin(cfg, positions_bs)
   q_nope, q_pe = split_q(cfg, project_q(p, cfg, x_bsd), cos, sin)
@@ -60,7 +60,7 @@ def prefill_attention(p, cfg: ModelConfig, x_bsd, positions_bs):
   return jnp.einsum("bqhv,hvd->bqd", o, p["o"]), rows
 
 
-def absorbed_attention(p, cfg: ModelConfig, x_bnd, positions_bn, layer_cache_blc, lengths_b,
+def absorbed_attention(p, cfg: TargetConfig, x_bnd, positions_bn, layer_cache_blc, lengths_b,
                        tree_mask_bnn, *, backend="auto"):
   """N new tokens at arbitrary positions against the dense latent cache (absorbed MLA).
 
@@ -81,7 +81,7 @@ def absorbed_attention(p, cfg: ModelConfig, x_bnd, positions_bn, layer_cache_blc
   return jnp.einsum("bnhv,hvd->bnd", o, p["o"]), layer_cache_blc
 
 
-def verify_attention(cfg: ModelConfig, q_bnhc, cache_blc, lengths_b, tree_mask_bnn, backend,
+def verify_attention(cfg: TargetConfig, q_bnhc, cache_blc, lengths_b, tree_mask_bnn, backend,
                      shard_heads=None):
   """The tree-verify attention entry point. Under a mesh the kernel backends run per head shard
   (shard_map: heads split like the attention weights, the latent cache replicated over them);

@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 
 from kdtree_jax import sharding
-from kdtree_jax.target.config import ModelConfig
+from kdtree_jax.target.config import TargetConfig
 from kdtree_jax.target.experts import expert_ffn
 from kdtree_jax.target.mlp import swiglu
 from kdtree_jax.target.moe_parallel import experts_ep, route_local
 
 
-def route(p, cfg: ModelConfig, x_td):
+def route(p, cfg: TargetConfig, x_td):
   """Returns (expert ids [T, K] int32, weights [T, K] f32).
 
   Scores are sigmoid(x @ W_g) in f32; `bias` (e_score_correction_bias) shifts them for SELECTION
@@ -53,12 +53,12 @@ def _limit_groups(choice_te, n_group, topk_group):
   return jnp.where(keep_mask[:, :, None], grouped, -jnp.inf).reshape(t, e)
 
 
-def routed_experts(p, cfg: ModelConfig, x_td, idx_tk, w_tk):
+def routed_experts(p, cfg: TargetConfig, x_td, idx_tk, w_tk):
   """The routed experts this device holds (all, or cfg.num_local_experts of them)."""
   return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], impl=cfg.expert_backend)
 
 
-def moe(p, cfg: ModelConfig, x, routes: list | None = None):
+def moe(p, cfg: TargetConfig, x, routes: list | None = None):
   """MoE block on x [..., D]: routed experts (expert-parallel under a mesh) + shared experts.
 
   routes: a list to which this layer's expert ids [T, K] are appended (training's load

@@ -11,11 +11,11 @@ routed stacks random INT4 (`model.int4.Int4Weight`), as a K2.6 checkpoint holds 
 import jax
 import jax.numpy as jnp
 
-from kdtree_jax.target.config import ModelConfig
+from kdtree_jax.target.config import TargetConfig
 from kdtree_jax.checkpoint import int4
 
 
-def layer_shapes(cfg: ModelConfig, i: int) -> dict:
+def layer_shapes(cfg: TargetConfig, i: int) -> dict:
   """Shapes of layer i's parameters (nested dict of tuples)."""
   d, h = cfg.hidden_size, cfg.num_attention_heads
   qk, r, p = cfg.qk_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -39,7 +39,7 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict:
   return out
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
+def param_shapes(cfg: TargetConfig) -> dict:
   """Shapes of the whole params pytree."""
   return {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,),
           "lm_head": (cfg.hidden_size, cfg.vocab_size),
@@ -53,7 +53,7 @@ def _is_shape(x):
 _ROUTED = ("['gate']", "['up']", "['down']")
 
 
-def init_params(rng, cfg: ModelConfig, dtype=jnp.float32, std=0.02, int4_experts=False):
+def init_params(rng, cfg: TargetConfig, dtype=jnp.float32, std=0.02, int4_experts=False):
   """Random params: normal(std) matrices, ones for norms, small random routing bias (f32)."""
   shapes = param_shapes(cfg)
   leaves, treedef = jax.tree.flatten_with_path(shapes, is_leaf=_is_shape)
@@ -72,13 +72,13 @@ def init_params(rng, cfg: ModelConfig, dtype=jnp.float32, std=0.02, int4_experts
   return jax.tree.unflatten(treedef, out)
 
 
-def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16, int4_experts=False):
+def abstract_params(cfg: TargetConfig, dtype=jnp.bfloat16, int4_experts=False):
   """ShapeDtypeStructs of the params (no memory): `jax.eval_shape` of `init_params`."""
   return jax.eval_shape(lambda k: init_params(k, cfg, dtype, int4_experts=int4_experts),
                         jax.random.key(0))
 
 
-def count_params(cfg: ModelConfig) -> dict[str, int]:
+def count_params(cfg: TargetConfig) -> dict[str, int]:
   """Parameter counts split into routed experts, attention, shared experts, dense, router, embed+head."""
   tree = abstract_params(cfg)
   counts = {"routed_experts": 0, "attention": 0, "shared_experts": 0, "dense_mlp": 0,

@@ -10,14 +10,14 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax.target.config import ModelConfig
+from kdtree_jax.target.config import TargetConfig
 
 
 def _correction_dim(num_rotations, dim, base, max_pos):
   return dim * math.log(max_pos / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
 
 
-def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
+def inv_frequencies(cfg: TargetConfig) -> np.ndarray:
   """[P/2] inverse frequencies; YaRN blends interpolated and original ones by a linear ramp."""
   dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
   pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
@@ -36,7 +36,7 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
   return inv.astype(np.float32)
 
 
-def cos_sin(cfg: ModelConfig, positions):
+def cos_sin(cfg: TargetConfig, positions):
   """cos, sin of shape positions.shape + [P/2], f32, with the YaRN cos/sin factor folded in."""
   inv = jnp.asarray(inv_frequencies(cfg))
   angles = positions.astype(jnp.float32)[..., None] * inv

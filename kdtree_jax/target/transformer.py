@@ -12,18 +12,18 @@ from typing import Sequence
 import jax.numpy as jnp
 
 from kdtree_jax.target.cache import LatentCache
-from kdtree_jax.target.config import ModelConfig
+from kdtree_jax.target.config import TargetConfig
 from kdtree_jax.target import mla
 from kdtree_jax.target.mlp import swiglu
 from kdtree_jax.target.moe import moe
 from kdtree_jax.target.norm import rms_norm
 
 
-def _ffn(lp, cfg: ModelConfig, x, routes):
+def _ffn(lp, cfg: TargetConfig, x, routes):
   return swiglu(lp["mlp"], x) if "mlp" in lp else moe(lp["moe"], cfg, x, routes)
 
 
-def _head(params, cfg: ModelConfig, x):
+def _head(params, cfg: TargetConfig, x):
   x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   return jnp.dot(x, params["lm_head"]).astype(jnp.float32)
 
@@ -34,7 +34,7 @@ def _concat_taps(taps: dict, tap_layers: Sequence[int]):
   return jnp.concatenate([taps[i] for i in tap_layers], axis=-1)
 
 
-def prefill(cfg: ModelConfig, params, cache: LatentCache | None, tokens_bs,
+def prefill(cfg: TargetConfig, params, cache: LatentCache | None, tokens_bs,
             tap_layers: Sequence[int] = (), routes: list | None = None):
   """Causal forward of prompts from position 0. Returns (logits [B,S,V] f32, cache, taps).
 
@@ -62,7 +62,7 @@ def prefill(cfg: ModelConfig, params, cache: LatentCache | None, tokens_bs,
   return _head(params, cfg, x), cache, _concat_taps(taps, tap_layers)
 
 
-def decode(cfg: ModelConfig, params, cache: LatentCache, tokens_bn, positions_bn, tree_mask_bnn,
+def decode(cfg: TargetConfig, params, cache: LatentCache, tokens_bn, positions_bn, tree_mask_bnn,
            tap_layers: Sequence[int] = (), *, attn_backend="auto", routes: list | None = None):
   """N new tokens against the cache (absorbed MLA). Returns (logits [B,N,V] f32, cache, taps).
 

@@ -76,7 +76,7 @@ def test_config_parses_and_matches(name):
   """load_hf_config reads back every value the generator set (rope, routing, eps, shapes)."""
   cfg = C.load_hf_config(_path(name))
   want = _meta(name)["set_config"]
-  fields = {f.name for f in dataclasses.fields(C.ModelConfig)}
+  fields = {f.name for f in dataclasses.fields(C.TargetConfig)}
   for key, value in want.items():
     if key == "rope_scaling" or key not in fields:
       continue
