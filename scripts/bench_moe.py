@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import config as C
-from kdtree_jax import roofline
+from kdtree_jax import bench_models, roofline, timing
 from kdtree_jax.model import experts, int4, moe
 from kdtree_jax.model import params as P
 from pallas_kernels.grouped_matmul import Tuning, grouped_matmul
@@ -74,9 +74,10 @@ def _mgpu_ffn(x, idx, w, gate, up, down):
   return experts.combine_pairs(rd(h, down, sizes).astype(jnp.float32), order, mine, w, x.shape[0])
 
 
-def _local_touched(idx):
-  """Distinct experts among the first --local that the routing `idx` [T, K] touches."""
-  return int(np.unique(np.asarray(idx)[np.asarray(idx) < _EL.value]).size)
+def _local_touched(idx, local=None):
+  """Distinct experts among the first `local` (--local) that the routing `idx` [T, K] touches."""
+  local = _EL.value if local is None else local
+  return int(np.unique(np.asarray(idx)[np.asarray(idx) < local]).size)
 
 
 def _time_us(fn, *args):
@@ -96,7 +97,8 @@ def _emit(rows, row, sink):
   rows.append(row)
   sink.write(json.dumps(row) + "\n")
   sink.flush()
-  print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+  print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                 if k != "kernels"),
         flush=True)
 
 
@@ -175,27 +177,30 @@ def part_tune(ceil, sink, rows):
 
 
 def part_layer(ceil, sink, rows):
-  """The whole MoE layer of bench_k26 (INT4 routed experts) at T=65 vs its weight floor."""
-  cfg = C.bench_k26(layers=2).replace(n_routed_experts=_E.value, num_local_experts=_EL.value,
-                                      hidden_size=_D.value, moe_intermediate_size=_F.value,
-                                      num_experts_per_tok=_K.value)
+  """One MoE layer of bench_k26_full (`bench_models.k26_share`: 384 routed, 48 held as INT4,
+  shared expert F/8) at each T vs its weight-streaming floor, with the per-kernel breakdown."""
+  cfg = bench_models.k26_share(layers=2)
   p = P.init_params(jax.random.key(0), cfg, jnp.bfloat16, int4_experts=True)["layers"][1]["moe"]
+  fn = jax.jit(lambda p, x: moe.moe(p, cfg, x))
   for t in map(int, _T.value):
     x = jax.random.normal(jax.random.key(t), (t, cfg.hidden_size), jnp.bfloat16)
-    fn = jax.jit(lambda p, x: moe.moe(p, cfg, x))
     idx, _ = moe.route(p, cfg, x)
-    touched = _local_touched(idx)
+    touched = _local_touched(idx, cfg.num_local_experts)
     other = sum(v.nbytes for v in jax.tree.leaves([p["router"], p["bias"], p.get("shared", {})]))
     need = touched * _expert_bytes("int4") + other
     row = dict(part="layer", fmt="int4", T=t, experts_touched=touched, bytes_needed=need)
     try:
       row["us"] = _time_us(fn, p, x)
+      row["kernels"] = [dict(name=n[:90], calls=c, us=round(us, 2))
+                        for n, c, us in timing.kernel_breakdown(fn, (p, x))]
     except Exception as ex:
       row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
     else:
       row["floor_us"] = need / ceil["copy_tbps"] / 1e6
       row["x_floor"] = row["us"] / row["floor_us"]
     _emit(rows, row, sink)
+    for k in row.get("kernels", [])[:12]:
+      print(f"    {k['us']:8.2f} us  x{k['calls']:.0f}  {k['name']}", flush=True)
 
 
 def _table(rows):

@@ -7,6 +7,7 @@
 # Parts (single-GPU parts see GPU 0 only):
 #   moe_tests   grouped-matmul kernel GPU tests (bf16 + INT4, every code path)
 #   moe_bench   scripts/bench_moe.py: routed FFN per T, tuning sweep, whole MoE layer
+#   moe_layer   scripts/bench_moe.py --parts layer: one MoE layer of bench_k26_full per T, per kernel
 #   verify      tree-verify kernel: GPU test classes, then the bench at L=46000 (B=1, N=1,16,64, H=8,64)
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
 #   draft       scripts/bench_draft.py: the two draft phases at K2.6 draft width
@@ -31,6 +32,8 @@ run_part() {
   case $part in
     moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu tests/test_grouped_matmul_kernel.py ;;
     moe_bench) one_gpu timeout "$secs" python3 scripts/bench_moe.py --out "$RAW/bench_moe.jsonl" ;;
+    moe_layer) one_gpu timeout "$secs" python3 scripts/bench_moe.py --parts layer \
+                 --out "$RAW/bench_moe_layer.jsonl" ;;
     verify) one_gpu timeout "$secs" bash -c "python3 -m pytest -q tests/test_tree_verify_attention.py \
                 -k 'Gpu or gpu or nh_grid or lengths or tunings'; python3 scripts/bench_verify_attention.py \
                 --B=1 --N=1,16,64 --H=8,64 --L=46000 --json_out=$RAW/bench_verify_attention.jsonl" ;;
