@@ -68,10 +68,10 @@ def _mgpu_ffn(x, idx, w, gate, up, down):
   from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # pylint: disable=import-outside-toplevel
   blocks = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
   rd = lambda a, b, s: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, **blocks)
-  order, sizes, mine = experts.sort_pairs(idx, gate.shape[0])
+  order, rank, sizes, mine = experts.sort_pairs(idx, gate.shape[0])
   xs = x[order // idx.shape[1]]
   h = jax.nn.silu(rd(xs, gate, sizes)) * rd(xs, up, sizes)
-  return experts.combine_pairs(rd(h, down, sizes).astype(jnp.float32), order, mine, w, x.shape[0])
+  return experts.combine_pairs(rd(h, down, sizes).astype(jnp.float32)[None], rank, mine, w)
 
 
 def _local_touched(idx, local=None):
@@ -193,14 +193,25 @@ def part_layer(ceil, sink, rows):
       row["us"] = _time_us(fn, p, x)
       row["kernels"] = [dict(name=n[:90], calls=c, us=round(us, 2))
                         for n, c, us in timing.kernel_breakdown(fn, (p, x))]
+      row.update(_launches(row["kernels"]))
     except Exception as ex:
       row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
     else:
       row["floor_us"] = need / ceil["copy_tbps"] / 1e6
       row["x_floor"] = row["us"] / row["floor_us"]
     _emit(rows, row, sink)
-    for k in row.get("kernels", [])[:12]:
+    for k in row.get("kernels", [])[:40]:
       print(f"    {k['us']:8.2f} us  x{k['calls']:.0f}  {k['name']}", flush=True)
+
+
+def _launches(kernels):
+  """Kernel launches per layer call, and their us, split into our Mosaic kernels and the rest."""
+  mosaic = [k for k in kernels if "mosaic" in k["name"]]
+  other = [k for k in kernels if "mosaic" not in k["name"]]
+  return dict(launches=round(sum(k["calls"] for k in kernels), 1),
+              mosaic_launches=round(sum(k["calls"] for k in mosaic), 1),
+              mosaic_us=round(sum(k["us"] for k in mosaic), 2),
+              glue_us=round(sum(k["us"] for k in other), 2))
 
 
 def _table(rows):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kdtree_jax.model import experts, int4
+from pallas_kernels.grouped_matmul import expert_mlp as pallas_expert_mlp
 from pallas_kernels.grouped_matmul import (Tuning, gated_grouped_matmul, grouped_matmul,
                                            grouped_matmul_reference,
                                            int4_grouped_matmul_reference, work)
@@ -82,6 +83,8 @@ CASES = [  # sizes, m, k, n, group, tuning
     ([20, 0, 44, 64], 140, 256, 128, 128, Tuning(rows=16, block_n=64, block_k=128, stages=3)),
     ([1, 0, 1, 1, 0, 1], 4, 256, 128, 32, Tuning(rows=8, block_n=64, block_k=256, stages=2)),
     ([3, 0, 9], 13, 256, 64, 32, Tuning(rows=16, block_n=64, block_k=64, stages=2, splits=2)),
+    ([30, 0, 50, 3, 10], 100, 128, 128, 32,  # 2 CTA columns looping over the items
+     Tuning(rows=32, block_n=64, block_k=64, stages=2, splits=2, slots=2)),
 ]
 
 
@@ -113,6 +116,50 @@ def test_gated_kernel_interpret_matches_reference(fmt):
       int4_grouped_matmul_reference(x, *w, gs, jnp.float32)
   g, u = ref(gate), ref(up)
   _check(got, jax.nn.silu(g) * u, sum(sizes))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_gated_split_k_interpret_matches_reference(fmt):
+  """Gated call with split-K: gate and up partials from one call, summed and SiLU-multiplied."""
+  sizes, m, k, n = [3, 0, 9], 13, 256, 64
+  x, w_a, q_a = _operands(m, k, n, len(sizes), 32, seed=5)
+  _, w_b, q_b = _operands(m, k, n, len(sizes), 32, seed=6)
+  gate, up = (q_a, q_b) if fmt == "int4" else (w_a, w_b)
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = Tuning(rows=16, block_n=64, block_k=64, stages=2, splits=2, a_operand="smem")
+  got = gated_grouped_matmul(x, gate, up, gs, backend="interpret", tuning=t)
+  _check(got, gated_grouped_matmul(x, gate, up, gs, backend="xla"), sum(sizes))
+
+
+@pytest.mark.parametrize("t,k,e_l,e0", [(5, 3, 4, 2), (9, 8, 48, 0), (300, 8, 48, 0)])
+def test_sort_pairs_equals_stable_argsort(t, k, e_l, e0):
+  """The comparison order (and the sort past COMPARE_SORT_MAX_PAIRS) == a stable argsort."""
+  rng = np.random.default_rng(t)
+  idx = np.stack([rng.permutation(64)[:k] for _ in range(t)]).astype(np.int32)
+  order, rank, sizes, mine = experts.sort_pairs(jnp.asarray(idx), e_l, e0)
+  local = idx.reshape(-1) - e0
+  ok = (local >= 0) & (local < e_l)
+  key = np.where(ok, local, e_l)
+  want = np.argsort(key, kind="stable")
+  np.testing.assert_array_equal(np.asarray(order), want)
+  np.testing.assert_array_equal(np.asarray(rank)[want], np.arange(t * k))
+  np.testing.assert_array_equal(np.asarray(sizes), np.bincount(key, minlength=e_l + 1)[:e_l])
+  np.testing.assert_array_equal(np.asarray(mine), ok)
+
+
+def test_expert_mlp_split_k_interpret_matches_xla():
+  """Both calls on one work list, down with split-K partials, combined by the caller's sum."""
+  sizes, m, d, f = [3, 0, 9, 2], 16, 256, 128
+  x, _, gate = _operands(m, d, f, len(sizes), 32, seed=7)
+  _, _, up = _operands(m, d, f, len(sizes), 32, seed=8)
+  _, _, down = _operands(m, f, d, len(sizes), 32, seed=9)
+  gs = jnp.asarray(sizes, jnp.int32)
+  tg = Tuning(rows=16, block_n=64, block_k=64, stages=2, splits=2, slots=1, a_operand="smem")
+  td = Tuning(rows=16, block_n=64, block_k=64, stages=2, splits=2, a_operand="smem")
+  got = pallas_expert_mlp(x, gate, up, down, gs, backend="interpret", tunings=(tg, td))
+  want = pallas_expert_mlp(x, gate, up, down, gs, backend="xla")
+  assert got.shape == (2, m, d) and want.shape == (1, m, d)
+  _check(got.sum(axis=0), want[0], sum(sizes))
 
 
 def test_int4_reference_equals_dequantised_matmul_in_f32():
