@@ -16,7 +16,11 @@ Sliding layers keep only keys with |p - key_pos| < window, on ctx and block keys
 
 Inference attention: the ctx part reads the cache in place (bf16 when the cache is bf16, f32
 scores and softmax statistics) and the block part attends to the block's own K/V; the two are
-merged through their log-sum-exps, so no step copies or concatenates the ctx K/V.
+merged through their log-sum-exps, so no step copies or concatenates the ctx K/V. The ctx part
+runs as N independent chunks of CTX_CHUNK rows (a batch axis of both dots, the chunks merged
+through their log-sum-exps): one dot contracting over all C rows makes XLA:GPU split K and pad
+the V cache to a multiple of the split (a copy of the V buffer per layer per step, measured as
+`loop_pad_fusion` on the H200). init_draft_cache rounds the capacity up to whole chunks.
 """
 
 from __future__ import annotations
@@ -25,7 +29,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from kdtree_jax.draft import ctx_attention
 from kdtree_jax.draft.config import DraftConfig
+
+# Ctx rows per attention chunk; a multiple of 8 * every split-K factor XLA:GPU would pick for a
+# chunk's PV dot (it pads K to split_k * 16 bytes), so no chunk is ever padded.
+CTX_CHUNK = 1024
 
 
 @struct.dataclass
@@ -40,8 +49,17 @@ class DraftCache:
   ctx_len: jax.Array
 
 
+def cache_rows(max_ctx: int) -> int:
+  """Cache capacity for max_ctx rows: whole CTX_CHUNKs above one chunk, else whole 64-row tiles
+  (the fused ctx kernel's tile)."""
+  unit = CTX_CHUNK if max_ctx > CTX_CHUNK else 64
+  return -(-max_ctx // unit) * unit
+
+
 def init_draft_cache(cfg: DraftConfig, batch: int, max_ctx: int, dtype=jnp.bfloat16) -> DraftCache:
-  """Empty cache. Keep max_ctx >= longest context + T (materialize writes T rows at ctx_len)."""
+  """Empty cache of cache_rows(max_ctx) rows. Keep max_ctx >= longest context + T (materialize
+  writes T rows at ctx_len)."""
+  max_ctx = cache_rows(max_ctx)
   shape = (batch, cfg.num_key_value_heads, max_ctx, cfg.head_dim)
   layers = range(cfg.num_hidden_layers)
   return DraftCache(k=tuple(jnp.zeros(shape, dtype) for _ in layers),
@@ -163,17 +181,72 @@ def _partial_attention(q_bgrse, k_bgke, v_bgke, ok_bsk, scale):
   return o, m, jnp.sum(p, axis=-1)
 
 
-def _merged_attention(q_bshe, parts, scale):
-  """Softmax attention over the union of key sets [(k_bgke, v_bgke, ok_bsk)], merged through
-  their log-sum-exps (every query must see at least one key) -> [B, S, H*E] in q's dtype."""
+def _merge_partials(o_n, m_n, l_n):
+  """Merge N partials stacked on axis 0 (o [N, ..., E], m / l [N, ...]) into one (o, m, l);
+  m stays -inf (and o, l 0) where no partial saw a key."""
+  m = jnp.max(m_n, axis=0)
+  w = jnp.exp(m_n - jnp.where(jnp.isneginf(m), 0.0, m))
+  return jnp.sum(o_n * w[..., None], axis=0), m, jnp.sum(l_n * w, axis=0)
+
+
+def _chunked_partial_attention(q_bgrse, k_bgce, v_bgce, ok_bsc, scale, chunk):
+  """_partial_attention over C = N * chunk rows, the PV dot as N chunks (the chunk index a batch
+  axis, each contracting over `chunk` rows, never all C), the N partials merged through their
+  log-sum-exps. Same (o, m, l) as _partial_attention up to f32 summation order. The scores
+  keep _partial_attention's layout [B, G, R, S, C] (the QK dot's natural output); p is written
+  chunk-major for the PV dot by the fusion that computes it."""
+  B, G, C, E = k_bgce.shape
+  R, S = q_bgrse.shape[2:4]
+  n = C // chunk
+  s = jnp.einsum("bgrse,bgke->bgrsk", q_bgrse.astype(k_bgce.dtype), k_bgce,
+                 preferred_element_type=jnp.float32) * scale
+  if ok_bsc is not None:
+    s = jnp.where(ok_bsc[:, None, None], s, -jnp.inf)
+  s = s.reshape(B, G, R, S, n, chunk)
+  m = jnp.max(s, axis=-1)  # [B, G, R, S, N]
+  p = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m)[..., None])
+  p_chunks = p.astype(v_bgce.dtype).transpose(0, 1, 4, 2, 3, 5)  # [B, G, N, R, S, chunk]
+  o = jnp.einsum("bgnrsk,bgnke->bgnrse", p_chunks, v_bgce.reshape(B, G, n, chunk, E),
+                 preferred_element_type=jnp.float32)
+  last_to_front = lambda x: jnp.moveaxis(x, -1, 0)
+  return _merge_partials(jnp.moveaxis(o, 2, 0), last_to_front(m),
+                         last_to_front(jnp.sum(p, axis=-1)))
+
+
+def xla_part(k_bgke, v_bgke, ok_bsk, chunk=None):
+  """A key set for _merged_attention: q_bgrse, scale -> (o, m, l) by XLA, in chunks of `chunk`
+  rows (a divisor of the rows) when there are more rows than that."""
+  def part(q_bgrse, scale):
+    if chunk is not None and k_bgke.shape[2] > chunk:
+      return _chunked_partial_attention(q_bgrse, k_bgke, v_bgke, ok_bsk, scale, chunk)
+    return _partial_attention(q_bgrse, k_bgke, v_bgke, ok_bsk, scale)
+  return part
+
+
+def kernel_part(k_bgce, v_bgce, ctx_len_b, tuning, interpret):
+  """The ctx rows < ctx_len as a key set through the fused kernel (ctx_attention.py)."""
+  def part(q_bgrse, scale):
+    B, G, R, S, E = q_bgrse.shape
+    o, lse = ctx_attention.ctx_partials(q_bgrse.reshape(B, G, R * S, E), k_bgce, v_bgce,
+                                        ctx_len_b, scale=scale, tuning=tuning,
+                                        interpret=interpret)
+    # a normalised partial is (o, m, l) = (o, lse, 1); a chunk past ctx_len has lse = -inf
+    l = jnp.where(jnp.isneginf(lse), 0.0, 1.0)
+    o, m, l = _merge_partials(*(jnp.moveaxis(x, 2, 0) for x in (o.astype(jnp.float32), lse, l)))
+    return o.reshape(B, G, R, S, E), m.reshape(B, G, R, S), l.reshape(B, G, R, S)
+  return part
+
+
+def _merged_attention(q_bshe, parts, scale, kv_heads):
+  """Softmax attention over the union of key sets (callables q_bgrse, scale -> (o, m, l), see
+  xla_part), merged through their log-sum-exps (every query must see at least one key) ->
+  [B, S, H*E] in q's dtype."""
   B, S, H, E = q_bshe.shape
-  G = parts[0][0].shape[1]
+  G = kv_heads
   q = q_bshe.reshape(B, S, G, H // G, E).transpose(0, 2, 3, 1, 4)
-  outs = [_partial_attention(q, k, v, ok, scale) for k, v, ok in parts]
-  m = jnp.max(jnp.stack([m for _, m, _ in outs]), axis=0)
-  num = sum(o * jnp.exp(mi - m)[..., None] for o, mi, _ in outs)
-  den = sum(l * jnp.exp(mi - m) for _, mi, l in outs)
-  o = (num / den[..., None]).transpose(0, 3, 1, 2, 4).reshape(B, S, H * E)
+  outs = [part(q, scale) for part in parts]
+  o, _, l = _merge_partials(*(jnp.stack(x) for x in zip(*outs)))
+  o = (o / l[..., None]).transpose(0, 3, 1, 2, 4).reshape(B, S, H * E)
   return o.astype(q_bshe.dtype)
 
 
@@ -184,8 +257,8 @@ def _layer(lp, cfg, x_bsd, q_pos_bs, ctx_parts, blk_ok_bss):
   q = (h @ lp["q_proj"]).reshape(B, S, cfg.num_attention_heads, cfg.head_dim)
   q = rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), q_pos_bs, cfg.rope_theta)
   kb, vb = _kv(lp, cfg, h, q_pos_bs)
-  blk = (jnp.swapaxes(kb, 1, 2), jnp.swapaxes(vb, 1, 2), blk_ok_bss)
-  o = _merged_attention(q, [*ctx_parts, blk], cfg.head_dim ** -0.5)
+  blk = xla_part(jnp.swapaxes(kb, 1, 2), jnp.swapaxes(vb, 1, 2), blk_ok_bss)
+  o = _merged_attention(q, [*ctx_parts, blk], cfg.head_dim ** -0.5, cfg.num_key_value_heads)
   x_bsd = x_bsd + o @ lp["o_proj"]
   h = rms_norm(x_bsd, lp["post_attention_layernorm"], cfg.rms_norm_eps)
   return x_bsd + (jax.nn.silu(h @ lp["gate_proj"]) * (h @ lp["up_proj"])) @ lp["down_proj"]
@@ -223,20 +296,44 @@ def make_block(cfg: DraftConfig, bonus_b):
   return jnp.concatenate([bonus_b.astype(jnp.int32)[:, None], mask], axis=1)
 
 
+CTX_IMPLS = ("xla", "pallas", "interpret")
+
+
+def _ctx_part(cfg, cache, i, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_chunk):
+  """Layer i's ctx key set: the fused kernel (ctx_impl 'pallas', or 'interpret' = its CPU
+  interpret mode) for full-attention layers whose shapes it supports, else XLA in chunks."""
+  k, v, window = cache.k[i], cache.v[i], cfg.window(i)
+  if ctx_impl not in CTX_IMPLS:
+    raise ValueError(f"{ctx_impl=} must be one of {CTX_IMPLS}")
+  B, G, C, E = k.shape
+  M = cfg.num_attention_heads // G * q_pos_bs.shape[1]
+  tuning = ctx_attention.default_tuning(B, G, M, C, kernel_chunk)
+  q_like = jax.ShapeDtypeStruct((B, G, M, E), k.dtype)
+  if ctx_impl != "xla" and window is None and (
+      ctx_impl == "interpret" or ctx_attention.supports(q_like, k, tuning)):
+    return kernel_part(k, v, cache.ctx_len, tuning, ctx_impl == "interpret")
+  ok = _both(live_b1c, _window_ok(q_pos_bs[:, :, None], cache.pos[:, None, :], window))
+  return xla_part(k, v, ok, chunk)
+
+
 def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, start_b, embed_vd,
-                head_dv):
+                head_dv, ctx_chunk=CTX_CHUNK, ctx_impl="xla", kernel_chunk=None):
   """One non-causal block [bonus, MASK...] at positions start.. over the ctx cache -> [B, S, V] f32.
 
-  Ctx keys are the cache rows < ctx_len (every row of its static capacity is read, masked).
+  Ctx keys are the cache rows < ctx_len, in chunks of ctx_chunk rows when that divides the
+  capacity (init_draft_cache makes it so). ctx_impl 'xla' reads every row of the capacity
+  (masked); 'pallas' (the fused kernel, full-attention layers) reads only rows < ctx_len, in
+  programs of kernel_chunk rows (None: ctx_attention.default_tuning's choice).
   """
   B, S = block_tokens_bs.shape
   x = _embed(params, cfg, block_tokens_bs, embed_vd)
   q_pos = start_b.astype(jnp.int32)[:, None] + jnp.arange(S, dtype=jnp.int32)
   C = cache.pos.shape[1]
+  chunk = ctx_chunk if C % ctx_chunk == 0 else None
   live = (jnp.arange(C)[None, :] < cache.ctx_len[:, None])[:, None, :]  # [B, 1, C]
   for i, lp in enumerate(params["layers"]):
-    ctx_ok = _both(live, _window_ok(q_pos[:, :, None], cache.pos[:, None, :], cfg.window(i)))
-    x = _layer(lp, cfg, x, q_pos, [(cache.k[i], cache.v[i], ctx_ok)], _block_mask(cfg, i, q_pos))
+    ctx = _ctx_part(cfg, cache, i, q_pos, live, ctx_impl, chunk, kernel_chunk)
+    x = _layer(lp, cfg, x, q_pos, [ctx], _block_mask(cfg, i, q_pos))
   return _logits(params, cfg, x, head_dv)
 
 
@@ -261,6 +358,6 @@ def draft_train_forward(params, cfg: DraftConfig, ctx_taps_bsf, anchors_ba, bloc
   for i, lp in enumerate(params["layers"]):
     ctx_k, ctx_v = _kv(lp, cfg, c, ctx_pos)
     ctx_ok = _both(before, _window_ok(q_pos[:, :, None], ctx_pos[:, None, :], cfg.window(i)))
-    ctx = (jnp.swapaxes(ctx_k, 1, 2), jnp.swapaxes(ctx_v, 1, 2), ctx_ok)
+    ctx = xla_part(jnp.swapaxes(ctx_k, 1, 2), jnp.swapaxes(ctx_v, 1, 2), ctx_ok)
     x = _layer(lp, cfg, x, q_pos, [ctx], _block_mask(cfg, i, q_pos, same))
   return _logits(params, cfg, x, head_dv).reshape(B, A, K, -1)
