@@ -32,7 +32,7 @@ from absl import flags  # noqa: E402
 import jax  # noqa: E402
 
 from kdtree_jax import cli, run_config, sharding  # noqa: E402
-from kdtree_jax.decoding import loop  # noqa: E402
+from kdtree_jax.decoding import loop, step_cost  # noqa: E402
 from kdtree_jax.decoding.sampling import SamplingConfig  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.models import DTYPES, load_models  # noqa: E402
@@ -169,9 +169,11 @@ def main(argv):
   with cli.progress("loading the target and draft"):
     models = load_models(c, mesh)
   block = models.dcfg.block_size if models.dcfg is not None else 2
+  auto = step_cost.auto_for_run(c, flags.FLAGS["config"], models.tcfg, models.dcfg) \
+      if c.budget == "auto" and c.mode == "ddtree" else None
   spec = SpecConfig(mode=c.mode, budget=c.budget, block_size=block,
                     max_new_tokens=c.max_new_tokens, attn_backend=c.attn_backend,
-                    sampling=SamplingConfig(c.temperature, c.top_k, c.top_p))
+                    sampling=SamplingConfig(c.temperature, c.top_k, c.top_p), auto=auto)
   prompts = [models.tokenizer.encode(c.prompt)]
   warnings = _setting_warnings(c) + loop.length_warnings(models.tcfg, spec, prompts, c.max_len,
                                                         c.trained_positions)

@@ -12,6 +12,8 @@
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
 #   draft       scripts/bench_draft.py: the two draft phases at K2.6 draft width
 #   calibrate   scripts/calibrate_step_cost.py on configs/bench_k26_full.py
+#   pair        the trained pair (k2tiny): its step cost calibrated here (<= 120 s), then measured
+#               tok/s of ar / chain / ddtree 7,15,31,63 / auto (scripts/bench_pair.py)
 #   sharding    scripts/check_sharding_gpu.py over all visible GPUs (2 on nvidia-h200-x2)
 #   multiprocess  two processes of one GPU each (jax.distributed, NCCL) vs one process, 2 GPUs
 # A persistent compilation cache ($OUT/../xla_cache, or JAX_COMPILATION_CACHE_DIR) is shared by
@@ -42,6 +44,13 @@ run_part() {
     draft) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 --out_dir "$RAW" ;;
     calibrate) one_gpu timeout "$secs" python3 scripts/calibrate_step_cost.py \
                  --config configs/bench_k26_full.py --out_dir "$RAW" ;;
+    pair) local t0 left
+          t0=$(date +%s)
+          one_gpu timeout 120 python3 scripts/calibrate_step_cost.py --config configs/k2tiny.py \
+            --ctx 16,128,256 --steps 4,32 --auto_programs switch --out_dir "$RAW/pair"
+          left=$(( secs - $(date +%s) + t0 ))
+          one_gpu timeout $(( left > 20 ? left : 20 )) python3 scripts/bench_pair.py \
+            --step_cost "$RAW/pair/step_cost.json" --out "$RAW/pair.jsonl" ;;
     sharding) timeout "$secs" python3 scripts/check_sharding_gpu.py --meshes ";tensor=2;expert=2" \
                 --out "$RAW/sharding.jsonl" ;;
     multiprocess) timeout "$secs" bash scripts/check_multiprocess_gpu.sh "$RAW" ;;

@@ -160,8 +160,8 @@ def speculative_step(tcfg, tparams, dcfg, dparams, spec: SpecConfig, state: Deco
                      width_index=None):
   """The whole step as one pure function (jit it, or run it inside the device loop).
 
-  width_index (budget='auto' only; traced int or None): verify this compiled width instead of
-  the chosen one (step-cost calibration).
+  width_index (budget='auto' only; traced int, Python int or None): verify this compiled width
+  instead of the chosen one (step-cost calibration; a Python int compiles only that width).
   """
   key, sub = jax.random.split(state.key)
   tap_layers = () if spec.mode == "ar" else tuple(dcfg.target_layer_ids)
