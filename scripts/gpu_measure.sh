@@ -8,7 +8,10 @@
 #   moe_tests   grouped-matmul kernel GPU tests (bf16 + INT4, every code path)
 #   moe_bench   scripts/bench_moe.py: routed FFN per T, tuning sweep, whole MoE layer
 #   moe_layer   scripts/bench_moe.py --parts layer: one MoE layer of bench_k26_full per T, per kernel
-#   verify      tree-verify kernel: GPU test classes, then the bench at L=46000 (B=1, N=1,16,64, H=8,64)
+#   verify      tree-verify kernel: GPU tests (-m gpu, ~2 min), short bench (default L=46000 grid);
+#               verify:240 fits 4 minutes
+#   verify_full tree-verify kernel: every test + the full GPU grid, per-kernel profile, the issue's
+#               whole bench table (with probes and XLA) until half the time box is spent
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
 #   draft       scripts/bench_draft.py: the two draft phases at K2.6 draft width
 #   calibrate   scripts/calibrate_step_cost.py on configs/bench_k26_full.py
@@ -36,9 +39,14 @@ run_part() {
     moe_bench) one_gpu timeout "$secs" python3 scripts/bench_moe.py --out "$RAW/bench_moe.jsonl" ;;
     moe_layer) one_gpu timeout "$secs" python3 scripts/bench_moe.py --parts layer \
                  --out "$RAW/bench_moe_layer.jsonl" ;;
-    verify) one_gpu timeout "$secs" bash -c "python3 -m pytest -q tests/test_tree_verify_attention.py \
-                -k 'Gpu or gpu or nh_grid or lengths or tunings'; python3 scripts/bench_verify_attention.py \
-                --B=1 --N=1,16,64 --H=8,64 --L=46000 --json_out=$RAW/bench_verify_attention.jsonl" ;;
+    verify) one_gpu timeout "$secs" bash -c "timeout 150 python3 -m pytest -q -rs --durations=5 -m gpu \
+                tests/test_tree_verify_attention.py tests/test_verify_attention_sharded.py; \
+                python3 scripts/bench_verify_attention.py --probe_variants=false --skip_xla \
+                --budget_s=$(( secs - 170 )) --json_out=$RAW/bench_verify_attention.jsonl" ;;
+    verify_full) one_gpu timeout "$secs" bash -c "python3 -m pytest -q -rs --gpu-full-grid \
+                tests/test_tree_verify_attention.py; python3 scripts/profile_verify_kernel.py; \
+                python3 scripts/bench_verify_attention.py --full_grid --budget_s=$(( secs / 2 )) \
+                --json_out=$RAW/bench_verify_attention.jsonl" ;;
     k26_full) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --time_budget_s $(( secs - 20 )) ;;
     draft) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 --out_dir "$RAW" ;;

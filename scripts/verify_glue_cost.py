@@ -18,7 +18,7 @@ from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.tree_verify import kernel  # noqa: E402
+from pallas_kernels.tree_verify import kernel_v1 as kernel  # noqa: E402  (v1: XLA tree block)
 from pallas_kernels.tree_verify.tuning import BLOCK_M, default_tuning  # noqa: E402
 
 _SHAPES = flags.DEFINE_list("shapes", ["1x64x64x16384", "1x64x64x46000", "1x16x16x46000",
@@ -34,7 +34,7 @@ def _cost(fn, *args):
 
 def glue_costs(b, n, h, l, c=576, r=512):
   """{'tree': (bytes, flops), 'merge': (bytes, flops)} and the kernel's splits at this shape."""
-  s = default_tuning(b, n, h, l).num_splits
+  s = default_tuning(b, n, h, l, kernel="v1").num_splits
   mp = -(-(n * h) // BLOCK_M) * BLOCK_M
   sd = jax.ShapeDtypeStruct
   tree = _cost(lambda *a: kernel.tree_partial(*a, scale=0.1, value_dim=r),
