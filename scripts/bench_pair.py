@@ -61,8 +61,9 @@ def precompile(models, specs, prompt, max_len, dtype):
   at once (one thread each; XLA compiles in parallel): `generate` then finds them compiled."""
   lowered = []
   for spec in specs:
-    prompts_bs, lengths_b, tp, dp = loop._prepare(models.tcfg, models.tparams, models.dcfg,  # pylint: disable=protected-access
-                                                  models.dparams, spec, [prompt], max_len, None)
+    prepare = loop._prepare  # pylint: disable=protected-access  (generate's own padding)
+    prompts_bs, lengths_b, tp, dp = prepare(models.tcfg, models.tparams, models.dcfg,
+                                            models.dparams, spec, [prompt], max_len, None)
     statics = dict(tcfg=models.tcfg, dcfg=models.dcfg, spec=spec, max_len=max_len,
                    cache_dtype=dtype)
     args = (tp, dp, prompts_bs, lengths_b, jax.random.key(0))
@@ -102,7 +103,8 @@ def result_row(prompt_set, mode, b, res, ar_tokens, auto, cost):
            compile_s=res["compile_s"], same_tokens_as_ar=res["tokens"] == ar_tokens,
            device=jax.devices()[0].device_kind)
   if mode == "auto":
-    r["width_histogram"] = {int(k): v for k, v in sorted(collections.Counter(res["widths"]).items())}
+    hist = collections.Counter(res["widths"])
+    r["width_histogram"] = {int(k): v for k, v in sorted(hist.items())}
     r["cost_source"] = auto.cost_source
     if hasattr(cost, "widths"):  # a measured table: its prediction of the steps auto ran
       r["modelled_ms_per_step"] = float(np.mean([cost.ms(w + 1, x) for w, x in
