@@ -11,6 +11,7 @@ Every output is checked against the f32 XLA reference first. One JSON line per r
   python scripts/bench_moe.py --out runs/bench_moe.jsonl
 """
 
+import dataclasses
 import json
 import time
 
@@ -24,6 +25,7 @@ from kdtree_jax import bench_models, roofline, timing
 from kdtree_jax.model import experts, int4, moe
 from kdtree_jax.model import params as P
 from pallas_kernels.grouped_matmul import Tuning, grouped_matmul
+from pallas_kernels.grouped_matmul.tuning import default_tuning
 
 _T = flags.DEFINE_list("tokens", ["1", "9", "17", "33", "65"], "Token counts (verify widths).")
 _TUNE_T = flags.DEFINE_list("tune_tokens", ["1", "65"], "Token counts of the tuning sweep.")
@@ -35,8 +37,10 @@ _F = flags.DEFINE_integer("ffn", 2048, "Expert width.")
 _FORMATS = flags.DEFINE_list("formats", ["int4", "bf16"], "Expert weight formats.")
 _IMPLS = flags.DEFINE_list("impls", ["pallas", "mgpu"], "Grouped matmuls to compare.")
 _TUNINGS = flags.DEFINE_list(
-    "tunings", ["default", "r16n64k512s4", "r16n64k256s6", "r8n64k256s4x4", "r16n128k256s4"],
-    "Tuning sweep: 'default' or rR nBN kBK sSTAGES [xSPLITS] [smem] (bf16 rows use kBK/2).")
+    "tunings", ["default", "defaultv", "defaultz", "r16n64k512s4z", "r16n128k256s4z",
+                "r8n64k256s4x7w1z"],
+    "Tuning sweep: 'default' or rR nBN kBK sSTAGES [xSPLITS] [wSLOTS] [smem], then a q_load "
+    "suffix 'v' (vector) or 'z' (swizzled) (bf16 rows use kBK/2 and ignore q_load).")
 _PARTS = flags.DEFINE_list("parts", ["ffn", "tune", "layer"], "Parts to run, in this order.")
 _OUT = flags.DEFINE_string("out", "runs/bench_moe.jsonl", "JSON lines output.")
 _REPS = flags.DEFINE_integer("reps", 20, "CUPTI repetitions (median).")
@@ -133,19 +137,23 @@ def part_ffn(ceil, sink, rows):
         _emit(rows, row, sink)
 
 
-def _parse_tuning(s, fmt):
-  """'default' -> None; 'r16n64k256s4x2smem' -> Tuning (bf16 takes half the K step)."""
+def _parse_tuning(s, fmt, default):
+  """'default[v|z]' -> the default tuning (with that q_load); 'r16n64k256s4x2w1smemz' -> Tuning
+  (bf16 takes half the K step and the plain q_load)."""
+  q_load = {"v": "vector", "z": "swizzled"}.get(s[-1], "bytes") if fmt == "int4" else "bytes"
+  s = s[:-1] if s[-1] in "vz" else s
   if s == "default":
-    return None
+    return dataclasses.replace(default, q_load=q_load)
   smem = s.endswith("smem")
   s = s.removesuffix("smem")
   r, rest = s[1:].split("n")
   n, rest = rest.split("k")
   k, rest = rest.split("s")
+  rest, _, slots = rest.partition("w")
   st, _, splits = rest.partition("x")
   k = int(k) if fmt == "int4" else int(k) // 2
   return Tuning(rows=int(r), block_n=int(n), block_k=k, stages=int(st), splits=int(splits or 1),
-                a_operand="smem" if smem else "registers")
+                slots=int(slots or 0), a_operand="smem" if smem else "registers", q_load=q_load)
 
 
 def part_tune(ceil, sink, rows):
@@ -160,8 +168,9 @@ def part_tune(ceil, sink, rows):
       ref = grouped_matmul(x, ops, sizes, backend="xla")
       live = int(sizes.sum())
       need = int((sizes > 0).sum()) * _expert_bytes(fmt) / 3
+      default = default_tuning(x.shape[0], _EL.value, _D.value, _F.value, fmt == "int4")
       for name in _TUNINGS.value:
-        tun = _parse_tuning(name, fmt)
+        tun = _parse_tuning(name, fmt, default)
         row = dict(part="tune", fmt=fmt, T=t, tuning=name, bytes_needed=need)
         fn = jax.jit(lambda x, ops, s, tun=tun: grouped_matmul(x, ops, s, backend="pallas",
                                                              tuning=tun))
