@@ -125,7 +125,8 @@ def table(rows) -> str:
 
 
 def verdict(rows) -> str:
-  """auto vs the best of chain and every fixed budget, per prompt set."""
+  """auto vs the best of chain and every fixed budget, and auto's modelled vs measured ms per
+  step, per prompt set."""
   out = []
   for ps in sorted({r["prompts"] for r in rows}):
     rs = [r for r in rows if r["prompts"] == ps]
@@ -136,6 +137,10 @@ def verdict(rows) -> str:
       out.append(f"{ps}: auto {auto['tokens_per_s']:.1f} tok/s / best of chain and fixed "
                  f"({best['mode']} {best['budget'] or ''}) {best['tokens_per_s']:.1f} = "
                  f"{auto['tokens_per_s'] / best['tokens_per_s']:.3f}")
+    if auto and auto.get("modelled_ms_per_step"):
+      mod, ms = auto["modelled_ms_per_step"], auto["ms_per_step"]
+      out.append(f"{ps}: auto modelled {mod:.3f} ms/step vs measured {ms:.3f} "
+                 f"({100 * (mod / ms - 1):+.1f}%; measured includes each prompt's prefill)")
   return "\n".join(out)
 
 
