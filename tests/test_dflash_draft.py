@@ -327,6 +327,11 @@ def test_ctx_kernel_lowers_for_h200():
   assert tuning.chunk == 256 and C % tuning.chunk == 0
   spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
   assert ctx_attention.supports(spec(1, 1, M, E), spec(1, 1, C, E), tuning)
+  f32 = jax.ShapeDtypeStruct((1, 1, C, E), jnp.float32)
+  assert not ctx_attention.supports(spec(1, 1, M, E), f32, tuning)  # bf16 cache only
+  odd = ctx_attention.Tuning(chunk=192, block_k=64)  # not a power-of-two Triton block
+  assert not ctx_attention.supports(spec(1, 1, M, E), spec(1, 1, 192, E), odd)
+  assert not ctx_attention.supports(spec(1, 1, 8, E), spec(1, 1, C, E), tuning)  # M < 16
   fn = jax.jit(functools.partial(ctx_attention.ctx_partials, scale=E ** -0.5, tuning=tuning))
   dev = mesh_lib.AbstractDevice("NVIDIA H200", 132, "gpu")
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):

@@ -48,11 +48,12 @@ def default_tuning(batch: int, kv_heads: int, rows_m: int, capacity: int,
 
 def supports(q_bgme, k_bgce, tuning: Tuning = Tuning()) -> bool:
   """Shapes the kernel handles: bf16 cache, M and E multiples of 16 (Triton dot tiles), whole
-  chunks of whole power-of-two tiles of at least 16 rows."""
+  power-of-two chunks (Triton blocks) of whole power-of-two tiles of at least 16 rows."""
   M, E = q_bgme.shape[2:]
-  C, bk = k_bgce.shape[2], tuning.block_k
+  C, c, bk = k_bgce.shape[2], tuning.chunk, tuning.block_k
+  pow2 = lambda x: x & (x - 1) == 0
   return (k_bgce.dtype == jnp.bfloat16 and M % 16 == 0 and E % 16 == 0 and bk >= 16
-          and bk & (bk - 1) == 0 and C % tuning.chunk == 0 and tuning.chunk % bk == 0)
+          and pow2(bk) and pow2(c) and C % c == 0 and c % bk == 0)
 
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_k):
