@@ -190,27 +190,29 @@ def _merge_partials(o_n, m_n, l_n):
 
 
 def _chunked_partial_attention(q_bgrse, k_bgce, v_bgce, ok_bsc, scale, chunk):
-  """_partial_attention over C = N * chunk rows, the PV dot as N chunks (the chunk index a batch
-  axis, each contracting over `chunk` rows, never all C), the N partials merged through their
-  log-sum-exps. Same (o, m, l) as _partial_attention up to f32 summation order. The scores
-  keep _partial_attention's layout [B, G, R, S, C] (the QK dot's natural output); p is written
-  chunk-major for the PV dot by the fusion that computes it."""
+  """_partial_attention over C = N * chunk rows as N chunks: the chunk index is a batch axis of
+  both dots (q broadcast over it, M*E*N elements, small), so the PV dot contracts over `chunk`
+  rows, never all C, and scores, p and the mask share one chunk-major layout [B, G, N, R, S, k]
+  (no transposes); the N partials merged through their log-sum-exps. Same (o, m, l) as
+  _partial_attention up to f32 summation order."""
   B, G, C, E = k_bgce.shape
   R, S = q_bgrse.shape[2:4]
   n = C // chunk
-  s = jnp.einsum("bgrse,bgke->bgrsk", q_bgrse.astype(k_bgce.dtype), k_bgce,
-                 preferred_element_type=jnp.float32) * scale
+  k = k_bgce.reshape(B, G, n, chunk, E)
+  v = v_bgce.reshape(B, G, n, chunk, E)
+  q = jnp.broadcast_to(q_bgrse.astype(k.dtype)[:, :, None], (B, G, n, R, S, E))
+  batch = ((0, 1, 2), (0, 1, 2))
+  s = jax.lax.dot_general(q, k, (((5,), (4,)), batch),
+                          preferred_element_type=jnp.float32) * scale  # [B, G, N, R, S, k]
   if ok_bsc is not None:
-    s = jnp.where(ok_bsc[:, None, None], s, -jnp.inf)
-  s = s.reshape(B, G, R, S, n, chunk)
-  m = jnp.max(s, axis=-1)  # [B, G, R, S, N]
+    ok = ok_bsc.reshape(ok_bsc.shape[0], ok_bsc.shape[1], n, chunk).transpose(0, 2, 1, 3)
+    s = jnp.where(ok[:, None, :, None], s, -jnp.inf)
+  m = jnp.max(s, axis=-1)
   p = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m)[..., None])
-  p_chunks = p.astype(v_bgce.dtype).transpose(0, 1, 4, 2, 3, 5)  # [B, G, N, R, S, chunk]
-  o = jnp.einsum("bgnrsk,bgnke->bgnrse", p_chunks, v_bgce.reshape(B, G, n, chunk, E),
-                 preferred_element_type=jnp.float32)
-  last_to_front = lambda x: jnp.moveaxis(x, -1, 0)
-  return _merge_partials(jnp.moveaxis(o, 2, 0), last_to_front(m),
-                         last_to_front(jnp.sum(p, axis=-1)))
+  o = jax.lax.dot_general(p.astype(v.dtype), v, (((5,), (3,)), batch),
+                          preferred_element_type=jnp.float32)  # [B, G, N, R, S, E]
+  front = lambda x: jnp.moveaxis(x, 2, 0)
+  return _merge_partials(front(o), front(m), front(jnp.sum(p, axis=-1)))
 
 
 def xla_part(k_bgke, v_bgke, ok_bsk, chunk=None):
