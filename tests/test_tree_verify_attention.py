@@ -153,7 +153,7 @@ class TestRowWindows:
       jax.jit(f).trace(sd((1, m, C), jnp.bfloat16), sd((1, 128, C), jnp.bfloat16),
                        sd((1,), jnp.int32), sd((1, 5, 64 * -(-m // 64)), jnp.int32))
 
-  @pytest.mark.parametrize("n,h", [GPU((1, 8)), (2, 8), (5, 8), (8, 8), GPU((9, 8))])  # M = 8..72
+  @pytest.mark.parametrize("n,h", [(1, 8), (2, 8), (5, 8), (8, 8), GPU((9, 8))])  # M = 8 .. 72
   def test_correct_over_rows(self, n, h):
     """Several splits (partials [B, S, M, R]) and a batch of 2: a window past M would land in the
     next split's or batch row's rows."""
@@ -242,37 +242,46 @@ class TestKernelSmall:
 class TestLowersForGpu:
   """Every kernel variant lowers to Mosaic GPU (layout inference, TMA shapes) on any host."""
 
+  @staticmethod
+  def lower_text(b, n, h, l, tuning):
+    sd = jax.ShapeDtypeStruct
+    f = lambda *a: api.tree_verify_attention_mgpu(*a, scale=0.1, tuning=tuning)
+    return jax.jit(f).trace(sd((b, n, h, C), jnp.bfloat16), sd((b, l, C), jnp.bfloat16),
+                            sd((b,), jnp.int32), sd((b, n, n), jnp.bool_)).lower(
+                                lowering_platforms=("cuda",)).as_text()
+
   @pytest.mark.parametrize("b,n,h,l,tuning", [
       (1, 1, 8, 46000, Tuning(num_splits=132)), (1, 64, 64, 46000, Tuning(num_splits=1)),
       (2, 15, 8, 4096, Tuning(num_splits=3, shared_p=False)), (4, 63, 8, 4100, Tuning(num_splits=2)),
-      (1, 3, 1, 100, Tuning(num_splits=1))])
+      (1, 3, 1, 100, Tuning(num_splits=1)), (2, 9, 8, 4096, Tuning(kernel="v1", num_splits=4))])
   def test_lowers(self, b, n, h, l, tuning):
-    sd = jax.ShapeDtypeStruct
-    f = lambda *a: api.tree_verify_attention_mgpu(*a, scale=0.1, tuning=tuning)
-    text = jax.jit(f).trace(sd((b, n, h, C), jnp.bfloat16), sd((b, l, C), jnp.bfloat16),
-                            sd((b,), jnp.int32), sd((b, n, n), jnp.bool_)).lower(
-                                lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    assert "mosaic_gpu" in self.lower_text(b, n, h, l, tuning)
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("b,n,h", list(itertools.product([1, 4], [1, 8, 16, 32, 64], [8, 64])))
+  def test_bench_grid_lowers(self, b, n, h):
+    """The bench grid's shapes with the default tuning (L = 46000; every L of the grid was
+    checked once, 2026-12-01)."""
+    assert "mosaic_gpu" in self.lower_text(b, n, h, 46000, default_tuning(b, n, h, 46000))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")
 class TestKernelGPU:
-  """Default GPU set with the GPU(...) cases above (every code path, ~2 minutes on an H200, each
-  case ~8 s, mostly compiling): one split (final output) and
+  """Default GPU set with the GPU(...) cases above (every code path, 12 cases, ~2 minutes on an
+  H200: ~10 s a case, mostly compiling; the bench checks its shapes against the reference too):
+  one split (final output) and
   several (merge), shared P or not, ragged batches with length 0, L % 64 != 0 and % 8 != 0,
   N*H % 8 != 0, N = 8k-1 and 8k, trees over several mask words, the default tuning at 46k."""
 
   @pytest.mark.parametrize("b,n,h,l,lengths", [
       (1, 1, 8, 46000, [45999]), (4, 1, 8, 4100, [4099, 0, 17, 2050]),
-      (3, 15, 8, 3000, [2985, 1, 1500]), (1, 64, 64, 4096, [4032]), (2, 100, 8, 1000, [900, 64]),
-      (2, 5, 3, 700, [695, 300])])
+      (3, 15, 8, 3000, [2985, 1, 1500]), (2, 100, 8, 1000, [900, 64])])
   def test_default_tuning(self, b, n, h, l, lengths):
     q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=n * 131 + h + l)
     check_against_reference(q, cache, ln, mask)
 
-  @pytest.mark.parametrize("tuning", [Tuning(num_splits=1), Tuning(shared_p=False, num_splits=4),
-                                      Tuning(kernel="v1", num_splits=4)])
+  @pytest.mark.parametrize("tuning", [Tuning(num_splits=1), Tuning(kernel="v1", num_splits=4)])
   def test_tunings(self, tuning):
     q, cache, ln, mask = make_inputs(3, 64, 8, 3000, [2936, 1, 1500], seed=11)
     check_against_reference(q, cache, ln, mask, tuning)
@@ -291,13 +300,16 @@ class TestKernelFullGridGPU:
 
   @pytest.mark.parametrize("b,n,h,l,lengths", [
       (2, 2, 8, 46000, [45998, 30000]), (2, 5, 8, 8192, [8187, 4000]), (1, 9, 8, 8192, [8183]),
-      (1, 16, 8, 16384, [16368]), (2, 63, 8, 2048, [1985, 700])])
+      (1, 16, 8, 16384, [16368]), (2, 63, 8, 2048, [1985, 700]), (1, 64, 64, 4096, [4032]),
+      (2, 5, 3, 700, [695, 300])])
   def test_default_tuning(self, b, n, h, l, lengths):
     q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=n * 131 + h + l)
     check_against_reference(q, cache, ln, mask)
 
-  @pytest.mark.parametrize("tuning", [Tuning(num_splits=7), Tuning(bf16_partials=False, num_splits=5),
-                                      Tuning(shared_p=False, num_splits=1)])
+  @pytest.mark.parametrize("tuning", [Tuning(num_splits=7),
+                                      Tuning(bf16_partials=False, num_splits=5),
+                                      Tuning(shared_p=False, num_splits=1),
+                                      Tuning(shared_p=False, num_splits=4)])
   def test_tunings(self, tuning):
     q, cache, ln, mask = make_inputs(3, 64, 8, 3000, [2936, 1, 1500], seed=11)
     check_against_reference(q, cache, ln, mask, tuning)

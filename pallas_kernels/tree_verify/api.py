@@ -65,7 +65,8 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
   fusion), and for several splits the merge. Copies only where the TMA cannot address the
   array: q rows when N*H is not kernel_rows (q is tiny; none at N*H = 8, 16, .., 56 or 64k), the
   cache when L % 8 != 0 (never in the model, whose caches have a multiple of 64 rows)."""
-  from pallas_kernels.tree_verify import combine, kernel, kernel_v1  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from pallas_kernels.tree_verify import combine, kernel, kernel_v1
   b, n, h, c = q.shape
   l = cache.shape[1]
   r = value_dim if value_dim is not None else c - 64

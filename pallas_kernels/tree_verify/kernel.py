@@ -293,8 +293,8 @@ def _make_body(t: Tuning, n, l, r, window, scale_log2, dtype, interpret):
     end = jnp.minimum(length + n, l)
     lo, hi, full_hi = _split_range(length, end, s_idx, t)
     c = _Ctx(t=t, interpret=interpret, r=r, window=window, scale_log2=scale_log2, dtype=dtype,
-             q_ref=q_ref, kv_ref=kv_ref, words_ref=words_ref, o_ref=o_ref, lse_ref=lse_ref, q_smem=q_smem,
-             kv_smem=kv_smem, p_smem=p_smem, o_smem=o_smem, stat_smem=stat_smem,
+             q_ref=q_ref, kv_ref=kv_ref, words_ref=words_ref, o_ref=o_ref, lse_ref=lse_ref,
+             q_smem=q_smem, kv_smem=kv_smem, p_smem=p_smem, o_smem=o_smem, stat_smem=stat_smem,
              lse_smem=lse_smem, q_bar=q_bar, kv_bar=kv_bar, free_bar=free_bar, wg_bar=wg_bar,
              p_ready=p_ready, p_free=p_free, m_idx=m_idx, s_idx=s_idx, b=b, length=length,
              end=end, lo=lo, hi=hi, full_hi=full_hi)
@@ -362,7 +362,8 @@ def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning,
     _check_windows(shape.shape[-2 if what == "out" else -1], window, tiles, f"{what} {shape}")
   if words.shape[2] != tiles * BLOCK_M or words.shape[1] != masks.num_words(n) + masks.EXTRA_WORDS:
     raise ValueError(f"{words.shape=} does not match {n=} and {tiles} row tiles")
-  body = _make_body(t, n, l if cache_rows is None else cache_rows, r, window, scale * LOG2E, q_rows.dtype, interpret)
+  rows_l = l if cache_rows is None else cache_rows
+  body = _make_body(t, n, rows_l, r, window, scale * LOG2E, q_rows.dtype, interpret)
   fn = plgpu.kernel(
       body, out_type=out_types(b, m, r, t, q_rows.dtype),
       scratch_types=_scratch(t, c, r, q_rows.dtype, interpret),
