@@ -13,7 +13,8 @@
 #   verify_full tree-verify kernel: every test + the full GPU grid, per-kernel profile, the issue's
 #               whole bench table (with probes and XLA) until half the time box is spent
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
-#   draft       scripts/bench_draft.py: the two draft phases at K2.6 draft width
+#   draft       the draft ctx kernel's GPU tests, then scripts/bench_draft.py: the two draft phases of
+#               both drafts, draft_block per ctx attention impl (draft:170 fits)
 #   calibrate   scripts/calibrate_step_cost.py on configs/bench_k26_full.py
 #   pair        the trained pair (k2tiny): its step cost calibrated here (<= 120 s), then measured
 #               tok/s of ar / chain / ddtree 7,15,31,63 / auto (scripts/bench_pair.py)
@@ -49,7 +50,8 @@ run_part() {
                 --json_out=$RAW/bench_verify_attention.jsonl" ;;
     k26_full) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --time_budget_s $(( secs - 20 )) ;;
-    draft) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 --out_dir "$RAW" ;;
+    draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
+                tests/test_dflash_draft.py; python3 scripts/bench_draft.py --ctx 46000 --out_dir $RAW" ;;
     calibrate) one_gpu timeout "$secs" python3 scripts/calibrate_step_cost.py \
                  --config configs/bench_k26_full.py --out_dir "$RAW" ;;
     pair) local t0 left
