@@ -14,7 +14,7 @@
 #               whole bench table (with probes and XLA) until half the time box is spent
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
 #   draft       the draft ctx kernel's GPU tests, then scripts/bench_draft.py: the two draft phases of
-#               both drafts, draft_block per ctx attention impl (draft:170 fits)
+#               both drafts, draft_block per ctx attention impl (not yet timed; estimated ~2 min)
 #   calibrate   scripts/calibrate_step_cost.py on configs/bench_k26_full.py
 #   pair        the trained pair (k2tiny): its step cost calibrated here (<= 120 s), then measured
 #               tok/s of ar / chain / ddtree 7,15,31,63 / auto (scripts/bench_pair.py)
