@@ -18,9 +18,11 @@ Inference attention: the ctx part reads the cache in place (bf16 when the cache 
 scores and softmax statistics) and the block part attends to the block's own K/V; the two are
 merged through their log-sum-exps, so no step copies or concatenates the ctx K/V. The ctx part
 runs as N independent chunks of CTX_CHUNK rows (a batch axis of both dots, the chunks merged
-through their log-sum-exps): one dot contracting over all C rows makes XLA:GPU split K and pad
-the V cache to a multiple of the split (a copy of the V buffer per layer per step, measured as
-`loop_pad_fusion` on the H200). init_draft_cache rounds the capacity up to whole chunks.
+through their log-sum-exps): a PV dot contracting over all C rows lets XLA:GPU's split-K rewrite
+pad both operands (p and the V cache) to a multiple of split_k * 8 rows, a cache-sized copy per
+layer per step (the H200 showed one ~57 us `loop_pad_fusion` per layer at C = 46016 = 64 * 719).
+init_draft_cache rounds the capacity up to whole chunks. ctx_impl='pallas' runs the ctx part as
+one fused kernel instead (ctx_attention.py: no f32 scores in HBM, rows < ctx_len only).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from flax import struct
 from kdtree_jax.draft import ctx_attention
 from kdtree_jax.draft.config import DraftConfig
 
-# Ctx rows per attention chunk; a multiple of 8 * every split-K factor XLA:GPU would pick for a
-# chunk's PV dot (it pads K to split_k * 16 bytes), so no chunk is ever padded.
+# Ctx rows per attention chunk: XLA:GPU pads a split-K dot's contraction to split_k * 16 bytes
+# (8 bf16 rows), so 1024 rows need no pad for any split_k <= 128.
 CTX_CHUNK = 1024
 
 
