@@ -17,8 +17,17 @@ def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto"
   matmul on one work list, then each token gathers its K rows, weighted (one fusion, no scatter).
   """
   order, rank, sizes, mine = sort_pairs(idx_tk, gate_edf.shape[0], e0)
-  y = expert_mlp(x_td[order // idx_tk.shape[1]], gate_edf, up_edf, down_efd, sizes, impl)
+  y = expert_mlp(x_td[order // idx_tk.shape[1]], gate_edf, up_edf, down_efd, sizes, impl,
+                 group_ends=group_ends(idx_tk, gate_edf.shape[0], e0))
   return combine_pairs(y, rank, mine, w_tk)
+
+
+def group_ends(idx_tk, e_l, e0=0):
+  """cumsum of the rows per local expert, counted from the expert ids as the sizes are (a
+  reduction beside theirs, not one after them)."""
+  local = idx_tk.reshape(-1) - e0
+  return jnp.sum((local[None, :] >= 0) & (local[None, :] <= jnp.arange(e_l)[:, None]), axis=1,
+                 dtype=jnp.int32)
 
 
 def sort_pairs(idx_tk, e_l, e0=0):

@@ -35,8 +35,9 @@ def gated_grouped_matmul(x_mk, gate_gkn, up_gkn, group_sizes, impl="auto"):
                              group_sizes, backend=impl)
 
 
-def expert_mlp(x_mk, gate_gkn, up_gkn, down_gfd, group_sizes, impl="auto"):
+def expert_mlp(x_mk, gate_gkn, up_gkn, down_gfd, group_sizes, impl="auto", group_ends=None):
   """The gated call then the down call on one work list -> [S, M, D] f32 K-partials (S = 1 on
-  XLA); rows past sum(group_sizes) undefined on the kernel."""
+  XLA); rows past sum(group_sizes) undefined on the kernel. group_ends: cumsum(group_sizes)."""
   return kernel_expert_mlp(x_mk, expert_operands(gate_gkn), expert_operands(up_gkn),
-                           expert_operands(down_gfd), group_sizes, backend=impl)
+                           expert_operands(down_gfd), group_sizes, backend=impl,
+                           group_ends=group_ends)

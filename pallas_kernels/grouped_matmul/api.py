@@ -109,12 +109,12 @@ def gated_grouped_matmul(x_mk, gate, up, group_sizes, *, backend="auto",
 
 
 def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
-               tunings: tuple[Tuning, Tuning] | None = None):
+               tunings: tuple[Tuning, Tuning] | None = None, group_ends=None):
   """down[g] applied to silu(x @ gate[g]) * (x @ up[g]) per expert -> [S, M, N] f32 K-partials.
 
   One work list for both calls (their tunings share R). The caller sums over S, ideally inside
   the fusion that weights and combines the rows (S = 1 on XLA). Rows past sum(group_sizes) are
-  undefined on the kernel backends.
+  undefined on the kernel backends. group_ends: cumsum(group_sizes) if the caller has it.
   """
   stacks = [tuple(gate), tuple(up)]
   down = tuple(down)
@@ -125,7 +125,7 @@ def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
   b_down, t_down = _plan(h_shape, [down], group_sizes, backend, t_down)
   if t_gate.rows != t_down.rows:
     raise ValueError(f"gate and down tunings must share rows: {t_gate.rows} vs {t_down.rows}")
-  items = None if "xla" == b_gate == b_down else work.work_list(group_sizes, m, t_gate.rows)
+  items = None if "xla" == b_gate == b_down else work.work_list(group_sizes, m, t_gate.rows, group_ends)
   h = _gated_value(_values(x_mk, stacks, group_sizes, b_gate, t_gate, items), x_mk.dtype)
   (y,) = _values(h, [down], group_sizes, b_down, t_down, items)
   return y.astype(jnp.float32)

@@ -35,14 +35,15 @@ def _inclusive_sum(v):
   return jnp.sum(jnp.where(i[None, :] <= i[:, None], v[None, :], 0), axis=1, dtype=v.dtype)
 
 
-def work_list(group_sizes, m: int, rows: int):
+def work_list(group_sizes, m: int, rows: int, group_ends=None):
   """int32 [4, I]: (expert, window's first row, first stored row in it, rows stored) per item.
 
   Element-wise ops and masked reductions only (the default searchsorted is a while loop of
-  ~log2(G) small kernels on a GPU, cumsum a few reduce-window passes)."""
+  ~log2(G) small kernels on a GPU, cumsum a few reduce-window passes). group_ends: the
+  inclusive cumsum of the sizes when the caller has it (one dependent reduction less)."""
   sizes = group_sizes.astype(jnp.int32)
   g = sizes.shape[0]
-  ends = _inclusive_sum(sizes)
+  ends = _inclusive_sum(sizes) if group_ends is None else group_ends.astype(jnp.int32)
   starts = ends - sizes
   base = starts - starts % ALIGN
   chunks = jnp.where(sizes > 0, -(-(ends - base) // rows), 0)
