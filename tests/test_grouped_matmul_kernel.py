@@ -229,8 +229,7 @@ def test_int4_q_load_interpret_matches_reference(q_load):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernel runs on the GPU only")
 @pytest.mark.parametrize("q_load", ["vector", "swizzled"])
-@pytest.mark.parametrize("sizes,m,k,n", [
-    ([30, 0, 50, 3, 10], 100, 256, 256),
+@pytest.mark.parametrize("sizes,m,k,n", [  # a K2.6 verify step's experts on one of 8 GPUs
     (list(np.bincount(np.random.default_rng(2).integers(0, 48, 520), minlength=48)), 520, 7168,
      2048),
 ])
