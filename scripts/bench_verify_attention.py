@@ -53,10 +53,12 @@ MUST_SHOW = [(1, 1, 8, 46000), (1, 1, 8, 131072), (1, 8, 8, 46000), (1, 16, 8, 4
 FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64], B=[1, 4])
 # Knob variants timed beside the default on a few shapes (predictions in notes/kernel.md);
 # kernel=v1 is the v1 kernel with its own default splits (A/B).
-PROBES = {(1, 1, 8, 46000): "kernel=v1;num_splits=66;bf16_partials=0",
-          (1, 8, 8, 46000): "kernel=v1",
-          (1, 16, 8, 46000): "kernel=v1;num_splits=33;bf16_partials=0;shared_p=0",
-          (1, 64, 8, 46000): "num_splits=8;shared_p=0",
+# merge=triton (one Pallas Triton merge kernel) needs power-of-2 splits: timed beside the XLA merge
+# at the same split count.
+PROBES = {(1, 1, 8, 46000): "kernel=v1;num_splits=128;num_splits=128,merge=triton",
+          (1, 8, 8, 46000): "kernel=v1;num_splits=128;num_splits=128,merge=triton",
+          (1, 16, 8, 46000): "kernel=v1;num_splits=64;num_splits=64,merge=triton;shared_p=0",
+          (1, 64, 8, 46000): "merge=triton;num_splits=8;shared_p=0",
           (1, 64, 64, 46000): "num_splits=1;shared_p=0",
           (4, 1, 8, 46000): "num_splits=66",
           (4, 16, 8, 46000): "num_splits=32"}
@@ -109,7 +111,7 @@ def parse_tunings(spec, b, n, h, l):
   out = [("default", default_tuning(b, n, h, l))]
   for item in filter(None, spec.split(";")):
     kv = dict(x.split("=") for x in item.split(","))
-    kv = {k: v if k == "kernel" else int(v) for k, v in kv.items()}
+    kv = {k: v if k in ("kernel", "merge") else int(v) for k, v in kv.items()}
     base = default_tuning(b, n, h, l, kv.get("kernel", "v2")).__dict__ | kv
     out.append((item, Tuning(**base)))
   return out
@@ -182,13 +184,13 @@ def ordered_shapes():
 
 def fmt_row(r):
   err = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
-  return (f"{r['B']:>2} {r['N']:>3} {r['H']:>3} {r['L']:>7} {r['impl']:>6} {r['variant'][:16]:>16} "
+  return (f"{r['B']:>2} {r['N']:>3} {r['H']:>3} {r['L']:>7} {r['impl']:>6} {r['variant'][:28]:>28} "
           f"{r['us']:>8.1f} {r['floor_us']:>7.1f} {r['tbps']:>5.2f} {r['tflops']:>6.1f} "
           f"{r['pct_roofline']:>6.1f} {r['x_xla']:>5.2f} {err:>8}")
 
 
-HEADER = (" B   N   H       L   impl          variant       us floor_us  TB/s TFLOP/s  %roof  xXLA"
-          "   relerr")
+HEADER = (" B   N   H       L   impl                      variant       us floor_us  TB/s TFLOP/s"
+          "  %roof  xXLA   relerr")
 
 
 def main(_):

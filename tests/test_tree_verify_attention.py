@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.tree_verify import api, combine, kernel, masks, reference
+from pallas_kernels.tree_verify import api, combine, kernel, masks, merge_triton, reference
 from pallas_kernels.tree_verify.tuning import Tuning, default_tuning
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -115,17 +115,22 @@ class TestMasksAndMerge:
       want = row < n * h and k < n and mask[bb, row // h, k]
       assert bool((words[bb, k // 32, row] >> (k % 32)) & 1) == want, (bb, row, k)
 
-  def test_merge_splits_matches_f64(self):
+  @pytest.mark.parametrize("how", ["xla", "triton"])
+  def test_merge_splits_matches_f64(self, how):
     """Empty splits (lse -inf, O 0), a row with no visible key at all, padding rows past `rows`
     (NaN: must not be read)."""
     rng = np.random.default_rng(5)
-    b, s, m, r, rows = 2, 3, 16, 8, 13
+    b, s, m, r, rows = 2, 4, 16, 64, 13
     o_p = rng.normal(size=(b, s, m, r)).astype(np.float32)
     lse_p = (rng.normal(size=(b, s, m)) * 3).astype(np.float32)
     lse_p[0, 1], o_p[0, 1] = -np.inf, 0.0
     lse_p[1, :, 3], o_p[1, :, 3] = -np.inf, 0.0
     o_p[:, :, rows:], lse_p[:, :, rows:] = np.nan, np.nan
-    out, lse = combine.merge_splits(jnp.asarray(o_p), jnp.asarray(lse_p), rows, jnp.float32)
+    if how == "xla":
+      out, lse = combine.merge_splits(jnp.asarray(o_p), jnp.asarray(lse_p), rows, jnp.float32)
+    else:  # the Pallas Triton kernel in interpret mode (CPU), compiled on a GPU
+      out, lse = merge_triton.merge_splits_triton(jnp.asarray(o_p), jnp.asarray(lse_p), rows,
+                                                  jnp.float32, interpret=not ON_GPU)
     w = np.exp2(lse_p[:, :, :rows].astype(np.float64))
     tot = w.sum(axis=1)
     want = (w[..., None] * o_p[:, :, :rows]).sum(axis=1) / np.where(tot > 0, tot, 1)[..., None]
@@ -174,6 +179,7 @@ SMALL = [
     GPU((2, 4, 8, 150, [148, 151], Tuning(num_splits=2))),         # tree past L (pad rows), len > L
     GPU((2, 3, 1, 40, [10, 30], Tuning(num_splits=1))),            # N*H % 8 != 0, L < block_kv
     (3, 5, 8, 200, [130, 64, 195], Tuning(num_splits=2, kernel="v1")),  # v1 (A/B)
+    GPU((2, 9, 8, 300, [290, 0], Tuning(num_splits=4, merge="triton"))),  # one-kernel merge
 ]
 
 
@@ -257,6 +263,14 @@ class TestLowersForGpu:
   def test_lowers(self, b, n, h, l, tuning):
     assert "mosaic_gpu" in self.lower_text(b, n, h, l, tuning)
 
+  def test_triton_merge_lowers(self):
+    """The Pallas Triton merge needs a GPU kind to lower on a CPU host: an abstract H200."""
+    h200 = jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=h200)):
+      text = self.lower_text(1, 1, 8, 46000, Tuning(num_splits=128, merge="triton"))
+    assert "mosaic_gpu" in text and "triton" in text.lower()
+
   @pytest.mark.slow
   @pytest.mark.parametrize("b,n,h", list(itertools.product([1, 4], [1, 8, 16, 32, 64], [8, 64])))
   def test_bench_grid_lowers(self, b, n, h):
@@ -268,7 +282,7 @@ class TestLowersForGpu:
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")
 class TestKernelGPU:
-  """Default GPU set with the GPU(...) cases above (every code path, 12 cases, ~2 minutes on an
+  """Default GPU set with the GPU(...) cases above (every code path, 13 cases, ~2 minutes on an
   H200: ~10 s a case, mostly compiling; the bench checks its shapes against the reference too):
   one split (final output) and
   several (merge), shared P or not, ragged batches with length 0, L % 64 != 0 and % 8 != 0,

@@ -66,7 +66,7 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
   array: q rows when N*H is not kernel_rows (q is tiny; none at N*H = 8, 16, .., 56 or 64k), the
   cache when L % 8 != 0 (never in the model, whose caches have a multiple of 64 rows)."""
   # pylint: disable-next=import-outside-toplevel
-  from pallas_kernels.tree_verify import combine, kernel, kernel_v1
+  from pallas_kernels.tree_verify import combine, kernel, kernel_v1, merge_triton
   b, n, h, c = q.shape
   l = cache.shape[1]
   r = value_dim if value_dim is not None else c - 64
@@ -89,7 +89,9 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
   out, lse = kernel.attention_kernel(q_rows, cache, lengths.astype(jnp.int32), words, n=n,
                                      scale=scale, tuning=t, value_dim=r, cache_rows=l,
                                      interpret=interpret)
-  if t.num_splits > 1:
+  if t.num_splits > 1 and t.merge == "triton":
+    out, lse = merge_triton.merge_splits_triton(out, lse, n * h, q.dtype, interpret=interpret)
+  elif t.num_splits > 1:
     out, lse = combine.merge_splits(out, lse, n * h, q.dtype)
   elif m != n * h:
     out, lse = out[:, :n * h], lse[:, :n * h]

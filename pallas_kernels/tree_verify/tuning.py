@@ -8,6 +8,7 @@ NUM_SMS = 132  # H200 SXM
 BLOCK_M = 64   # rows = (node, head) pairs per tile; one wgmma M
 MIN_TILES_PER_SPLIT = 2  # a split below this pays its Q load and epilogue for too little streaming
 KERNELS = ("v2", "v1")  # v2: kernel.py (tree block in the kernel); v1: kernel_v1.py (tree in XLA)
+MERGES = ("xla", "triton")  # v2's split merge: combine.py (3 XLA kernels) or merge_triton.py (one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,7 +19,8 @@ class Tuning:
   stages: int = 2         # KV tiles in flight (SMEM ring depth)
   shared_p: bool = True   # wg0 scores and shares P via SMEM (no redundant QK^T); else both wgs score
   bf16_partials: bool = True  # split partials O in bf16 (half the write + merge read) or f32
-  kernel: str = "v2"      # which kernel (KERNELS); v1 ignores bf16_partials (f32 partials)
+  kernel: str = "v2"      # which kernel (KERNELS); v1 ignores bf16_partials and merge
+  merge: str = "xla"      # v2's split merge (MERGES); "triton" needs a power-of-2 num_splits
 
   @property
   def partials_dtype(self):
@@ -31,8 +33,10 @@ class Tuning:
       raise ValueError("shared_p needs block_kv == 64 (SMEM budget)")
     if self.num_splits < 1 or self.stages < 2:
       raise ValueError(f"need num_splits >= 1 and stages >= 2, got {self}")
-    if self.kernel not in KERNELS:
-      raise ValueError(f"{self.kernel=} must be one of {KERNELS}")
+    if self.kernel not in KERNELS or self.merge not in MERGES:
+      raise ValueError(f"{self.kernel=} must be in {KERNELS}, {self.merge=} in {MERGES}")
+    if self.merge == "triton" and self.num_splits & (self.num_splits - 1):
+      raise ValueError(f"merge='triton' needs a power-of-2 num_splits, got {self.num_splits}")
 
 
 def num_row_tiles(n, h):
