@@ -11,6 +11,7 @@ Fields a newcomer sets most (`--config.<field>=value` on scripts/decode.py):
   tokenizer            auto | bytes | tiktoken | none
   trained_positions    positions the target was trained on (0 = unknown): a warning beyond them
   memory_limit_gb      per-device memory bound checked before compiling (0 = what the device has)
+  auto_tables          budget=auto: tables AUTO.step_cost.json / AUTO.accept.json (step_cost.py)
 """
 
 import ml_collections
@@ -38,7 +39,8 @@ def decode_config(target, draft, **overrides):
       max_new_tokens=128, max_len=1024,
       temperature=0.0, top_k=0, top_p=1.0, seed=0,
       dtype="float32", attn_backend="auto", prompt="def fibonacci(n):\n", mesh="",
-      trained_positions=0, memory_limit_gb=0.0))
+      trained_positions=0, memory_limit_gb=0.0,
+      auto_tables=""))  # budget auto: stem of X.step_cost.json / X.accept.json ('' = the config's)
   unknown = set(overrides) - set(c.keys())
   if unknown:
     raise ValueError(f"unknown decode config fields {sorted(unknown)}; known: {sorted(c.keys())}")
@@ -65,7 +67,8 @@ K2TINY_TRAINED_POSITIONS = 512
 
 def trained_pair(**overrides):
   """The shipped k2tiny target + DFlash draft (checkpoints/k2tiny, HF formats)."""
-  kw = dict(max_len=K2TINY_TRAINED_POSITIONS, trained_positions=K2TINY_TRAINED_POSITIONS)
+  kw = dict(max_len=K2TINY_TRAINED_POSITIONS, trained_positions=K2TINY_TRAINED_POSITIONS,
+            auto_tables="configs/k2tiny")
   kw.update(overrides)
   return decode_config(model_ref("checkpoints/k2tiny/target"),
                        model_ref("checkpoints/k2tiny/draft", seed=1), **kw)

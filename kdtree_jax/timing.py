@@ -72,6 +72,31 @@ def kernel_ms(fn, args, feed=same_args, iters=10):
   return sum(t for _, t in timings or []) / iters, args
 
 
+def kernel_breakdown(fn, args, feed=same_args, iters=10):
+  """[(kernel name, calls per program call, us per program call)], slowest first, summed over
+  `iters` calls (CUPTI), or [] off-GPU. Says where a program's time goes kernel by kernel."""
+  if not cupti_available():
+    return []
+  from jax._src.lib import mosaic_gpu  # pylint: disable=import-outside-toplevel
+  ext = mosaic_gpu._mosaic_gpu_ext  # pylint: disable=protected-access
+  out, args = _call(fn, args, feed)
+  jax.block_until_ready(out)
+  ext._cupti_init()  # pylint: disable=protected-access
+  timings = []
+  try:
+    for _ in range(iters):
+      out, args = _call(fn, args, feed)
+    jax.block_until_ready(out)
+  finally:
+    timings = ext._cupti_get_timings(True) or []  # pylint: disable=protected-access
+  by_name = {}
+  for name, ms in timings:
+    n, total = by_name.get(name, (0, 0.0))
+    by_name[name] = (n + 1, total + ms)
+  rows = [(name, n / iters, 1e3 * total / iters) for name, (n, total) in by_name.items()]
+  return sorted(rows, key=lambda r: -r[2])
+
+
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 

@@ -3,8 +3,14 @@
 draft_ctx: materialize_context of one commit (W = block_size new rows: fc + k/v of every layer,
 written into the cache in place; timed inside a fori_loop that carries the cache, as the decode
 loop does). draft_block: draft_block over `ctx` committed rows (every layer's weights, the ctx
-K/V, the target lm_head). Both are the decode path's own functions (kdtree_jax/draft/model.py).
-Default: bench_k26's draft (K2.6 width, 3 layers, 32/8 heads, F 12288; V/8 head) at 46k.
+K/V, the target lm_head), once per ctx attention implementation (--ctx_impls: xla = chunked XLA
+dots over the whole capacity; pallas = the fused Triton kernel, rows < ctx_len only). Both are
+the decode path's own functions (kdtree_jax/draft/model.py). Drafts (--drafts): k26_dflash_share
+= bench_k26_full's draft (published K2.6 DFlash shape sliced 1/8: 6 layers, 8 q / 1 kv heads,
+F 2304, 6 taps), bench_k26 = a Qwen3-8B-DFlash-sized draft (3 layers, 32/8 heads, F 12288,
+3 taps); both at K2.6 width with the V/8 head, at 46k. On a GPU each phase also prints its
+kernels per call (CUPTI, aggregated by name; draft_ctx per commit, the loop's fixed costs
+dropped as in its time).
 
   python scripts/bench_draft.py --out_dir results/bench_draft            # GPU: CUPTI times
   python scripts/bench_draft.py --small --out_dir /tmp/bd               # CPU smoke (wall times)
@@ -21,9 +27,9 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from kdtree_jax.target import config as model_config
-from kdtree_jax import loader, roofline  # noqa: E402
+from kdtree_jax import bench_models, loader, roofline, timing
 from kdtree_jax.draft import DraftConfig, model
+from kdtree_jax.target import config as model_config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("ctx", ["46000"], "committed context lengths")
@@ -33,17 +39,26 @@ flags.DEFINE_integer("loop_steps", 16, "draft_ctx commits per timed program (cac
 flags.DEFINE_string("out_dir", "results/bench_draft", "writes bench_draft.jsonl here")
 flags.DEFINE_string("cache_dir", "/tmp/jax_cache", "persistent compilation cache")
 flags.DEFINE_bool("small", False, "tiny draft and ceilings (CPU smoke run)")
-flags.DEFINE_bool("probe_cudnn", True, "GPU: also time one layer's ctx attention, XLA vs cuDNN")
+flags.DEFINE_bool("probe_cudnn", False, "GPU: also time one layer's ctx attention, XLA vs cuDNN")
+flags.DEFINE_list("drafts", ["k26_dflash_share", "bench_k26"], "draft shapes (see the docstring)")
+flags.DEFINE_list("ctx_impls", ["xla", "pallas", "pallas:512", "pallas:1024"],
+                  "draft_block ctx attention: xla, or pallas[:rows per program] (GPU only)")
+flags.DEFINE_integer("top", 12, "kernels listed per phase")
 
 
-def draft_setup(small):
-  """(DraftConfig, params, embed [V, D], head [D, V]) in bf16: bench_k26's draft, or a tiny one."""
+def draft_setup(small, name):
+  """(DraftConfig, params, embed [V, D], head [D, V]) in bf16 of draft `name`, or a tiny one."""
   if small:
     tcfg = model_config.tiny()
     c = types.SimpleNamespace(checkpoint="", preset="tiny", seed=1)
-  else:
+  elif name == "k26_dflash_share":
+    tcfg = bench_models.k26_share()
+    c = types.SimpleNamespace(checkpoint="", preset=name, seed=1, get=lambda k, d: d)
+  elif name == "bench_k26":
     tcfg = model_config.bench_k26(layers=4)
-    c = types.SimpleNamespace(checkpoint="", preset="bench_k26", seed=1)
+    c = types.SimpleNamespace(checkpoint="", preset=name, seed=1)
+  else:
+    raise ValueError(f"unknown draft {name!r}; use k26_dflash_share or bench_k26")
   dcfg, dparams = loader.load_draft(c, tcfg, jnp.bfloat16)
   ke, kh = jax.random.split(jax.random.key(2))
   D, V = tcfg.hidden_size, tcfg.vocab_size
@@ -78,15 +93,27 @@ def block_cost(cfg: DraftConfig, params, head, b, ctx, wb=2):
 
 
 def timed_us(prog, args, reps):
-  """(median us per call, timer, top kernels): CUPTI kernel time on a GPU, else wall time."""
+  """(median us per call, timer, kernels per call): CUPTI kernel time on a GPU, else wall time.
+  Kernels: [(name, launches per call, us per call)] (timing.kernel_breakdown), slowest first."""
   if jax.devices()[0].platform != "gpu":
     return roofline.wall_time_s(prog, *args, reps=reps) * 1e6, "wall", []
   from jax.experimental.mosaic.gpu import profiler  # pylint: disable=import-outside-toplevel
   jax.block_until_ready(prog(*args))
   _, ts = profiler.measure(prog, iterations=reps)(*args)
-  _, kernels = profiler.measure(prog, aggregate=False)(*args)
-  top = sorted(kernels or [], key=lambda kv: -kv[1])[:6]
-  return statistics.median(ts) * 1e3, "cupti", [(name[:80], ms * 1e3) for name, ms in top]
+  return statistics.median(ts) * 1e3, "cupti", timing.kernel_breakdown(prog, args, iters=3)
+
+
+def kernels_per_step(many, few, steps_many, steps_few):
+  """Per-name (launches, us) of one loop step: (many - few) / (steps_many - steps_few), which
+  drops what both programs run once (the input cache copy, launches outside the loop)."""
+  per = {}
+  for sign, rows in ((1, many), (-1, few)):
+    for name, n, us in rows:
+      a, b = per.get(name, (0.0, 0.0))
+      per[name] = (a + sign * n, b + sign * us)
+  d = steps_many - steps_few
+  rows = [(name, n / d, us / d) for name, (n, us) in per.items() if abs(us) > 1e-3]
+  return sorted(rows, key=lambda r: -r[2])
 
 
 def filled_cache(cfg, b, capacity, ctx, seed=3):
@@ -94,8 +121,9 @@ def filled_cache(cfg, b, capacity, ctx, seed=3):
   empty = jax.eval_shape(lambda: model.init_draft_cache(cfg, b, capacity, jnp.bfloat16))
   keys = iter(jax.random.split(jax.random.key(seed), 2 * cfg.num_hidden_layers))
   rand = lambda a: jax.random.normal(next(keys), a.shape, jnp.float32).astype(a.dtype)
+  rows = empty.pos.shape[1]  # capacity rounded up as init_draft_cache does
   return model.DraftCache(k=tuple(rand(a) for a in empty.k), v=tuple(rand(a) for a in empty.v),
-                          pos=jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (b, capacity)),
+                          pos=jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32), (b, rows)),
                           ctx_len=jnp.full((b,), ctx, jnp.int32))
 
 
@@ -126,9 +154,9 @@ def bench_ctx(cfg, params, b, ctx, reps, steps):
   taps = jax.random.normal(jax.random.key(4), (steps, b, w, cfg.n_taps * cfg.hidden_size),
                            jnp.bfloat16)
   count = jnp.full((b,), w, jnp.int32)
-  t_many, timer, top = timed_us(ctx_program(cfg, steps, count), (params, cache, taps), reps)
-  t_few, _, _ = timed_us(ctx_program(cfg, few, count), (params, cache, taps), reps)
-  return (t_many - t_few) / (steps - few), timer, top
+  t_many, timer, k_many = timed_us(ctx_program(cfg, steps, count), (params, cache, taps), reps)
+  t_few, _, k_few = timed_us(ctx_program(cfg, few, count), (params, cache, taps), reps)
+  return (t_many - t_few) / (steps - few), timer, kernels_per_step(k_many, k_few, steps, few)
 
 
 def cache_sized_outputs(hlo_text, cache_shape):
@@ -146,17 +174,28 @@ def cache_sized_outputs(hlo_text, cache_shape):
   return found
 
 
-def bench_block(cfg, params, embed, head, b, ctx, reps):
-  """draft_block over ctx committed rows (cache capacity ctx + W, as the decode loop sizes it).
+def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
+  """draft_block over ctx committed rows (cache capacity ctx + W rounded up as init_draft_cache
+  does, as the decode loop sizes it).
 
-  Returns (us, timer, top kernels, names of computations that rewrite a whole cache buffer)."""
+  Returns (us, timer, kernels per call, names of computations that rewrite a whole cache
+  buffer)."""
   cache = filled_cache(cfg, b, ctx + cfg.block_size, ctx)
   block = model.make_block(cfg, jnp.ones((b,), jnp.int32))
   start = jnp.full((b,), ctx, jnp.int32)
-  prog = jax.jit(lambda p, c, t, s, e, h: model.draft_block(p, cfg, c, t, s, e, h))
+  impl, _, chunk = ctx_impl.partition(":")
+  prog = jax.jit(lambda p, c, t, s, e, h: model.draft_block(
+      p, cfg, c, t, s, e, h, ctx_impl=impl, kernel_chunk=int(chunk) if chunk else None))
   args = (params, cache, block, start, embed, head)
-  rewrites = cache_sized_outputs(prog.lower(*args).compile().as_text(), cache.k[0].shape)
-  return (*timed_us(prog, args, reps), rewrites)
+  compiled = prog.lower(*args).compile()  # timed as is: one compile per impl
+  rewrites = cache_sized_outputs(compiled.as_text(), cache.k[0].shape)
+  return (*timed_us(compiled, args, reps), rewrites, compiled(*args))
+
+
+def rel_l2(got, ref):
+  """||got - ref|| / ||ref|| in f32."""
+  got, ref = got.astype(jnp.float32), ref.astype(jnp.float32)
+  return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
 
 
 def ctx_attention_probe(cfg, b, ctx, reps):
@@ -195,14 +234,82 @@ def ctx_attention_probe(cfg, b, ctx, reps):
   return rows
 
 
-def row(phase, ctx, us, timer, top, cost, ceil, cfg, b):
+def row(phase, ctx, us, timer, kernels, cost, ceil, cfg, b):
   nb, fl = cost
   floor_us = roofline.floor_s(nb, fl, ceil) * 1e6
   return dict(phase=phase, ctx=ctx, batch=b, us=us, timer=timer, bytes=nb, flops=fl,
               floor_us=floor_us, x_floor=us / floor_us, pct_floor=100 * floor_us / us,
-              tbps=nb / us / 1e6, top_kernels=top, layers=cfg.num_hidden_layers,
+              tbps=nb / us / 1e6, kernels=[(name[:90], n, k_us) for name, n, k_us in kernels],
+              layers=cfg.num_hidden_layers,
               hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
               kv_heads=cfg.num_key_value_heads, block=cfg.block_size, **ceil)
+
+
+def bench_draft(name, ceil, t0):
+  """Rows of one draft: per ctx, draft_ctx, then draft_block per ctx impl (+ the cuDNN probe)."""
+  cfg, params, embed, head = draft_setup(FLAGS.small, name)
+  on_gpu = jax.devices()[0].platform == "gpu"
+  rows, b = [], FLAGS.batch
+  for ctx in map(int, FLAGS.ctx):
+    us, timer, kernels = bench_ctx(cfg, params, b, ctx, FLAGS.reps, FLAGS.loop_steps)
+    rows.append(row("draft_ctx", ctx, us, timer, kernels,
+                    ctx_cost(cfg, params, b, cfg.block_size), ceil, cfg, b))
+    first = None  # the first impl's logits: the others' rel L2 is against them
+    for impl in FLAGS.ctx_impls:
+      if impl != "xla" and not on_gpu:
+        continue
+      try:
+        us, timer, kernels, rewrites, logits = bench_block(cfg, params, embed, head, b, ctx,
+                                                           FLAGS.reps, impl)
+      except Exception as e:  # pylint: disable=broad-except
+        rows.append(dict(phase="draft_block", ctx=ctx, ctx_impl=impl, error=f"{type(e).__name__}: "
+                         f"{str(e)[:400]}"))
+        continue
+      first = logits if first is None else first
+      rows.append(row("draft_block", ctx, us, timer, kernels,
+                      block_cost(cfg, params, head, b, ctx), ceil, cfg, b)
+                  | dict(cache_sized_outputs=rewrites, ctx_impl=impl,
+                         logits_rel_l2_vs_first=rel_l2(logits, first)))
+    if FLAGS.probe_cudnn and on_gpu:
+      rows += ctx_attention_probe(cfg, b, ctx, FLAGS.reps)
+    print(f"{name} ctx={ctx} done ({time.time() - t0:.0f} s)", flush=True)
+  return [r | dict(draft=name) for r in rows]
+
+
+def rows_first_impl():
+  """The ctx impl the others' logits are compared against."""
+  return FLAGS.ctx_impls[0]
+
+
+def report(rows):
+  """Kernels per phase (per call), then the phase table."""
+  for r in rows:
+    if r["phase"] == "ctx_attention_1layer":
+      print(f"  ctx attention, 1 layer, {r['impl']}: {r.get('us', float('nan')):.1f} us, "
+            f"K/V {r['kv_bytes'] / r['us'] / 1e6 if 'us' in r else float('nan'):.2f} TB/s "
+            f"{r.get('error', '')} rel err {r.get('rel_err', '-')}")
+    if r.get("kernels"):
+      total = sum(us for _, _, us in r["kernels"])
+      print(f"{r['draft']} {r['phase']} {r.get('ctx_impl', '')} ctx={r['ctx']}: kernels per "
+            f"{'commit' if r['phase'] == 'draft_ctx' else 'call'} ({total:.1f} us in "
+            f"{sum(n for _, n, _ in r['kernels']):.0f} launches; top {FLAGS.top}):")
+      for name, n, us in r["kernels"][:FLAGS.top]:
+        print(f"  {us:9.1f} us {n:5.1f}x  {name}")
+  print(f"{'draft':>16} {'phase':>11} {'impl':>11} {'ctx':>6} {'us':>9} {'floor us':>9} "
+        f"{'x floor':>8} {'TB/s':>6} timer")
+  for r in rows:
+    if "error" in r:
+      print(f"{r['draft']:>16} {r['phase']:>11} {r.get('ctx_impl', ''):>11} {r['ctx']:>6} "
+            f"error: {r['error']}")
+    elif "floor_us" in r:
+      print(f"{r['draft']:>16} {r['phase']:>11} {r.get('ctx_impl', ''):>11} {r['ctx']:>6} "
+            f"{r['us']:9.1f} {r['floor_us']:9.1f} {r['x_floor']:8.2f} {r['tbps']:6.2f} "
+            f"{r['timer']}" + (f"  logits rel L2 vs {rows_first_impl()}: "
+                               f"{r['logits_rel_l2_vs_first']:.1e}"
+                               if r.get("ctx_impl") not in (None, rows_first_impl()) else ""))
+  for r in (r for r in rows if "cache_sized_outputs" in r):
+    print(f"{r['draft']} draft_block {r['ctx_impl']} ctx={r['ctx']}: computations writing a "
+          f"cache-sized array: {len(r['cache_sized_outputs'])} {r['cache_sized_outputs'][:4]}")
 
 
 def main(_):
@@ -213,36 +320,13 @@ def main(_):
   dev = jax.devices()[0]
   print(f"device={dev.device_kind} jax={jax.__version__} copy={ceil['copy_tbps']:.2f} TB/s "
         f"matmul={ceil['mm_tflops']:.0f} TFLOP/s ({time.time() - t0:.0f} s)", flush=True)
-  cfg, params, embed, head = draft_setup(FLAGS.small)
-  rows, b = [], FLAGS.batch
-  for ctx in map(int, FLAGS.ctx):
-    us, timer, top = bench_ctx(cfg, params, b, ctx, FLAGS.reps, FLAGS.loop_steps)
-    rows.append(row("draft_ctx", ctx, us, timer, top, ctx_cost(cfg, params, b, cfg.block_size),
-                    ceil, cfg, b))
-    us, timer, top, rewrites = bench_block(cfg, params, embed, head, b, ctx, FLAGS.reps)
-    rows.append(row("draft_block", ctx, us, timer, top, block_cost(cfg, params, head, b, ctx),
-                    ceil, cfg, b) | dict(cache_sized_outputs=rewrites))
-    if FLAGS.probe_cudnn and jax.devices()[0].platform == "gpu":
-      rows += ctx_attention_probe(cfg, b, ctx, FLAGS.reps)
-    print(f"ctx={ctx} done ({time.time() - t0:.0f} s)", flush=True)
+  drafts = ["tiny"] if FLAGS.small else FLAGS.drafts
+  rows = [r for name in drafts for r in bench_draft(name, ceil, t0)]
   path = os.path.join(FLAGS.out_dir, "bench_draft.jsonl")
   with open(path, "w") as f:
     for r in rows:
       f.write(json.dumps(r) + "\n")
-  for r in rows:
-    if r["phase"] == "ctx_attention_1layer":
-      print(f"  ctx attention, 1 layer, {r['impl']}: {r.get('us', float('nan')):.1f} us, "
-            f"K/V {r['kv_bytes'] / r['us'] / 1e6 if 'us' in r else float('nan'):.2f} TB/s "
-            f"{r.get('error', '')} rel err {r.get('rel_err', '-')}")
-    for name, us in r.get("top_kernels", ()):
-      print(f"  {r['phase']:>11} {r['ctx']:>6} {us:9.1f} us  {name}")
-  print(f"{'phase':>11} {'ctx':>6} {'us':>9} {'floor us':>9} {'x floor':>8} {'TB/s':>6} timer")
-  for r in (r for r in rows if "floor_us" in r):
-    print(f"{r['phase']:>11} {r['ctx']:>6} {r['us']:9.1f} {r['floor_us']:9.1f} "
-          f"{r['x_floor']:8.2f} {r['tbps']:6.2f} {r['timer']}")
-  for r in (r for r in rows if "cache_sized_outputs" in r):
-    print(f"draft_block ctx={r['ctx']}: computations writing a cache-sized array: "
-          f"{len(r['cache_sized_outputs'])} {r['cache_sized_outputs'][:4]}")
+  report(rows)
   print(f"wrote {path}")
 
 

@@ -1,20 +1,23 @@
 """Step time vs verify width and context, measured: the table budget='auto' charges each width.
 
-Compiles the budget='auto' device loop once (the width is data:
-`speculative_step(width_index=...)`), the fixed modes' loops and a router probe, all at once
-(parallel XLA compiles), then at every context (data too) and compiled width: the
-time per step inside the device while loop (slope over two step counts: what tokens/s sees) and
-its GPU kernel time per step (CUPTI, GPU only); `ar` and `chain` the same way; the distinct
+Compiles the budget='auto' device loop at every compiled width (its draft, largest tree and
+scoring, then that width's verify: `speculative_step(width_index=i)`; --auto_programs=switch: the
+one loop decode runs, the width as data behind lax.switch), the fixed modes' loops and a router
+probe, all at once (parallel XLA compiles), then at every context (data too) and compiled width:
+the time per step inside the device while loop (slope over two step counts: what tokens/s sees)
+and its GPU kernel time per step (CUPTI, GPU only); `ar` and `chain` the same way; the distinct
 routed experts the router picks per MoE layer in one verify of the largest tree (the first n + 1
 rows of it are a width-(n + 1) verify); the analytic floor (`step_cost.AnalyticCost`, ceilings
-measured in the same run) beside each, with measured / floor; and each interior context
-predicted from its neighbours vs measured. One JSON (`--out_dir`/step_cost.json); copy it beside
-the config (`configs/X.step_cost.json`) to make it the run's cost table.
+measured in the same run) beside each, with measured / floor; each interior context predicted
+from its neighbours vs measured; and a smooth model (`step_cost.fit_cost`) fitted to the ddtree
+rows: its in-sample error and its error at each width / context left out of the fit (printed as
+a table). One JSON (`--out_dir`/step_cost.json); copy it beside the config
+(`configs/X.step_cost.json`) to make it the run's cost table.
 
   python scripts/calibrate_step_cost.py --config configs/bench_k26_full.py \
       --ctx 4096,46000,131072 --out_dir runs/calib
-  python scripts/calibrate_step_cost.py --config configs/k2tiny.py --config.dtype=bfloat16 \
-      --ctx 256,512 --nodes 1,3,7,15,31,63      # the trained pair (real weights, random cache)
+  python scripts/calibrate_step_cost.py --config configs/k2tiny.py --ctx 16,128,256 \
+      --steps 4,32 --auto_programs switch   # the trained pair (real weights, random cache)
   python scripts/calibrate_step_cost.py --config configs/bench_tiny.py --ctx 256,1024 --small
 """
 
@@ -22,18 +25,17 @@ import json
 import os
 import time
 
-from absl import app, flags  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import config_flags
 
-from kdtree_jax import profiling, roofline, runtime, timing  # noqa: E402
-from kdtree_jax.decoding import budget, step, step_cost  # noqa: E402
-from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
-from kdtree_jax.loader import DTYPES, load_draft, load_target  # noqa: E402
+from kdtree_jax import forced_accept, profiling, roofline, runtime, timing
+from kdtree_jax.decoding import budget, step, step_cost
+from kdtree_jax.decoding.spec_config import SpecConfig
+from kdtree_jax.loader import DTYPES, load_draft, load_target
 from kdtree_jax.pair import Pair
-from kdtree_jax import forced_accept
 
 runtime.define_flags()
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Bench config (configs/bench_*.py).")
@@ -44,16 +46,24 @@ _MODES = flags.DEFINE_list("modes", ["ar", "chain"], "Fixed modes timed too.")
 _STEPS = flags.DEFINE_list("steps", ["2", "10"], "Loop step counts of the slope.")
 _EXPERTS_ALL_CTX = flags.DEFINE_bool("experts_all_ctx", False, "Count routed experts at every "
                                      "context (default: the first only).")
+_PROGRAMS = flags.DEFINE_enum(
+    "auto_programs", "per_width", ["per_width", "switch"], "per_width: one program per width "
+    "(compiled in parallel; a 61-layer switch over 6 verifies compiles for minutes); switch: the "
+    "auto loop decode runs, the width as data behind lax.switch (one compile, incl. the branch).")
 _SMALL = flags.DEFINE_bool("small", False, "Tiny ceiling measurements (CPU smoke runs).")
 _OUT = flags.DEFINE_string("out_dir", "runs/calib", "Output folder (step_cost.json).")
 
 
-def loop_fn(tcfg, dcfg, spec):
-  """jit(tp, dp, state, n, idx): n steps of the device while loop at compiled width idx."""
+def loop_fn(tcfg, dcfg, spec, width=None):
+  """jit(tp, dp, state, n, idx): n steps of the budget='auto' device loop at compiled width idx
+  (data: the loop decode runs, every width's verify behind one switch); with `width` (a Python
+  int), jit(tp, dp, state, n): that width's verify compiled alone (same draft, tree, scoring)."""
   def run(tp, dp, st, n, idx):
     return jax.lax.while_loop(lambda s: s.steps < n, lambda s: step.speculative_step(
         Pair(tcfg, tp, dcfg, dp), spec, s, width_index=idx), st)
-  return jax.jit(run)
+  if width is None:
+    return jax.jit(run)
+  return jax.jit(lambda tp, dp, st, n: run(tp, dp, st, n, width))
 
 
 def per_step_ms(fn, args, steps):
@@ -79,12 +89,17 @@ def lower_probe(tcfg, dcfg, spec, tp, dp, abstract_state):
 
 
 def lower_programs(tcfg, tp, dcfg, dp, specs, state_of) -> dict:
-  """{name: lowered}: the auto loop (width as data), each fixed mode's loop, the router probe;
-  traced one after another."""
+  """{name: lowered}: the auto loop ('auto', width as data; or 'auto<i>' per width with
+  --auto_programs=per_width), each fixed mode's loop, the router probe; traced one after
+  another."""
   shapes = {n: jax.eval_shape(lambda sp=sp: state_of(sp)) for n, sp in specs.items()}
   i32 = jax.ShapeDtypeStruct((), jnp.int32)
   auto = specs["auto"]
-  lowered = {"auto": loop_fn(tcfg, dcfg, auto).lower(tp, dp, shapes["auto"], i32, i32)}
+  if _PROGRAMS.value == "switch":
+    lowered = {"auto": loop_fn(tcfg, dcfg, auto).lower(tp, dp, shapes["auto"], i32, i32)}
+  else:
+    lowered = {f"auto{i}": loop_fn(tcfg, dcfg, auto, i).lower(tp, dp, shapes["auto"], i32)
+               for i in range(len(auto.auto.node_counts))}
   for m, sp in specs.items():
     if m != "auto":
       lowered[m] = profiling.while_steps_fn(sp).lower(Pair(tcfg, tp, dcfg, dp), shapes[m], i32)
@@ -116,8 +131,15 @@ def timed(fn, args_for, steps):
   return ms, how, None if kern is None else kern / steps[1]
 
 
+def _width_program(exe, i, tp, dp, st):
+  """(loop, args_for(n)) timing compiled width i: its own program, else the switch loop."""
+  if f"auto{i}" in exe:
+    return exe[f"auto{i}"], lambda n: (tp, dp, st, jnp.int32(n))
+  return exe["auto"], lambda n: (tp, dp, st, jnp.int32(n), jnp.int32(i))
+
+
 def ddtree_rows(exe, tcfg, tp, dp, spec, big, analytic, ctxs, steps, save):
-  """One row per (context, compiled width) of the budget='auto' loop `exe['auto']`; routed
+  """One row per (context, compiled width) of the budget='auto' loop(s) (`_width_program`); routed
   experts (`exe['probe']`) counted after the timings of the first context (all with
   --experts_all_ctx)."""
   rows = []
@@ -125,8 +147,8 @@ def ddtree_rows(exe, tcfg, tp, dp, spec, big, analytic, ctxs, steps, save):
     st = profiling.at_context(big, spec, ctx)
     here = []
     for i, nodes in enumerate(spec.auto.node_counts):
-      args_for = lambda n, st=st, i=i: (tp, dp, st, jnp.int32(n), jnp.int32(i))
-      ms, how, kern = timed(exe["auto"], args_for, steps)
+      fn, args_for = _width_program(exe, i, tp, dp, st)
+      ms, how, kern = timed(fn, args_for, steps)
       here.append(row("ddtree", nodes + 1, ctx, ms, how, kern, analytic.ms(nodes + 1, ctx), [],
                       tcfg))
       print(_fmt(here[-1]), flush=True)
@@ -196,6 +218,33 @@ def held_out_contexts(rows):
   return out
 
 
+def fit_errors(rows, tcfg):
+  """step_cost.prediction_errors of the ddtree rows: a smooth model (experts touched, N, L, N L)
+  fitted to them in-sample, and held out by width and by context."""
+  pts = [(r["width"], r["ctx"], r["loop_ms"]) for r in rows if r["mode"] == "ddtree"]
+  return step_cost.prediction_errors(pts, tcfg.n_routed_experts, tcfg.num_experts_per_tok)
+
+
+def _pct(x):
+  return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def fit_table(errors) -> str:
+  """The prediction-error table, and the largest |error| of each column."""
+  lines = ["fitted step-cost model (ms = a + b experts(N) + c N + d L + e N L, relative least "
+           "squares) vs measured loop ms per step:",
+           f"{'N':>4} {'ctx':>7} {'measured':>9} {'in-sample':>10} {'w/o width':>10} "
+           f"{'w/o ctx':>9}"]
+  for e in errors:
+    lines.append(f"{e['width']:>4} {e['ctx']:>7} {e['measured_ms']:9.3f} "
+                 f"{_pct(e['in_sample_error']):>10} {_pct(e['without_width_error']):>10} "
+                 f"{_pct(e['without_ctx_error']):>9}")
+  worst = {k: max((abs(e[f"{k}_error"]) for e in errors if e[f"{k}_error"] is not None),
+                  default=None) for k in ("in_sample", "without_width", "without_ctx")}
+  lines.append("max |error|: " + ", ".join(f"{k} {_pct(v)}" for k, v in worst.items()))
+  return "\n".join(lines)
+
+
 HEADER = (f"{'mode':>6} {'N':>4} {'ctx':>7} {'loop ms':>9} {'kern ms':>9} {'floor ms':>9} "
           f"{'x floor':>7} {'experts':>11}  (experts: router-counted / independent-routing model)")
 
@@ -230,12 +279,13 @@ def main(_):
   path = os.path.join(_OUT.value, "step_cost.json")
   meta = dict(config=c.to_dict(), device=jax.devices()[0].device_kind, ceilings=ceil,
               layers=tcfg.num_hidden_layers, dtype=c.dtype,
-              forced_accept=forced_accept.forced_count(spec))
+              forced_accept=forced_accept.forced_count(spec), auto_programs=_PROGRAMS.value)
 
   def save(rows):  # after every stage: a time-boxed run still leaves what it measured
     with open(path, "w") as f:
       json.dump(dict(meta, seconds=time.perf_counter() - t0, rows=rows,
-                     held_out_contexts=held_out_contexts(rows)), f, indent=1)
+                     held_out_contexts=held_out_contexts(rows),
+                     prediction_errors=fit_errors(rows, tcfg)), f, indent=1)
 
   print(HEADER, flush=True)
   rows = ddtree_rows(exe, tcfg, tp, dp, spec, state_of(spec), analytic, ctxs, steps, save)
@@ -250,6 +300,7 @@ def main(_):
     print(f"held-out context {k['ctx']}: {k['mode']} N={k['width']} interpolated "
           f"{k['predicted_ms']:.3f} ms vs measured {k['measured_ms']:.3f} "
           f"({100 * k['error']:+.1f}%)")
+  print(fit_table(fit_errors(rows, tcfg)))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
   1. allreduce: latency of one all-reduce of the step's hidden vector ([1, 7168] bf16) over all
      GPUs (a device loop of 200, so dispatch is amortised).
   2. tokens: f32, a mid-size random model: every mesh and mode emits the one-device tokens.
+  4. projection: the 8-GPU full-depth step (ar, ddtree) from one GPU's measured share
+     (--share_jsonl, bench_k26_full's phase tables) + the collectives per step (counted in the
+     HLO) x the all-reduce latency measured in part 1 (`kdtree_jax/projection.py` lists the
+     assumptions).
   3. timing: bf16 step time at K2.6 width (64 heads, 384 INT4 experts, `--layers` layers, all of
      them on 1 GPU or split by each mesh), ar and ddtree (budget --budget), random weights with
      acceptance forced to --forced_accept so every mode does the same work per step.
@@ -20,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from kdtree_jax import bench_models, cli, forced_accept, projection, sharding
 from kdtree_jax.target import config as C
-from kdtree_jax import cli, forced_accept, sharding
 from kdtree_jax.decoding import loop
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.draft import model as DM
@@ -31,7 +35,10 @@ from kdtree_jax.pair import Pair
 
 _MESHES = flags.DEFINE_string("meshes", ";tensor=2;expert=2",
                               "';'-separated meshes ('' = one device).")
-_PARTS = flags.DEFINE_list("parts", ["allreduce", "tokens", "timing"], "Parts, in order.")
+_PARTS = flags.DEFINE_list("parts", ["allreduce", "tokens", "timing", "projection"],
+                           "Parts, in order.")
+_SHARE = flags.DEFINE_string("share_jsonl", "results/h200/2026-12-01/bench_k26_full.jsonl",
+                             "bench_k26_full.jsonl with the one-GPU-share phase tables.")
 _LAYERS = flags.DEFINE_integer("layers", 4, "K2.6-width timing model layers (1 dense + MoE).")
 _BUDGET = flags.DEFINE_integer("budget", 15, "ddtree budget of the timing.")
 _FORCED = flags.DEFINE_integer("forced_accept", 3, "Forced acceptance of the timing runs.")
@@ -144,11 +151,33 @@ def timing_rows(mesh_specs):
   return rows
 
 
+def projection_rows(done):
+  """Projected 8-GPU full-depth step per mode from the share's step and the measured all-reduce."""
+  ar = [r for r in done if r["check"] == "allreduce" and r.get("dtype") == "bfloat16"]
+  if not ar or ar[0]["devices"] < 2:
+    raise ValueError("needs the allreduce part on >= 2 GPUs in the same run")
+  steps = projection.share_steps(_SHARE.value)
+  if not steps:
+    raise ValueError(f"no phase table with a fused step in {_SHARE.value}")
+  dcfg = bench_models.k26_dflash_share(bench_models.k26_share())
+  projs = [projection.Projection(mode, budget, ms,
+                                 projection.collectives_per_step(mode, 61, dcfg.num_hidden_layers),
+                                 ar[0]["us"], ar[0]["devices"])
+           for (mode, budget), ms in sorted(steps.items(), key=str)]
+  print(projection.__doc__ + "\n" + projection.table(projs), flush=True)
+  return [dict(check="projection", mode=p.mode, budget=p.budget, share_step_ms=p.share_step_ms,
+               collectives=p.collectives, allreduce_us=p.allreduce_us, gpus=p.gpus,
+               step_ms=p.step_ms, source=_SHARE.value) for p in projs]
+
+
 def _fmt(r):
   if "error" in r:
     return r["error"][:90]
   if r["check"] == "allreduce":
     return f"{r['us']:.1f} us ({r['dtype']}, {r['devices']} GPUs)"
+  if r["check"] == "projection":
+    return (f"{r['step_ms']:.2f} ms/step projected on 8 GPUs ({r['share_step_ms']:.2f} share + "
+            f"{r['collectives']} x {r['allreduce_us']:.1f} us)")
   if r["check"] == "same_tokens":
     return str(r["same"])
   return f"{r['ms_per_step']:.2f} ms/step ({r['steps']} steps, {r['tokens_per_step']:.1f} tok/step)"
@@ -161,7 +190,7 @@ def main(argv):
   print(jax.devices(), flush=True)
   specs = _MESHES.value.split(";")
   parts = {"allreduce": allreduce_rows, "tokens": lambda: token_rows(specs),
-           "timing": lambda: timing_rows(specs)}
+           "timing": lambda: timing_rows(specs), "projection": lambda: projection_rows(rows)}
   rows = []
   with open(_OUT.value, "w") as sink:
     for name in _PARTS.value:

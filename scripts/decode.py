@@ -39,7 +39,7 @@ from absl import flags
 import jax
 
 from kdtree_jax import cli, run_config, sharding
-from kdtree_jax.decoding import loop
+from kdtree_jax.decoding import loop, step_cost
 from kdtree_jax.decoding.sampling import SamplingConfig
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.loader import DTYPES, load_pair
@@ -146,9 +146,11 @@ def main(argv):
   with cli.progress("loading the target and draft"):
     pair, tokenizer = load_pair(c, mesh)
   block = pair.dcfg.block_size if pair.dcfg is not None else 2
+  auto = step_cost.auto_for_run(c, flags.FLAGS["config"], pair.tcfg, pair.dcfg) \
+      if c.budget == "auto" and c.mode == "ddtree" else None
   spec = SpecConfig(mode=c.mode, budget=c.budget, block_size=block,
                     max_new_tokens=c.max_new_tokens, attn_backend=c.attn_backend,
-                    sampling=SamplingConfig(c.temperature, c.top_k, c.top_p))
+                    sampling=SamplingConfig(c.temperature, c.top_k, c.top_p), auto=auto)
   prompts = [tokenizer.encode(c.prompt)]
   warnings = _setting_warnings(c) + loop.length_warnings(pair.tcfg, spec, prompts, c.max_len,
                                                         c.trained_positions)

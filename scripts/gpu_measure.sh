@@ -6,11 +6,22 @@
 #   bash scripts/gpu_measure.sh OUT_DIR PART[:SECONDS] ...
 # Parts (single-GPU parts see GPU 0 only):
 #   moe_tests   grouped-matmul kernel GPU tests (bf16 + INT4, every code path)
-#   moe_bench   pallas_kernels/grouped_matmul/bench.py: routed FFN per T, tuning sweep, MoE layer
-#   verify      tree-verify kernel: GPU test classes, then the bench at L=46000 (B=1, N=1,16,64, H=8,64)
+#   moe_bench   pallas_kernels/grouped_matmul/bench.py: routed FFN per T, tuning sweep, whole MoE layer
+#   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer: one MoE layer of
+#               bench_k26_full per T, per kernel
+#   verify      tree-verify kernel: GPU tests (-m gpu, ~2 min), short bench (default L=46000 grid);
+#               verify:240 fits 4 minutes
+#   verify_probes  tree-verify bench at L=46000, B=1, H=8, N=1,8,16 with the PROBES variants
+#               (v1, power-of-2 splits, the Triton merge, ...): verify_probes:200
+#   verify_full tree-verify kernel: every test + the full GPU grid, per-kernel profile, the issue's
+#               whole bench table (with probes and XLA) until half the time box is spent
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
-#   draft       scripts/bench_draft.py: the two draft phases at K2.6 draft width
+#   draft       the draft ctx kernel's GPU tests, then scripts/bench_draft.py: the two draft phases of
+#               both drafts, draft_block per ctx attention impl (not yet timed; estimated ~2 min)
 #   calibrate   scripts/calibrate_step_cost.py on configs/bench_k26_full.py
+#   pair        the trained pair (k2tiny): the step cost of every candidate program calibrated
+#               here (switch widths, fixed widths, chain, ar; <= 140 s), then measured tok/s of
+#               ar / chain / ddtree 1..63 / switch / auto (scripts/bench_pair.py); pair:240
 #   sharding    scripts/check_sharding_gpu.py over all visible GPUs (2 on nvidia-h200-x2)
 #   multiprocess  two processes of one GPU each (jax.distributed, NCCL) vs one process, 2 GPUs
 #   train_pair  train the k2tiny target, then its draft (configs/k2tiny.py, ~7 min with
@@ -35,14 +46,31 @@ run_part() {
     moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu tests/kernels/test_grouped_matmul_kernel.py ;;
     moe_bench) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench \
                  --out "$RAW/bench_moe.jsonl" ;;
-    verify) one_gpu timeout "$secs" bash -c "python3 -m pytest -q tests/kernels/test_tree_verify_attention.py \
-                -k 'Gpu or gpu or nh_grid or lengths or tunings'; python3 -m pallas_kernels.tree_verify.bench \
-                --B=1 --N=1,16,64 --H=8,64 --L=46000 --json_out=$RAW/bench_verify_attention.jsonl" ;;
+    moe_layer) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench --parts layer \
+                 --out "$RAW/bench_moe_layer.jsonl" ;;
+    verify) one_gpu timeout "$secs" bash -c "timeout 160 python3 -m pytest -q -rs --durations=5 -m gpu \
+                tests/kernels/test_tree_verify_attention.py tests/sharding/test_verify_attention_sharded.py; \
+                python3 -m pallas_kernels.tree_verify.bench --probe_variants=false --skip_xla \
+                --budget_s=$(( secs - 180 )) --json_out=$RAW/bench_verify_attention.jsonl" ;;
+    verify_probes) one_gpu timeout "$secs" python3 -m pallas_kernels.tree_verify.bench --N=1,8,16 \
+                --H=8 --skip_xla --budget_s=$(( secs - 60 )) --json_out=$RAW/bench_verify_probes.jsonl ;;
+    verify_full) one_gpu timeout "$secs" bash -c "python3 -m pytest -q -rs --gpu-full-grid \
+                tests/kernels/test_tree_verify_attention.py; python3 -m pallas_kernels.tree_verify.profile_kernels; \
+                python3 -m pallas_kernels.tree_verify.bench --full_grid --budget_s=$(( secs / 2 )) \
+                --json_out=$RAW/bench_verify_attention.jsonl" ;;
     k26_full) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --time_budget_s $(( secs - 20 )) ;;
-    draft) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 --out_dir "$RAW" ;;
+    draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
+                tests/draft/test_dflash_draft.py; python3 scripts/bench_draft.py --ctx 46000 --out_dir $RAW" ;;
     calibrate) one_gpu timeout "$secs" python3 scripts/calibrate_step_cost.py \
-                 --config configs/bench_k26_full.py --out_dir "$RAW" ;;
+                 --config configs/bench_k26_full.py --nofixed_programs --out_dir "$RAW" ;;
+    pair) local t0 left
+          t0=$(date +%s)
+          one_gpu timeout 140 python3 scripts/calibrate_step_cost.py --config configs/k2tiny.py \
+            --ctx 16,128,256 --steps 4,32 --auto_programs switch --out_dir "$RAW/pair"
+          left=$(( secs - $(date +%s) + t0 ))
+          one_gpu timeout $(( left > 20 ? left : 20 )) python3 scripts/bench_pair.py \
+            --step_cost "$RAW/pair/step_cost.json" --out "$RAW/pair.jsonl" ;;
     sharding) timeout "$secs" python3 scripts/check_sharding_gpu.py --meshes ";tensor=2;expert=2" \
                 --out "$RAW/sharding.jsonl" ;;
     multiprocess) timeout "$secs" bash scripts/check_multiprocess_gpu.sh "$RAW" ;;

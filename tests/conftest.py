@@ -22,3 +22,8 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.get_closest_marker("gpu"):
       item.add_marker(skip)
+
+
+def pytest_addoption(parser):
+  parser.addoption("--gpu-full-grid", action="store_true", default=False,
+                   help="tree-verify kernel: also run the full (N, H, L) GPU grid")

@@ -194,9 +194,10 @@ def verify_auto(auto: AutoBudget, tree, draft_logits_bjv, state, verify_fn, widt
   """Chooses the width, verifies that prefix of `tree` (lax.switch over the compiled widths).
 
   verify_fn(tree) -> (logits [B, n, V], cache, taps [B, n, F]). width_index (traced int, or
-  None) overrides the choice (calibration). Returns (logits, cache, taps padded to the widest
-  width, the tree with nodes beyond the verified prefix detached (parent -1: never accepted),
-  and a record {nodes, expected_tokens, modelled_ms} of the step).
+  None) overrides the choice (calibration); a Python int compiles that width's verify alone.
+  Returns (logits, cache, taps padded to the widest width, the tree with nodes beyond the
+  verified prefix detached (parent -1: never accepted), and a record {nodes, expected_tokens,
+  modelled_ms} of the step).
   """
   logq = jax.vmap(node_logq)(draft_logits_bjv, tree.node_tokens, tree.depths, tree.vis)
   expected = expected_accept(auto.calibration, logq, tree.depths)
@@ -213,7 +214,11 @@ def verify_auto(auto: AutoBudget, tree, draft_logits_bjv, state, verify_fn, widt
       return _pad_nodes(logits, n_max), cache, _pad_nodes(taps, n_max)
     return run
 
-  logits, cache, taps = jax.lax.switch(idx, [branch(n) for n in auto.node_counts], tree)
+  branches = [branch(n) for n in auto.node_counts]
+  if isinstance(width_index, int):  # one width compiled alone (calibration), no switch
+    logits, cache, taps = branches[width_index](tree)
+  else:
+    logits, cache, taps = jax.lax.switch(idx, branches, tree)
   nodes = jnp.asarray(auto.node_counts, jnp.int32)[idx]
   keep = jnp.arange(n_max)[None, :] <= nodes
   tree = tree.replace(parents=jnp.where(keep, tree.parents, -1))

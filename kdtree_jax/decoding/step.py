@@ -150,8 +150,8 @@ def verify_chosen_width(tcfg, tparams, dcfg, spec: SpecConfig, state: DecodeStat
 def speculative_step(pair: Pair, spec: SpecConfig, state: DecodeState, width_index=None):
   """The whole step as one pure function (jit it, or run it inside the device loop).
 
-  width_index (budget='auto' only; traced int or None): verify this compiled width instead of
-  the chosen one (step-cost calibration).
+  width_index (budget='auto' only; traced int, Python int or None): verify this compiled width
+  instead of the chosen one (step-cost calibration; a Python int compiles only that width).
   """
   tcfg, tparams, dcfg, dparams = pair.tcfg, pair.tparams, pair.dcfg, pair.dparams
   key, sub = jax.random.split(state.key)

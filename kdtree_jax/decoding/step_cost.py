@@ -21,6 +21,7 @@ import os
 import numpy as np
 
 from kdtree_jax import phase_costs
+from kdtree_jax.decoding import budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +129,7 @@ class CalibratedCost:
   step_ms: tuple[tuple[float, ...], ...]
   mode_ms_table: tuple[tuple[str, tuple[float, ...]], ...] = ()
   source: str = "calibrated"
+  device: str = ""
 
   def __post_init__(self):
     if list(self.widths) != sorted(set(self.widths)) or list(self.contexts) != sorted(
@@ -169,12 +171,110 @@ def load_calibration(path: str, key: str = "loop_ms") -> CalibratedCost:
   table = tuple(tuple(val[("ddtree", w, c)] for w in widths) for c in ctxs)
   fixed = sorted({(r["mode"], r["width"]) for r in rows if r["mode"] != "ddtree"})
   modes = tuple((m, tuple(val[(m, w, c)] for c in ctxs)) for m, w in fixed)
-  return CalibratedCost(tuple(widths), tuple(ctxs), table, modes, source=f"calibrated:{path}")
+  return CalibratedCost(tuple(widths), tuple(ctxs), table, modes, source=f"calibrated:{path}",
+                        device=raw.get("device", ""))
+
+
+def cost_features(widths, ctxs, n_experts: int, per_token: int) -> np.ndarray:
+  """[P, 5] regressors of a step's time: 1, routed experts touched (independent routing), N,
+  L / 1e4, N L / 1e6 (attention reads grow with L, its math with N L)."""
+  n, ctx = np.asarray(widths, float), np.asarray(ctxs, float)
+  return np.stack([np.ones_like(n), experts_touched(n_experts, per_token, n), n, ctx / 1e4,
+                   n * ctx / 1e6], axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class FittedCost:
+  """ms(N, L) = cost_features(N, L) . coef: a smooth model of a measured table, fitted by
+  `fit_cost`; used to check the table predicts widths and contexts it was not measured at."""
+
+  coef: tuple[float, ...]
+  n_experts: int
+  per_token: int
+  source: str = "fitted"
+
+  def ms(self, n: int, ctx: int) -> float:
+    return float(cost_features([n], [ctx], self.n_experts, self.per_token)[0] @
+                 np.asarray(self.coef))
+
+
+def fit_cost(widths, ctxs, ms, n_experts: int, per_token: int) -> FittedCost:
+  """Least squares in relative error (each row divided by its measured ms) over the points."""
+  x = cost_features(widths, ctxs, n_experts, per_token)
+  y = np.asarray(ms, float)
+  coef = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)[0]
+  return FittedCost(tuple(float(c) for c in coef), n_experts, per_token)
+
+
+def prediction_errors(points, n_experts: int, per_token: int) -> list[dict]:
+  """Per measured point (width, ctx, ms): the fitted model's in-sample prediction, and held-out
+  ones from a fit without that width (all contexts) and without that context (all widths);
+  relative errors (predicted / measured - 1); None where too few points remain to fit."""
+  w, c, m = (np.asarray(v, float) for v in zip(*points))
+  fit = lambda keep: fit_cost(w[keep], c[keep], m[keep], n_experts, per_token) \
+      if keep.sum() >= 5 and len(set(c[keep])) >= 2 else None
+  full = fit(np.ones_like(w, bool))
+  out = []
+  for i in range(len(m)):
+    models = dict(in_sample=full, without_width=fit(w != w[i]), without_ctx=fit(c != c[i]))
+    r = dict(width=int(w[i]), ctx=int(c[i]), measured_ms=float(m[i]))
+    for name, f in models.items():
+      pred = None if f is None else f.ms(w[i], c[i])
+      r[f"{name}_ms"] = pred
+      r[f"{name}_error"] = None if pred is None else pred / m[i] - 1
+    out.append(r)
+  return out
 
 
 def calibration_path(config_path: str) -> str:
   """Where a run config's calibration lives: configs/x.py -> configs/x.step_cost.json."""
   return os.path.splitext(config_path)[0] + ".step_cost.json"
+
+
+def table_paths(config_path: str, config=None) -> tuple[str, str]:
+  """(step cost JSON, acceptance JSON) of budget='auto' for a run config: the stem the config's
+  `auto_tables` field names (e.g. 'configs/k2tiny'), else the config file's own path without
+  '.py', + '.step_cost.json' / '.accept.json'."""
+  stem = (config.get("auto_tables", "") if config is not None else "") or \
+      os.path.splitext(config_path)[0]
+  return stem + ".step_cost.json", stem + ".accept.json"
+
+
+def load_accept_calibration(path: str) -> budget.AcceptCalibration:
+  """The acceptance calibration eval_budget.py writes ({'calibration': {...}, ...})."""
+  with open(path) as f:
+    return budget.AcceptCalibration.from_dict(json.load(f)["calibration"])
+
+
+def auto_budget(cost_json: str | None, accept_json: str | None, tcfg, dcfg):
+  """(AutoBudget, one line saying what it uses): the measured table of `cost_json` (node counts
+  = its ddtree widths - 1, its contexts) if the file exists, else the analytic floor of the
+  run's own target; acceptance calibrated by `accept_json` if it exists, else the draft's raw
+  marginals (DDTree's surrogate)."""
+  has = lambda p: bool(p) and os.path.exists(p)
+  cal = load_accept_calibration(accept_json) if has(accept_json) else budget.AcceptCalibration()
+  accept = f"acceptance {accept_json}" if has(accept_json) else \
+      f"acceptance = raw draft marginals (no {accept_json or 'acceptance JSON'})"
+  if not has(cost_json):
+    auto = budget.resolve(budget.AutoBudget(calibration=cal), tcfg, dcfg)
+    return auto, (f"budget auto: step cost = analytic floor of this target (no "
+                  f"{cost_json or 'calibration JSON'}); {accept}")
+  cost = load_calibration(cost_json)
+  nodes = tuple(w - 1 for w in cost.widths if w >= 2)
+  auto = budget.from_cost_model(cost, nodes, cost.contexts, cal)
+  return auto, (f"budget auto: step cost calibrated {cost_json} (nodes {list(nodes)}, contexts "
+                f"{list(cost.contexts)}, measured on {cost.device or '?'}); {accept}")
+
+
+def auto_for_run(config, config_path, tcfg, dcfg, log=print):
+  """decode.py's budget='auto': `auto_budget` of the tables beside the run config (`table_paths`);
+  config_path: the config file, or the absl flag holding it. Logs which tables it used."""
+  if not isinstance(config_path, str):
+    from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+    config_path = config_flags.get_config_filename(config_path)
+  auto, what = auto_budget(*table_paths(config_path, config), tcfg, dcfg)
+  log(what)
+  return auto
 
 
 @dataclasses.dataclass(frozen=True)

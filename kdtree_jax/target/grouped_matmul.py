@@ -10,6 +10,7 @@ of empty experts too (WORKSPACE.md).
 """
 
 from kdtree_jax.checkpoint.int4 import Int4Weight
+from pallas_kernels.grouped_matmul import expert_mlp as kernel_expert_mlp
 from pallas_kernels.grouped_matmul import gated_grouped_matmul as kernel_gated_matmul
 from pallas_kernels.grouped_matmul import grouped_matmul as kernel_grouped_matmul
 
@@ -32,3 +33,11 @@ def gated_grouped_matmul(x_mk, gate_gkn, up_gkn, group_sizes, impl="auto"):
   """silu(x @ gate[g]) * (x @ up[g]) per group: one kernel call on a GPU (fused epilogue)."""
   return kernel_gated_matmul(x_mk, expert_operands(gate_gkn), expert_operands(up_gkn),
                              group_sizes, backend=impl)
+
+
+def expert_mlp(x_mk, gate_gkn, up_gkn, down_gfd, group_sizes, impl="auto", group_ends=None):
+  """The gated call then the down call on one work list -> [S, M, D] f32 K-partials (S = 1 on
+  XLA); rows past sum(group_sizes) undefined on the kernel. group_ends: cumsum(group_sizes)."""
+  return kernel_expert_mlp(x_mk, expert_operands(gate_gkn), expert_operands(up_gkn),
+                           expert_operands(down_gfd), group_sizes, backend=impl,
+                           group_ends=group_ends)

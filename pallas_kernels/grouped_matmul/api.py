@@ -1,9 +1,14 @@
-"""Public entry point of the grouped expert matmul: the Mosaic GPU kernel, interpret mode, or XLA."""
+"""Public entry points of the grouped expert matmul: the Mosaic GPU kernel, interpret mode, or XLA.
+
+Each call returns or combines per-value K-partials [S, M, N] (S = Tuning.splits, 1 for XLA).
+`expert_mlp` runs a routed-expert FFN's two calls (gated gate/up, then down) on ONE work list
+and leaves the down partials to the caller, whose weighted combine sums them in one fusion.
+"""
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul import reference
+from pallas_kernels.grouped_matmul import reference, work
 from pallas_kernels.grouped_matmul.tuning import Tuning, default_tuning
 
 BACKENDS = ("auto", "pallas", "interpret", "xla")
@@ -54,6 +59,26 @@ def _plan(x_mk, stacks, group_sizes, backend, tuning):
   return backend, tuning
 
 
+def _values(x_mk, stacks, group_sizes, backend, tuning, items=None):
+  """Per value [S, M, N] K-partials: the kernel's, or the XLA reference's f32 products (S = 1;
+  a gated call's reference gives the gate and up products apart)."""
+  if backend == "xla":
+    return tuple(_reference(x_mk, st, group_sizes, jnp.float32)[None] for st in stacks)
+  from pallas_kernels.grouped_matmul import kernel  # pylint: disable=import-outside-toplevel
+  if items is None:
+    items = work.work_list(group_sizes, x_mk.shape[0], tuning.rows)
+  return kernel.grouped_matmul_mgpu(x_mk, tuple(stacks), items, tuning=tuning,
+                                    interpret=backend == "interpret")
+
+
+def _gated_value(vals, dtype):
+  """silu(gate) * up from a gated call's values (fused already, or gate and up partials)."""
+  if len(vals) == 1:
+    return vals[0].sum(axis=0).astype(dtype)
+  g, u = (v.astype(jnp.float32).sum(axis=0) for v in vals)
+  return (jax.nn.silu(g) * u).astype(dtype)
+
+
 def grouped_matmul(x_mk, weights, group_sizes, *, backend="auto", tuning: Tuning | None = None):
   """out[rows of expert g] = x[rows of g] @ W[g]; rows of x sorted by expert.
 
@@ -64,35 +89,43 @@ def grouped_matmul(x_mk, weights, group_sizes, *, backend="auto", tuning: Tuning
   """
   weights = tuple(weights)
   backend, tuning = _plan(x_mk, [weights], group_sizes, backend, tuning)
-  if backend == "xla":
-    return _reference(x_mk, weights, group_sizes)
-  from pallas_kernels.grouped_matmul import kernel  # pylint: disable=import-outside-toplevel
-  return kernel.grouped_matmul_mgpu(x_mk, (weights,), group_sizes, tuning=tuning,
-                                    interpret=backend == "interpret")
+  (val,) = _values(x_mk, [weights], group_sizes, backend, tuning)
+  return val.astype(jnp.float32).sum(axis=0).astype(x_mk.dtype) if val.shape[0] > 1 else \
+      val[0].astype(x_mk.dtype)
 
 
 def gated_grouped_matmul(x_mk, gate, up, group_sizes, *, backend="auto",
                          tuning: Tuning | None = None):
-  """silu(x @ gate[g]) * (x @ up[g]) per expert, one kernel call (two accumulators, fused epilogue).
+  """silu(x @ gate[g]) * (x @ up[g]) per expert, one kernel call (two accumulators).
 
   gate, up: weight tuples as in `grouped_matmul`. Both paths apply the SiLU-multiply to the f32
   products and round once (rounding g and u to bf16 first put the XLA path up to 2.4% off the
-  kernel on an H200).
+  kernel on an H200). Split-K (few live experts) returns the gate and up partials from the same
+  call; their sums and the SiLU-multiply are one XLA fusion.
   """
-  gate, up = tuple(gate), tuple(up)
-  if tuning is None and backend != "xla":
-    # Few live experts want split-K, which a nonlinear epilogue cannot have: two split calls.
-    backend, single = _plan(x_mk, [gate], group_sizes, backend, None)
-    if single.splits > 1 and backend != "xla":
-      from pallas_kernels.grouped_matmul import kernel  # pylint: disable=import-outside-toplevel
-      g, u = (kernel.grouped_matmul_mgpu(x_mk, (w,), group_sizes, tuning=single,
-                                         interpret=backend == "interpret", out_dtype=jnp.float32)
-              for w in (gate, up))
-      return (jax.nn.silu(g) * u).astype(x_mk.dtype)
-  backend, tuning = _plan(x_mk, [gate, up], group_sizes, backend, tuning)
-  if backend == "xla":
-    g, u = (_reference(x_mk, w, group_sizes, jnp.float32) for w in (gate, up))
-    return (jax.nn.silu(g) * u).astype(x_mk.dtype)
-  from pallas_kernels.grouped_matmul import kernel  # pylint: disable=import-outside-toplevel
-  return kernel.grouped_matmul_mgpu(x_mk, (gate, up), group_sizes, tuning=tuning,
-                                    interpret=backend == "interpret")
+  stacks = [tuple(gate), tuple(up)]
+  backend, tuning = _plan(x_mk, stacks, group_sizes, backend, tuning)
+  return _gated_value(_values(x_mk, stacks, group_sizes, backend, tuning), x_mk.dtype)
+
+
+def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
+               tunings: tuple[Tuning, Tuning] | None = None, group_ends=None):
+  """down[g] applied to silu(x @ gate[g]) * (x @ up[g]) per expert -> [S, M, N] f32 K-partials.
+
+  One work list for both calls (their tunings share R). The caller sums over S, ideally inside
+  the fusion that weights and combines the rows (S = 1 on XLA). Rows past sum(group_sizes) are
+  undefined on the kernel backends. group_ends: cumsum(group_sizes) if the caller has it.
+  """
+  stacks = [tuple(gate), tuple(up)]
+  down = tuple(down)
+  t_gate, t_down = tunings or (None, None)
+  b_gate, t_gate = _plan(x_mk, stacks, group_sizes, backend, t_gate)
+  m = x_mk.shape[0]
+  h_shape = jax.ShapeDtypeStruct((m, down[0].shape[2 if len(down) == 2 else 1]), x_mk.dtype)
+  b_down, t_down = _plan(h_shape, [down], group_sizes, backend, t_down)
+  if t_gate.rows != t_down.rows:
+    raise ValueError(f"gate and down tunings must share rows: {t_gate.rows} vs {t_down.rows}")
+  items = None if "xla" == b_gate == b_down else work.work_list(group_sizes, m, t_gate.rows, group_ends)
+  h = _gated_value(_values(x_mk, stacks, group_sizes, b_gate, t_gate, items), x_mk.dtype)
+  (y,) = _values(h, [down], group_sizes, b_down, t_down, items)
+  return y.astype(jnp.float32)

@@ -11,6 +11,7 @@ Every output is checked against the f32 XLA reference first. One JSON line per r
   python -m pallas_kernels.grouped_matmul.bench --out runs/bench_moe.jsonl
 """
 
+import dataclasses
 import json
 import time
 
@@ -19,12 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax.target import config as C
-from kdtree_jax import roofline
+from kdtree_jax import bench_models, roofline, timing
 from kdtree_jax.checkpoint import int4
+from kdtree_jax.target import config as C
 from kdtree_jax.target import experts, moe
 from kdtree_jax.target import params as P
 from pallas_kernels.grouped_matmul import Tuning, grouped_matmul
+from pallas_kernels.grouped_matmul.tuning import default_tuning
 
 _T = flags.DEFINE_list("tokens", ["1", "9", "17", "33", "65"], "Token counts (verify widths).")
 _TUNE_T = flags.DEFINE_list("tune_tokens", ["1", "65"], "Token counts of the tuning sweep.")
@@ -36,8 +38,10 @@ _F = flags.DEFINE_integer("ffn", 2048, "Expert width.")
 _FORMATS = flags.DEFINE_list("formats", ["int4", "bf16"], "Expert weight formats.")
 _IMPLS = flags.DEFINE_list("impls", ["pallas", "mgpu"], "Grouped matmuls to compare.")
 _TUNINGS = flags.DEFINE_list(
-    "tunings", ["default", "r16n64k512s4", "r16n64k256s6", "r8n64k256s4x4", "r16n128k256s4"],
-    "Tuning sweep: 'default' or rR nBN kBK sSTAGES [xSPLITS] [smem] (bf16 rows use kBK/2).")
+    "tunings", ["default", "defaultv", "defaultz", "r16n64k512s4z", "r16n128k256s4z",
+                "r8n64k256s4x7w1z"],
+    "Tuning sweep: 'default' or rR nBN kBK sSTAGES [xSPLITS] [wSLOTS] [smem], then a q_load "
+    "suffix 'v' (vector) or 'z' (swizzled) (bf16 rows use kBK/2 and ignore q_load).")
 _PARTS = flags.DEFINE_list("parts", ["ffn", "tune", "layer"], "Parts to run, in this order.")
 _OUT = flags.DEFINE_string("out", "runs/bench_moe.jsonl", "JSON lines output.")
 _REPS = flags.DEFINE_integer("reps", 20, "CUPTI repetitions (median).")
@@ -69,15 +73,16 @@ def _mgpu_ffn(x, idx, w, gate, up, down):
   from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # pylint: disable=import-outside-toplevel
   blocks = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
   rd = lambda a, b, s: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, **blocks)
-  order, sizes, mine = experts.sort_pairs(idx, gate.shape[0])
+  order, rank, sizes, mine = experts.sort_pairs(idx, gate.shape[0])
   xs = x[order // idx.shape[1]]
   h = jax.nn.silu(rd(xs, gate, sizes)) * rd(xs, up, sizes)
-  return experts.combine_pairs(rd(h, down, sizes).astype(jnp.float32), order, mine, w, x.shape[0])
+  return experts.combine_pairs(rd(h, down, sizes).astype(jnp.float32)[None], rank, mine, w)
 
 
-def _local_touched(idx):
-  """Distinct experts among the first --local that the routing `idx` [T, K] touches."""
-  return int(np.unique(np.asarray(idx)[np.asarray(idx) < _EL.value]).size)
+def _local_touched(idx, local=None):
+  """Distinct experts among the first `local` (--local) that the routing `idx` [T, K] touches."""
+  local = _EL.value if local is None else local
+  return int(np.unique(np.asarray(idx)[np.asarray(idx) < local]).size)
 
 
 def _time_us(fn, *args):
@@ -97,7 +102,8 @@ def _emit(rows, row, sink):
   rows.append(row)
   sink.write(json.dumps(row) + "\n")
   sink.flush()
-  print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+  print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                 if k != "kernels"),
         flush=True)
 
 
@@ -132,19 +138,23 @@ def part_ffn(ceil, sink, rows):
         _emit(rows, row, sink)
 
 
-def _parse_tuning(s, fmt):
-  """'default' -> None; 'r16n64k256s4x2smem' -> Tuning (bf16 takes half the K step)."""
+def _parse_tuning(s, fmt, default):
+  """'default[v|z]' -> the default tuning (with that q_load); 'r16n64k256s4x2w1smemz' -> Tuning
+  (bf16 takes half the K step and the plain q_load)."""
+  q_load = {"v": "vector", "z": "swizzled"}.get(s[-1], "bytes") if fmt == "int4" else "bytes"
+  s = s[:-1] if s[-1] in "vz" else s
   if s == "default":
-    return None
+    return dataclasses.replace(default, q_load=q_load)
   smem = s.endswith("smem")
   s = s.removesuffix("smem")
   r, rest = s[1:].split("n")
   n, rest = rest.split("k")
   k, rest = rest.split("s")
+  rest, _, slots = rest.partition("w")
   st, _, splits = rest.partition("x")
   k = int(k) if fmt == "int4" else int(k) // 2
   return Tuning(rows=int(r), block_n=int(n), block_k=k, stages=int(st), splits=int(splits or 1),
-                a_operand="smem" if smem else "registers")
+                slots=int(slots or 0), a_operand="smem" if smem else "registers", q_load=q_load)
 
 
 def part_tune(ceil, sink, rows):
@@ -159,8 +169,9 @@ def part_tune(ceil, sink, rows):
       ref = grouped_matmul(x, ops, sizes, backend="xla")
       live = int(sizes.sum())
       need = int((sizes > 0).sum()) * _expert_bytes(fmt) / 3
+      default = default_tuning(x.shape[0], _EL.value, _D.value, _F.value, fmt == "int4")
       for name in _TUNINGS.value:
-        tun = _parse_tuning(name, fmt)
+        tun = _parse_tuning(name, fmt, default)
         row = dict(part="tune", fmt=fmt, T=t, tuning=name, bytes_needed=need)
         fn = jax.jit(lambda x, ops, s, tun=tun: grouped_matmul(x, ops, s, backend="pallas",
                                                              tuning=tun))
@@ -175,28 +186,58 @@ def part_tune(ceil, sink, rows):
         _emit(rows, row, sink)
 
 
-def part_layer(ceil, sink, rows):
-  """The whole MoE layer of bench_k26 (INT4 routed experts) at T=65 vs its weight floor."""
-  cfg = C.bench_k26(layers=2).replace(n_routed_experts=_E.value, num_local_experts=_EL.value,
-                                      hidden_size=_D.value, moe_intermediate_size=_F.value,
-                                      num_experts_per_tok=_K.value)
-  p = P.init_params(jax.random.key(0), cfg, jnp.bfloat16, int4_experts=True)["layers"][1]["moe"]
-  for t in map(int, _T.value):
-    x = jax.random.normal(jax.random.key(t), (t, cfg.hidden_size), jnp.bfloat16)
-    fn = jax.jit(lambda p, x: moe.moe(p, cfg, x))
+def _typical_tokens(p, cfg, t, tries=64):
+  """Random x [T, D] whose routing touches the expected number of local experts (rounded; the
+  first key that does, else the closest): at T=1 one expert of 48, not the 0 one draw gave."""
+  held, e, k = cfg.num_local_experts, cfg.n_routed_experts, cfg.num_experts_per_tok
+  want = round(held * (1 - (1 - k / e) ** t))
+  best = None
+  for i in range(tries):
+    x = jax.random.normal(jax.random.key(1000 * i + t), (t, cfg.hidden_size), jnp.bfloat16)
     idx, _ = moe.route(p, cfg, x)
-    touched = _local_touched(idx)
+    gap = abs(_local_touched(idx, held) - want)
+    if best is None or gap < best[0]:
+      best = (gap, x, idx)
+    if gap == 0:
+      break
+  return best[1], best[2]
+
+
+def part_layer(ceil, sink, rows):
+  """One MoE layer of bench_k26_full (`bench_models.k26_share`: 384 routed, 48 held as INT4,
+  shared expert F/8) at each T vs its weight-streaming floor, with the per-kernel breakdown."""
+  cfg = bench_models.k26_share(layers=2)
+  p = P.init_params(jax.random.key(0), cfg, jnp.bfloat16, int4_experts=True)["layers"][1]["moe"]
+  fn = jax.jit(lambda p, x: moe.moe(p, cfg, x))
+  for t in map(int, _T.value):
+    x, idx = _typical_tokens(p, cfg, t)
+    touched = _local_touched(idx, cfg.num_local_experts)
     other = sum(v.nbytes for v in jax.tree.leaves([p["router"], p["bias"], p.get("shared", {})]))
     need = touched * _expert_bytes("int4") + other
     row = dict(part="layer", fmt="int4", T=t, experts_touched=touched, bytes_needed=need)
     try:
       row["us"] = _time_us(fn, p, x)
+      row["kernels"] = [dict(name=n[:90], calls=c, us=round(us, 2))
+                        for n, c, us in timing.kernel_breakdown(fn, (p, x))]
+      row.update(_launches(row["kernels"]))
     except Exception as ex:
       row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
     else:
       row["floor_us"] = need / ceil["copy_tbps"] / 1e6
       row["x_floor"] = row["us"] / row["floor_us"]
     _emit(rows, row, sink)
+    for k in row.get("kernels", [])[:40]:
+      print(f"    {k['us']:8.2f} us  x{k['calls']:.0f}  {k['name']}", flush=True)
+
+
+def _launches(kernels):
+  """Kernel launches per layer call, and their us, split into our Mosaic kernels and the rest."""
+  mosaic = [k for k in kernels if "mosaic" in k["name"]]
+  other = [k for k in kernels if "mosaic" not in k["name"]]
+  return dict(launches=round(sum(k["calls"] for k in kernels), 1),
+              mosaic_launches=round(sum(k["calls"] for k in mosaic), 1),
+              mosaic_us=round(sum(k["us"] for k in mosaic), 2),
+              glue_us=round(sum(k["us"] for k in other), 2))
 
 
 def _table(rows):

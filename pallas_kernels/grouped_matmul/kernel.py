@@ -16,7 +16,10 @@ starting at any multiple of 8: `pl.Element`) and the expert's weight tile:
 The accumulator is stored transposed into SMEM [R, BN] and the item's `size` rows go to HBM with
 a ladder of power-of-two TMA stores. Two stacks (gate, up) run as one call: two accumulators over
 the same x tiles and silu(gate) * up in the epilogue. `Tuning.splits` > 1 splits K over a third
-grid axis (few items cannot fill 132 SMs) into partials (f32 as bf16 hi + lo) summed by XLA.
+grid axis (few items cannot fill 132 SMs) into partials (f32 as bf16 hi + lo) that the caller
+sums (a gated call then returns the gate and up partials: the SiLU-multiply needs the sums).
+The work list (work.py) is an operand: one MoE layer builds it once for its gated and down calls.
+The grid's first axis is one CTA column per item, or `Tuning.slots` columns looping over them.
 """
 
 import functools
@@ -33,6 +36,9 @@ from pallas_kernels.grouped_matmul.tuning import Tuning
 CHUNK = 64  # K columns per wgmma call (128-byte swizzle of bf16)
 _SWIZZLED = (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(128))
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout array
+# INT4 tile as [8, 64] tiles (32 bytes a row) with a 32-byte swizzle: the 8 rows a warp loads at
+# one column are 32 bytes apart in different banks, not 128 bytes apart in one (8-way conflict).
+_Q_SWIZZLED = (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(32))
 
 
 def supports(x_mk, k: int, n: int, group: int | None, t: Tuning) -> bool:
@@ -52,7 +58,7 @@ def _chunk_scales(s_smem, j, shape, group, block_k):
   return jnp.where(col < group, row(2 * j), row(2 * j + 1))
 
 
-def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtype):
+def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtype, optimized):
   """One K step: per 64-column chunk, dequantise W^T in registers and issue wgmma.
 
   w_stage None: the registers are wgmma's A operand. Else two swizzled SMEM buffers [BN, 64]
@@ -60,7 +66,7 @@ def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtyp
   """
   for j in range(block_k // CHUNK):
     q = plgpu.load(q_smem.at[:, pl.ds(CHUNK * j, CHUNK)], layout=plgpu.Layout.WGMMA,
-                   optimized=False)
+                   optimized=optimized)
     w = q.astype(dtype) * _chunk_scales(s_smem, j, q.shape, group, block_k).astype(dtype)
     if w_stage is not None:
       w_stage[j % 2] = w
@@ -98,7 +104,8 @@ def _weight_specs(int4: bool, group: int, t: Tuning, k0):
     return [plgpu.BlockSpec((t.block_k, t.block_n), lambda kk, ni: (k0 + kk, ni),
                             transforms=_SWIZZLED)]
   n_s = max(t.block_k // group, 1)
-  return [plgpu.BlockSpec((t.block_n, t.block_k), lambda kk, ni: (ni, k0 + kk)),
+  return [plgpu.BlockSpec((t.block_n, t.block_k), lambda kk, ni: (ni, k0 + kk),
+                          transforms=_Q_SWIZZLED if t.q_load == "swizzled" else ()),
           plgpu.BlockSpec((n_s, t.block_n),
                           lambda kk, ni: (((k0 + kk) * t.block_k) // (n_s * group), ni))]
 
@@ -120,52 +127,73 @@ def _silu_mul(gate, up):
   return gate / (1.0 + jnp.exp(-gate)) * up
 
 
-def _make_body(k, group, int4, gated, dtype, t: Tuning):
+def _num_values(gated: bool, t: Tuning) -> int:
+  """Values a call stores: silu(g) * u or the plain product (1), or split gate and up (2)."""
+  return 2 if gated and t.splits > 1 else 1
+
+
+def _slots(t: Tuning, n_items: int) -> int:
+  """CTA columns over the work items: one per item, or t.slots that loop over items."""
+  return min(t.slots or n_items, n_items)
+
+
+def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int):
   per_stack = 2 if int4 else 1
   n_stacks = 2 if gated else 1
   k_steps = k // t.block_k // t.splits
-
-  n_out = 2 if t.splits > 1 else 1
+  n_out = _num_values(gated, t) * (2 if t.splits > 1 else 1)
+  slots = _slots(t, n_items)
 
   def body(work_ref, x_ref, *refs):
     stacks = [refs[i * per_stack:(i + 1) * per_stack] for i in range(n_stacks)]
     rest = refs[n_stacks * per_stack:]
     o_refs, o_smems, w_stage = rest[:n_out], rest[n_out:2 * n_out], rest[2 * n_out:]
     w_stage = w_stage[0] if w_stage else None
-    item, ni, si = lax.axis_index("w"), lax.axis_index("n"), lax.axis_index("s")
-    grp, win, lo, size = (work_ref[i, item] for i in range(4))
+    slot, ni, si = lax.axis_index("w"), lax.axis_index("n"), lax.axis_index("s")
     k0 = si * k_steps
 
-    def acc_scope(*acc_refs):
-      def step(_, x_smem, *w_smem):
-        for acc_ref, j in zip(acc_refs, range(n_stacks)):
-          tiles = w_smem[j * per_stack:(j + 1) * per_stack]
-          if int4:
-            _int4_step(acc_ref, x_smem, *tiles, w_stage, group=group, block_k=t.block_k,
-                       dtype=dtype)
-          else:
-            _bf16_step(acc_ref, x_smem, *tiles)
+    def run_item(grp, win, lo, size):
+      def acc_scope(*acc_refs):
+        def step(_, x_smem, *w_smem):
+          for acc_ref, j in zip(acc_refs, range(n_stacks)):
+            tiles = w_smem[j * per_stack:(j + 1) * per_stack]
+            if int4:
+              _int4_step(acc_ref, x_smem, *tiles, w_stage, group=group, block_k=t.block_k,
+                         dtype=dtype, optimized=t.q_load != "bytes")
+            else:
+              _bf16_step(acc_ref, x_smem, *tiles)
 
-      x_spec = plgpu.BlockSpec((pl.Element(t.rows), t.block_k),
-                               lambda kk: (pl.multiple_of(win, work.ALIGN), k0 + kk),
-                               transforms=_SWIZZLED)
-      w_specs = [plgpu.BlockSpec(s.block_shape, functools.partial(s.index_map, ni=ni),
-                                 transforms=s.transforms)
-                 for s in _weight_specs(int4, group, t, k0)] * n_stacks
-      plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=[x_spec, *w_specs],
-                          max_concurrent_steps=t.stages)(
-                              x_ref, *(r.at[grp] for st in stacks for r in st))
-      return tuple(a[...] for a in acc_refs)
+        x_spec = plgpu.BlockSpec((pl.Element(t.rows), t.block_k),
+                                 lambda kk: (pl.multiple_of(win, work.ALIGN), k0 + kk),
+                                 transforms=_SWIZZLED)
+        w_specs = [plgpu.BlockSpec(s.block_shape, functools.partial(s.index_map, ni=ni),
+                                   transforms=s.transforms)
+                   for s in _weight_specs(int4, group, t, k0)] * n_stacks
+        plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=[x_spec, *w_specs],
+                            max_concurrent_steps=t.stages)(
+                                x_ref, *(r.at[grp] for st in stacks for r in st))
+        return tuple(a[...] for a in acc_refs)
 
-    @pl.when(size > 0)
-    def _():
       accs = pl.run_scoped(acc_scope, *[plgpu.ACC((t.block_n, t.rows), jnp.float32)] * n_stacks)
-      val = _silu_mul(*accs) if gated else accs[0]
-      for part, o_smem, o_ref in zip(_bf16_parts(val, n_out, o_smems[0].dtype), o_smems, o_refs):
+      vals = (_silu_mul(*accs),) if gated and t.splits == 1 else accs
+      n_parts = 2 if t.splits > 1 else 1
+      parts = [p for v in vals for p in _bf16_parts(v, n_parts, o_smems[0].dtype)]
+      for part, o_smem, o_ref in zip(parts, o_smems, o_refs):
         o_smem.transpose((1, 0))[...] = part
         plgpu.commit_smem()
-        _store_rows(o_smem, o_ref.at[si] if t.splits > 1 else o_ref, win, lo, size,
-                    ni * t.block_n, t)
+        _store_rows(o_smem, o_ref.at[si], win, lo, size, ni * t.block_n, t)
+
+    def visit(item):
+      grp, win, lo, size = (work_ref[i, item] for i in range(4))
+      pl.when(size > 0)(lambda: run_item(grp, win, lo, size))
+
+    if slots == n_items:
+      visit(slot)
+    else:  # live items come first: slot s visits items s, s + slots, ...
+      @pl.loop(0, -(-n_items // slots))
+      def _(i):
+        item = slot + i * slots
+        pl.when(item < n_items)(lambda: visit(jnp.minimum(item, n_items - 1)))
 
   return body
 
@@ -177,22 +205,21 @@ def _pad_rows(x_mk):
   return x_mk if m_pad == m else jnp.pad(x_mk, ((0, m_pad - m), (0, 0)))
 
 
-@functools.partial(jax.jit, static_argnames=("tuning", "interpret", "out_dtype"))
-def grouped_matmul_mgpu(x_mk, stacks, group_sizes, *, tuning: Tuning, interpret=False,
-                        out_dtype=None):
-  """out [M, N] in x.dtype; see module doc.
+@functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
+def grouped_matmul_mgpu(x_mk, stacks, items, *, tuning: Tuning, interpret=False):
+  """Per value, [S, M, N]: S = tuning.splits K-partials in f32 (x.dtype when S = 1).
 
-  stacks: one expert stack, or two (gate, up: the kernel returns silu(x @ gate) * (x @ up));
-  each is (w [G, K, N],) bf16 or (q int4 [G, N, K], scale [G, K/S, N]).
-  out_dtype (split-K only, else x.dtype): the summed partials' dtype, e.g. f32 for a caller that
-  applies a nonlinearity before rounding.
+  stacks: one expert stack (value: x @ W) or two (gate, up: value silu(x @ gate) * (x @ up), or
+  with S > 1 the two values x @ gate and x @ up, whose sums the caller combines); each is
+  (w [G, K, N],) bf16 or (q int4 [G, N, K], scale [G, K/S, N]). items: work.work_list of the
+  group sizes for R = tuning.rows. Rows no item stores are undefined.
   """
   m, k = x_mk.shape
   int4 = len(stacks[0]) == 2
   n = stacks[0][0].shape[1] if int4 else stacks[0][0].shape[2]
   group = k // stacks[0][1].shape[1] if int4 else None
   gated = len(stacks) == 2
-  if not supports(x_mk, k, n, group, tuning) or (gated and tuning.splits > 1):
+  if not supports(x_mk, k, n, group, tuning):
     raise ValueError(f"unsupported: {x_mk.dtype=} {k=} {n=} {group=} {gated=} {tuning=}")
   if int4:
     stacks = tuple((q, s.astype(x_mk.dtype)) for q, s in stacks)
@@ -200,20 +227,21 @@ def grouped_matmul_mgpu(x_mk, stacks, group_sizes, *, tuning: Tuning, interpret=
     raise ValueError("GPU interpret mode's wgmma takes SMEM operands only (jax 0.11.2): "
                      "use Tuning(a_operand='smem') to interpret the INT4 kernel")
   x = _pad_rows(x_mk)
-  items = work.work_list(group_sizes, m, tuning.rows)
-  n_out = 2 if tuning.splits > 1 else 1
-  out_shape = (tuning.splits,) * (tuning.splits > 1) + (x.shape[0], n)
+  split = tuning.splits > 1
+  n_out = _num_values(gated, tuning) * (2 if split else 1)
   scratch = [plgpu.SMEM((tuning.rows, tuning.block_n), x_mk.dtype)] * n_out
   if int4 and tuning.a_operand == "smem":
     scratch.append(plgpu.SMEM((2, tuning.block_n, CHUNK), x_mk.dtype, transforms=_SWIZZLED))
   fn = plgpu.kernel(
-      _make_body(k, group or 0, int4, gated, x_mk.dtype, tuning),
-      out_type=(jax.ShapeDtypeStruct(out_shape, x_mk.dtype),) * n_out,
+      _make_body(k, group or 0, int4, gated, x_mk.dtype, tuning, items.shape[1]),
+      out_type=(jax.ShapeDtypeStruct((tuning.splits, x.shape[0], n), x_mk.dtype),) * n_out,
       scratch_types=scratch,
-      grid=(items.shape[1], n // tuning.block_n, tuning.splits), grid_names=("w", "n", "s"),
+      grid=(_slots(tuning, items.shape[1]), n // tuning.block_n, tuning.splits),
+      grid_names=("w", "n", "s"),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
   outs = fn(items, x, *(a for st in stacks for a in st))
-  if tuning.splits == 1:
-    return outs[0][:m]
-  hi, lo = (o.astype(jnp.float32) for o in outs)  # split-K partials of the few rows
-  return (hi + lo).sum(axis=0)[:m].astype(out_dtype or x_mk.dtype)
+  if not split:
+    return tuple(o[:, :m] for o in outs)
+  # hi + lo per value (f32-exact partials); XLA fuses this into the caller's sum over S
+  return tuple(outs[i][:, :m].astype(jnp.float32) + outs[i + 1][:, :m].astype(jnp.float32)
+               for i in range(0, n_out, 2))

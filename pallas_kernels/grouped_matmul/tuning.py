@@ -15,6 +15,13 @@ class Tuning:
   stages: pipeline steps in flight (SMEM ring depth).
   a_operand: INT4 only: the dequantised W^T goes to wgmma from "registers" or through "smem".
   splits: K split over this many CTAs (f32 partials summed after): for few live items.
+  slots: 0 = one CTA column per work item; else this many columns, each looping over items
+    slot, slot + slots, ... (live items come first): with split-K at small T, where the static
+    item bound (8 at T=1) far exceeds the live items (~1), most CTAs would launch only to exit.
+  q_load: INT4 only, how the weight tile goes SMEM -> registers: "bytes" (plain rows, loads
+    as Mosaic emits them with optimized=False: byte loads, rows 128 bytes apart share a bank),
+    "vector" (plain rows, optimized=True) or "swizzled" (SMEM as [8, 64] tiles with a 32-byte
+    swizzle, optimized=True).
   """
   rows: int = 32
   block_n: int = 128
@@ -22,6 +29,8 @@ class Tuning:
   stages: int = 4
   a_operand: str = "registers"
   splits: int = 1
+  slots: int = 0
+  q_load: str = "bytes"
 
   def __post_init__(self):
     if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -34,6 +43,10 @@ class Tuning:
       raise ValueError(f"{self.stages=} must be >= 2")
     if self.splits < 1:
       raise ValueError(f"{self.splits=} must be >= 1")
+    if self.slots < 0:
+      raise ValueError(f"{self.slots=} must be >= 0")
+    if self.q_load not in ("bytes", "vector", "swizzled"):
+      raise ValueError(f"{self.q_load=} must be 'bytes', 'vector' or 'swizzled'")
     if self.a_operand not in ("registers", "smem"):
       raise ValueError(f"{self.a_operand=} must be 'registers' or 'smem'")
 
@@ -69,6 +82,8 @@ def default_tuning(m: int, g: int, k: int, n: int, int4: bool, interpret: bool =
     block_k //= 2
   block_k = max(block_k, 64)
   block_n = 64 if (int4 or n % 128) else 128
-  splits = 1 if gated else _splits(m, g, k, n // block_n, block_k)
-  return Tuning(rows=rows, block_k=block_k, block_n=block_n, splits=splits,
+  splits = _splits(m, g, k, n // block_n, block_k)  # gated: gate and up partials apart
+  # Split-K means few live items: ~2 CTAs per SM that loop over the items, not one per bound.
+  slots = max(1, (2 * NUM_SMS) // ((n // block_n) * splits)) if splits > 1 else 0
+  return Tuning(rows=rows, block_k=block_k, block_n=block_n, splits=splits, slots=slots,
                 a_operand="smem" if interpret else "registers")

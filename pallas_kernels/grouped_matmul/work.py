@@ -4,7 +4,8 @@ An expert's windows start at its first row rounded down to a multiple of 8 (the 
 SMEM tile needs 8-aligned row offsets) and step by R, so an expert whose rows fit one window has
 its weights read by exactly one item, and an expert with no rows gets no item: no tile, no weight
 bytes. A window may also hold neighbouring experts' rows: they are computed and not stored.
-Items past the live count have size 0 and the kernel skips them.
+Items past the live count have size 0 and the kernel skips them. The list is built once per MoE
+layer and shared by its gated and down calls (same R).
 Letters: M rows, G experts, R rows per item.
 """
 
@@ -16,24 +17,39 @@ ALIGN = 8
 def num_items(m: int, g: int, rows: int) -> int:
   """Static upper bound on the items (every one is a launched CTA column, live or not).
 
-  Expert g's window starts up to 7 rows before its first row, so it has ceil((n_g + 7) / R) <=
-  (n_g + 6 + R) / R items; over k = min(G, M) non-empty experts: (M + k (R + 6)) / R.
+  An expert of n >= 1 rows starting up to 7 rows past an 8-aligned row has at most
+  ceil((n + 7) / R) = 1 + floor((n + 6) / R) items: its first item costs 1 row, its second
+  R - 7 more rows, every later one R more. The most items M rows can buy over at most G experts:
+  j = min(G, M) experts of one row each, then as many (R - 7)-row second items as the rows left
+  allow (at most j), then R-row items.
   """
-  k = min(g, m)
-  return (m + k * (rows + 6)) // rows
+  j = min(g, m)
+  left = m - j
+  second = min(j, left // (rows - 7))
+  return j + second + (left - second * (rows - 7)) // rows
 
 
-def work_list(group_sizes, m: int, rows: int):
-  """int32 [4, I]: (expert, window's first row, first stored row in it, rows stored) per item."""
+def _inclusive_sum(v):
+  """cumsum of a short vector as one masked reduction (XLA's cumsum is reduce-window passes)."""
+  i = jnp.arange(v.shape[0])
+  return jnp.sum(jnp.where(i[None, :] <= i[:, None], v[None, :], 0), axis=1, dtype=v.dtype)
+
+
+def work_list(group_sizes, m: int, rows: int, group_ends=None):
+  """int32 [4, I]: (expert, window's first row, first stored row in it, rows stored) per item.
+
+  Element-wise ops and masked reductions only (the default searchsorted is a while loop of
+  ~log2(G) small kernels on a GPU, cumsum a few reduce-window passes). group_ends: the
+  inclusive cumsum of the sizes when the caller has it (one dependent reduction less)."""
   sizes = group_sizes.astype(jnp.int32)
   g = sizes.shape[0]
-  ends = jnp.cumsum(sizes)
+  ends = _inclusive_sum(sizes) if group_ends is None else group_ends.astype(jnp.int32)
   starts = ends - sizes
   base = starts - starts % ALIGN
   chunks = jnp.where(sizes > 0, -(-(ends - base) // rows), 0)
-  upto = jnp.cumsum(chunks)
+  upto = _inclusive_sum(chunks)
   item = jnp.arange(num_items(m, g, rows), dtype=jnp.int32)
-  grp = jnp.minimum(jnp.searchsorted(upto, item, side="right"), g - 1).astype(jnp.int32)
+  grp = jnp.minimum(jnp.sum(upto[None, :] <= item[:, None], axis=1), g - 1).astype(jnp.int32)
   win = base[grp] + (item - (upto[grp] - chunks[grp])) * rows
   lo = jnp.maximum(starts[grp], win)
   hi = jnp.minimum(ends[grp], win + rows)

@@ -1,12 +1,19 @@
 """Benchmark the Mosaic GPU tree-verify kernel against XLA; roofline from ceilings measured in-run.
 
-  python -m pallas_kernels.tree_verify.bench --json_out=bench.jsonl --plot_out=bench.png
+Time = CUPTI sum of every kernel of one whole call (the kernel, the mask words, the merge),
+median over --reps, input sets rotated. The issue's "must show" shapes run first, then the grid
+L x N x H x B until --budget_s is spent; one JSON line per (shape, impl); the short table last.
+Default grid: B=1, L=46000, N in {1, 8, 16, 64}, H in {8, 64} (~2 min); --full_grid: the issue's
+table (L in {4096, 16384, 46000, 131072}, N in {1, 8, 16, 32, 64}, H in {8, 64}, B in {1, 4}).
+
+  python -m pallas_kernels.tree_verify.bench --json_out=bench.jsonl [--full_grid]
 """
 
 import itertools
 import json
 import math
 import statistics
+import time
 
 from absl import app, flags
 import jax
@@ -14,21 +21,44 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import roofline
-from pallas_kernels.tree_verify import api, reference
+from pallas_kernels.tree_verify import api, masks, reference
 from pallas_kernels.tree_verify.tuning import Tuning, default_tuning
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("L", ["4096", "16384", "46000", "131072"], "cache lengths")
-flags.DEFINE_list("N", ["1", "16", "64"], "tree nodes")
-flags.DEFINE_list("H", ["8", "16", "64", "128"], "heads")
-flags.DEFINE_list("B", ["1", "4"], "batch sizes")
-flags.DEFINE_integer("reps", 30, "timed repetitions (median reported)")
+DEFAULT_CACHE = "/tmp/kdtree_jax_compile_cache"
+flags.DEFINE_list("L", ["46000"], "cache lengths")
+flags.DEFINE_list("N", ["1", "8", "16", "64"], "tree nodes")
+flags.DEFINE_list("H", ["8", "64"], "heads")
+flags.DEFINE_list("B", ["1"], "batch sizes")
+flags.DEFINE_bool("full_grid", False, "the issue's table: replaces L, N, H, B by FULL_GRID")
+flags.DEFINE_bool("must_show_first", True,
+                  "run the issue's must-show shapes and the PROBES shapes before the grid")
+flags.DEFINE_integer("reps", 20, "timed repetitions (median reported)")
+flags.DEFINE_float("budget_s", 300.0, "stop starting new shapes after this many seconds")
 flags.DEFINE_string("json_out", "", "JSON lines output")
-flags.DEFINE_string("plot_out", "", "plot of % roofline vs L")
-flags.DEFINE_string("tunings", "", "extra kernel variants: ';'-separated k=v,k=v (e.g. shared_p=0)")
+flags.DEFINE_string("tunings", "", "extra kernel variants for every shape: ';'-separated k=v,k=v")
+flags.DEFINE_bool("probe_variants", True, "time the PROBES variants on their shapes (notes/kernel.md)")
 flags.DEFINE_bool("skip_xla", False, "do not time the XLA baseline")
+flags.DEFINE_string("cache_dir", "", "persistent compilation cache folder (default: the one jax "
+                    "already has, e.g. from JAX_COMPILATION_CACHE_DIR, else " + DEFAULT_CACHE + ")")
 
 C, R, L2_BYTES = 576, 512, 60e6
+# (B, N, H, L) of the issue's "must show", in its order.
+MUST_SHOW = [(1, 1, 8, 46000), (1, 1, 8, 131072), (1, 8, 8, 46000), (1, 16, 8, 46000),
+             (1, 64, 8, 46000), (1, 64, 64, 46000), (1, 8, 64, 46000), (1, 16, 64, 46000),
+             (1, 32, 64, 46000)]
+FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64], B=[1, 4])
+# Knob variants timed beside the default on a few shapes (predictions in notes/kernel.md);
+# kernel=v1 is the v1 kernel with its own default splits (A/B).
+# merge=triton (one Pallas Triton merge kernel) needs power-of-2 splits: timed beside the XLA merge
+# at the same split count.
+PROBES = {(1, 1, 8, 46000): "kernel=v1;num_splits=128;num_splits=128,merge=triton",
+          (1, 8, 8, 46000): "kernel=v1;num_splits=128;num_splits=128,merge=triton",
+          (1, 16, 8, 46000): "kernel=v1;num_splits=64;num_splits=64,merge=triton;shared_p=0",
+          (1, 64, 8, 46000): "merge=triton;num_splits=8;shared_p=0",
+          (1, 64, 64, 46000): "num_splits=1;shared_p=0",
+          (4, 1, 8, 46000): "num_splits=66",
+          (4, 16, 8, 46000): "num_splits=32"}
 
 
 def xla_baseline(q, cache, lengths, tree_mask, *, scale):
@@ -78,100 +108,122 @@ def parse_tunings(spec, b, n, h, l):
   out = [("default", default_tuning(b, n, h, l))]
   for item in filter(None, spec.split(";")):
     kv = dict(x.split("=") for x in item.split(","))
-    base = default_tuning(b, n, h, l).__dict__ | {k: int(v) for k, v in kv.items()}
+    kv = {k: v if k in ("kernel", "merge") else int(v) for k, v in kv.items()}
+    base = default_tuning(b, n, h, l, kv.get("kernel", "v2")).__dict__ | kv
     out.append((item, Tuning(**base)))
   return out
 
 
+def shape_cost(b, n, h, l, lengths, ceil):
+  """Bytes (the keys each batch row reads, q, out), FLOPs, roofline floor in us."""
+  keys = sum(min(int(x) + n, l) for x in np.asarray(lengths))
+  byts = 1152 * keys + 2 * b * n * h * (C + R)
+  flops = 2 * h * n * keys * (C + R)
+  return byts, flops, roofline.floor_s(byts, flops, ceil) * 1e6
+
+
+def check(out, ref):
+  """(relative L2 error vs the f32 reference, all finite)."""
+  o32, r32 = out.astype(jnp.float32), ref.astype(jnp.float32)
+  err = float(jnp.linalg.norm(o32 - r32) / jnp.linalg.norm(r32))
+  return err, bool(jnp.isfinite(o32).all())
+
+
 def bench_shape(b, n, h, l, ceil, scale=1.0 / math.sqrt(C)):
   """Rows (one per kernel variant, plus XLA) for one shape."""
-  set_bytes = 1152 * l * b
-  nsets = max(1, min(6, math.ceil(3 * L2_BYTES / set_bytes)))
+  nsets = max(1, min(6, math.ceil(3 * L2_BYTES / (1152 * l * b))))
   sets = [make_set(b, n, h, l, seed) for seed in range(nsets)]
-  byts = 1152 * l * b + 2 * b * n * h * C + 2 * b * n * h * R
-  flops = 2 * b * h * n * l * (C + R)
-  floor_us = max(byts / (ceil["copy_tbps"] * 1e12), flops / (ceil["mm_tflops"] * 1e12)) * 1e6
+  byts, flops, floor_us = shape_cost(b, n, h, l, sets[0][2], ceil)
+  ref = jax.jit(lambda *a: reference.tree_verify_attention_reference(*a, scale=scale)[0])(*sets[0])
   rows = []
-  ref = reference.tree_verify_attention_reference(*sets[0], scale=scale)[0]
-  big = b * n * h * l * 4 > 4e9
-  variants = parse_tunings(FLAGS.tunings, b, n, h, l)
-  for name, t in variants:
+  spec = FLAGS.tunings + (";" + PROBES.get((b, n, h, l), "") if FLAGS.probe_variants else "")
+  for name, t in parse_tunings(spec, b, n, h, l):
     fn = lambda q, c, le, m, t=t: api.tree_verify_attention(q, c, le, m, scale=scale,
                                                               backend="pallas", tuning=t)
-    out = jax.jit(fn)(*sets[0])
-    err = float(jnp.linalg.norm((out - ref).astype(jnp.float32)) /
-                jnp.linalg.norm(ref.astype(jnp.float32)))
-    ok = bool(np.isfinite(err) and err <= 1e-2)
+    err, finite = check(jax.jit(fn)(*sets[0]), ref)
+    ok = finite and err <= 1e-2
     us = device_time_us(fn, sets, FLAGS.reps) if ok else float("nan")
-    rows.append(dict(impl="pallas", variant=name, tuning=t.__dict__, rel_err=err, us=us))
+    rows.append(dict(impl="pallas", variant=name, tuning=t.__dict__, rel_err=err, finite=finite,
+                     us=us))
+  if FLAGS.probe_variants and (b, n, h, l) in MUST_SHOW:
+    rows.append(packed_mask_row(sets, h, scale, ref))
+  del ref
   if not FLAGS.skip_xla:
+    big = b * n * h * l * 4 > 4e9
     fx = lambda q, c, le, m: xla_baseline(q, c, le, m, scale=scale)
     us = device_time_us(fx, sets[:1] if big else sets, max(3, FLAGS.reps // (5 if big else 1)))
-    rows.append(dict(impl="xla", variant="einsum", tuning=None, rel_err=None, us=us))
+    rows.append(dict(impl="xla", variant="einsum", tuning=None, rel_err=None, finite=None, us=us))
+  xla_us = next((r["us"] for r in rows if r["impl"] == "xla"), float("nan"))
   for r in rows:
     r.update(B=b, N=n, H=h, L=l, bytes=byts, flops=flops, floor_us=floor_us, nsets=nsets,
              tbps=byts / r["us"] / 1e6, tflops=flops / r["us"] / 1e6,
-             pct_roofline=100 * floor_us / r["us"])
+             pct_roofline=100 * floor_us / r["us"], x_xla=xla_us / r["us"])
   return rows
 
 
-def fmt_row(r, xla_us):
-  speed = xla_us / r["us"] if xla_us and r["impl"] == "pallas" else float("nan")
+def packed_mask_row(sets, h, scale, ref):
+  """The default kernel with the tree mask packed outside the call (once per tree in a model
+  running many layers): the call is the kernel (+ the merge)."""
+  packed = [(q, c, le, masks.pack_tree_mask(m, h)) for q, c, le, m in sets]
+  fn = lambda q, c, le, pm: api.tree_verify_attention(q, c, le, pm, scale=scale, backend="pallas")
+  err, finite = check(jax.jit(fn)(*packed[0]), ref)
+  us = device_time_us(fn, packed, FLAGS.reps) if finite and err <= 1e-2 else float("nan")
+  return dict(impl="pallas", variant="packed mask", tuning=None, rel_err=err, finite=finite, us=us)
+
+
+def ordered_shapes():
+  axes = [FULL_GRID[k] if FLAGS.full_grid else list(map(int, FLAGS[k].value)) for k in "BNHL"]
+  grid = list(itertools.product(*axes))
+  first = [s for s in MUST_SHOW + list(PROBES) if s in grid] if FLAGS.must_show_first else []
+  first = list(dict.fromkeys(first))
+  return first + [s for s in grid if s not in first]
+
+
+def fmt_row(r):
   err = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
-  return (f"{r['B']:>2} {r['N']:>3} {r['H']:>4} {r['L']:>7} {r['impl']:>6} {r['variant'][:18]:>18} "
-          f"{r['us']:>9.1f} {r['tbps']:>6.2f} {r['tflops']:>7.1f} {r['pct_roofline']:>6.1f} "
-          f"{speed:>6.2f} {err:>8}")
+  return (f"{r['B']:>2} {r['N']:>3} {r['H']:>3} {r['L']:>7} {r['impl']:>6} {r['variant'][:28]:>28} "
+          f"{r['us']:>8.1f} {r['floor_us']:>7.1f} {r['tbps']:>5.2f} {r['tflops']:>6.1f} "
+          f"{r['pct_roofline']:>6.1f} {r['x_xla']:>5.2f} {err:>8}")
 
 
-def plot(rows, path):
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  fig, ax = plt.subplots(figsize=(9, 6))
-  keys = sorted({(r["B"], r["N"], r["H"], r["impl"], r["variant"]) for r in rows})
-  for key in keys:
-    pts = sorted((r["L"], r["pct_roofline"]) for r in rows
-                 if (r["B"], r["N"], r["H"], r["impl"], r["variant"]) == key)
-    ls = "-" if key[3] == "pallas" else ":"
-    ax.plot(*zip(*pts), ls, marker="o", label=f"B{key[0]} N{key[1]} H{key[2]} {key[3]} {key[4]}")
-  ax.set_xscale("log")
-  ax.set_xlabel("L (cache rows)")
-  ax.set_ylabel("% of roofline")
-  ax.legend(fontsize=5, ncol=3)
-  fig.savefig(path, dpi=130)
+HEADER = (" B   N   H       L   impl                      variant       us floor_us  TB/s TFLOP/s"
+          "  %roof  xXLA   relerr")
 
 
 def main(_):
+  cache_dir = FLAGS.cache_dir or jax.config.jax_compilation_cache_dir or DEFAULT_CACHE
+  jax.config.update("jax_compilation_cache_dir", cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  t0 = time.time()
   dev = jax.devices()[0]
   ceil = roofline.measure_ceilings()
   print(f"device={dev.device_kind} jax={jax.__version__} copy={ceil['copy_tbps']:.2f} TB/s "
         f"bf16 matmul={ceil['mm_tflops']:.0f} TFLOP/s", flush=True)
-  rows = []
   jf = open(FLAGS.json_out, "w") if FLAGS.json_out else None  # pylint: disable=consider-using-with
   if jf:
-    jf.write(json.dumps(dict(ceilings=ceil, device=dev.device_kind)) + "\n")
-  shapes = itertools.product(*(map(int, v) for v in (FLAGS.B, FLAGS.N, FLAGS.H, FLAGS.L)))
-  for b, n, h, l in shapes:
+    jf.write(json.dumps(dict(ceilings=ceil, device=dev.device_kind, jax=jax.__version__)) + "\n")
+  rows, shapes = [], ordered_shapes()
+  print(HEADER, flush=True)
+  for i, (b, n, h, l) in enumerate(shapes):
+    if time.time() - t0 > FLAGS.budget_s:
+      print(f"budget {FLAGS.budget_s:.0f} s spent: {len(shapes) - i} shapes not run", flush=True)
+      break
     try:
       new = bench_shape(b, n, h, l, ceil)
     except Exception as e:  # pylint: disable=broad-except
       print(f"FAILED B={b} N={n} H={h} L={l}: {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
-    xla_us = next((r["us"] for r in new if r["impl"] == "xla"), None)
     for r in new:
-      print(fmt_row(r, xla_us), flush=True)
+      print(fmt_row(r), flush=True)
       if jf:
         jf.write(json.dumps(r) + "\n")
         jf.flush()
     rows += new
-  if FLAGS.plot_out and rows:
-    plot(rows, FLAGS.plot_out)
-  print(f"\nceilings: copy {ceil['copy_tbps']:.2f} TB/s, bf16 matmul {ceil['mm_tflops']:.0f} TFLOP/s")
-  print(" B   N    H       L   impl            variant        us   TB/s  TFLOP/s  %roof  xXLA   relerr")
+  print(f"\nceilings: copy {ceil['copy_tbps']:.2f} TB/s, bf16 matmul {ceil['mm_tflops']:.0f} "
+        f"TFLOP/s; {time.time() - t0:.0f} s\n{HEADER}")
   for r in rows:
-    xla_us = next((x["us"] for x in rows if x["impl"] == "xla" and
-                   (x["B"], x["N"], x["H"], x["L"]) == (r["B"], r["N"], r["H"], r["L"])), None)
-    print(fmt_row(r, xla_us))
+    if r["impl"] == "pallas":
+      print(fmt_row(r))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.tree_verify import kernel
+from pallas_kernels.tree_verify import kernel_v1 as kernel  # v1: the XLA tree block
 from pallas_kernels.tree_verify.tuning import BLOCK_M, default_tuning
 
 _SHAPES = flags.DEFINE_list("shapes", ["1x64x64x16384", "1x64x64x46000", "1x16x16x46000",
@@ -30,7 +30,7 @@ def _cost(fn, *args):
 
 def glue_costs(b, n, h, l, c=576, r=512):
   """{'tree': (bytes, flops), 'merge': (bytes, flops)} and the kernel's splits at this shape."""
-  s = default_tuning(b, n, h, l).num_splits
+  s = default_tuning(b, n, h, l, kernel="v1").num_splits
   mp = -(-(n * h) // BLOCK_M) * BLOCK_M
   sd = jax.ShapeDtypeStruct
   tree = _cost(lambda *a: kernel.tree_partial(*a, scale=0.1, value_dim=r),

@@ -1,16 +1,28 @@
 """Mosaic GPU (sm90) kernel for absorbed-MLA tree-verify attention over a dense latent cache.
 
 Letters: B batch, N tree nodes, H heads, L cache rows, C = 576 latent width, R = 512 value width,
-M padded (node, head) rows (node-major, row = node * H + head), S KV splits, T block_kv.
+M rows = (node, head) pairs (node-major, row = node * H + head), S KV splits, T block_kv,
+W tree-mask words.
 
-Design: the committed prefix [0, len) is streamed by a Mosaic GPU kernel; grid (M/64, S, B); each CTA
-holds a 64 x C Q tile in SMEM while a TMA warpgroup streams T x C KV tiles through a ring of SMEM
-stages (V is the first R columns of the same tile). Two compute warpgroups each own R/2 output
-columns. With shared_p, warpgroup 0 alone scores the tile (QK^T, online softmax) and hands P and the
-rescale factor to warpgroup 1 through SMEM (no redundant QK^T; wg0's next QK^T overlaps wg1's PV);
-otherwise both score the whole tile. Only the split's last tile is
-masked (prefix end, ragged L). The N x N tree block is tiny and done in XLA; the kernel's fp32
-partials (O, base-2 LSE per split) and the tree block are merged by LSE in XLA (`merge`).
+Design: each CTA (row tile, split, batch) streams its split of the keys [0, E), E = min(len + N, L)
+-- the committed prefix and the N tree rows at [len, len + N) in one pass -- while holding a
+64 x C Q tile in SMEM; a TMA warpgroup feeds T x C KV tiles through a ring of SMEM stages (V is the
+first R columns of the same tile). Two compute warpgroups each own R/2 output columns. With
+shared_p, warpgroup 0 alone scores the tile (QK^T, online softmax) and hands P and the rescale
+factor to warpgroup 1 through SMEM; otherwise both score the whole tile.
+Tiles start at multiples of T; rows past L are zero-filled by the TMA (no copy or pad of the cache)
+and masked. Only tiles that reach past `len` are masked: prefix end, tree mask (per-row bit words,
+`masks.py`), end of the cache. With one split the kernel writes the final output (q dtype) and
+natural LSE; with S splits it writes per-split normalised partials (bf16 or f32) and base-2 LSE,
+merged by `combine.py`.
+
+Row windows: every TMA copy of Q, O or LSE moves a window of `window` = min(M, 64) rows at row
+64 * m_idx, and M is either < 64 (one tile, window = M) or a multiple of 64 (api.py pads q). So a
+window never reaches past its ref's rows: Mosaic builds the TMA descriptor over the whole array
+(batch and split dims included), so a 64-row window through an 8-row ref would read or write the
+next split's rows (the H200 fault of the first v2 at N=1, H=8: interpret mode clips instead).
+`_check_windows` asserts this at trace time. With M < 64 the SMEM rows past M of the Q tile are
+never loaded: their (garbage) rows stay in their own output rows, which are never stored.
 """
 
 import functools
@@ -22,7 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.tree_verify.tuning import BLOCK_M, Tuning, default_tuning
+from pallas_kernels.tree_verify import masks
+from pallas_kernels.tree_verify.tuning import BLOCK_M, Tuning
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -40,9 +53,9 @@ def _row_full(value):
   return plgpu.layout_cast(jnp.full((BLOCK_M,), value, jnp.float32), _ROW)
 
 
-def _split_range(length, s_idx, t: Tuning):
-  """KV tiles [lo, hi) of this split, and the first tile that needs the length mask."""
-  nt = lax.div(length + (t.block_kv - 1), t.block_kv)
+def _split_range(length, end, s_idx, t: Tuning):
+  """KV tiles [lo, hi) of this split over the keys [0, end), and the first masked tile."""
+  nt = lax.div(end + (t.block_kv - 1), t.block_kv)
   chunk = lax.div(nt + (t.num_splits - 1), t.num_splits)
   lo = jnp.minimum(s_idx * chunk, nt)
   hi = jnp.minimum(lo + chunk, nt)
@@ -50,35 +63,56 @@ def _split_range(length, s_idx, t: Tuning):
   return lo, hi, full_hi
 
 
-def _tile_start(tile, t: Tuning, l):
-  """First cache row of KV tile `tile`, clamped so the TMA box stays inside [0, L)."""
-  return pl.multiple_of(jnp.minimum(tile * t.block_kv, l - t.block_kv), 8)
+def _tile_start(tile, t: Tuning):
+  """First cache row of KV tile `tile` (rows past L are zero-filled by the TMA, then masked)."""
+  return pl.multiple_of(tile * t.block_kv, t.block_kv)
 
 
-def _memory_wg(q_ref, kv_ref, q_smem, kv_smem, q_bar, kv_bar, free_bar, *, b, m_idx, lo, hi, t, l):
+def _row_tile(m_idx):
+  """The 64 rows of row tile m_idx (SMEM-side statistics and the padded mask words)."""
+  return pl.ds(pl.multiple_of(m_idx * BLOCK_M, BLOCK_M), BLOCK_M)
+
+
+def _row_window(c):
+  """The GMEM rows a TMA copy of Q / O / LSE moves for this CTA (see _check_windows)."""
+  return pl.ds(pl.multiple_of(c.m_idx * c.window, c.window), c.window)
+
+
+def _smem_rows(ref, window):
+  """The first `window` rows of an SMEM tile (the whole tile when window == 64)."""
+  return ref if window == BLOCK_M else ref.at[pl.ds(0, window)]
+
+
+def _check_windows(rows, window, tiles, what):
+  """Trace-time: the row windows [window * i, window * (i + 1)), i < tiles, tile `rows` exactly."""
+  if window * tiles != rows or window % 8 or window > BLOCK_M:
+    raise ValueError(f"{what}: {tiles} windows of {window} rows do not tile its {rows} rows")
+
+
+def _memory_wg(c):
   """TMA producer: the Q tile once, then the split's KV tiles through the SMEM ring."""
-  rows = pl.ds(pl.multiple_of(m_idx * BLOCK_M, BLOCK_M), BLOCK_M)
-  plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+  t = c.t
+  plgpu.copy_gmem_to_smem(c.q_ref.at[c.b, _row_window(c)], _smem_rows(c.q_smem, c.window),
+                          c.q_bar)
 
-  @pl.loop(0, hi - lo)
+  @pl.loop(0, c.hi - c.lo)
   def _load(i):
     slot = lax.rem(i, t.stages)
 
     @pl.when(i >= t.stages)
     def _():
-      plgpu.barrier_wait(free_bar.at[slot])
+      plgpu.barrier_wait(c.free_bar.at[slot])
 
-    start = _tile_start(lo + i, t, l)
-    plgpu.copy_gmem_to_smem(kv_ref.at[b, pl.ds(start, t.block_kv)], kv_smem.at[slot],
-                            kv_bar.at[slot])
+    rows = pl.ds(_tile_start(c.lo + i, t), t.block_kv)
+    plgpu.copy_gmem_to_smem(c.kv_ref.at[c.b, rows], c.kv_smem.at[slot], c.kv_bar.at[slot])
 
-  @pl.loop(jnp.maximum(hi - lo - t.stages, 0), hi - lo)
+  @pl.loop(jnp.maximum(c.hi - c.lo - t.stages, 0), c.hi - c.lo)
   def _drain(i):
-    plgpu.barrier_wait(free_bar.at[lax.rem(i, t.stages)])
+    plgpu.barrier_wait(c.free_bar.at[lax.rem(i, t.stages)])
 
 
 def _scores(q_smem, keys):
-  """S = Q K^T for one KV (sub)tile, f32 [64, keys]."""
+  """S = Q K^T for one KV tile, f32 [64, keys]."""
   def body(acc_ref):
     plgpu.wgmma(acc_ref, q_smem, keys.T)
     return acc_ref[...]
@@ -91,23 +125,44 @@ def _sync(bar):
 
 
 class _Ctx:
-  """Per-CTA refs and scalars shared by the compute steps."""
+  """Per-CTA refs and scalars shared by the warpgroups' steps."""
 
   def __init__(self, **kw):
     self.__dict__.update(kw)
 
 
-def _softmax_update(c, s, tile, carry, masked):
-  """Mask (tail tile only), online-softmax update; returns (p, alpha, carry without acc)."""
+def _tile_words(c, tile):
+  """The 3 mask words (3 x [64] row vectors) a masked tile's tree keys can touch, from GMEM.
+  Issued before the tile's barrier wait, so their latency hides behind the KV load."""
+  w0 = lax.div(jnp.maximum(_tile_start(tile, c.t) - c.length, 0), masks.WORD)
+  rows = _row_tile(c.m_idx)
+  return w0, [plgpu.load(c.words_ref.at[c.b, w0 + j, rows], layout=_ROW, optimized=False)
+              for j in range(3)]
+
+
+def _visible(c, tile, words, shape):
+  """[64, T] bool for a masked tile: key pos < len, or a tree key len + k (pos < E) whose bit k
+  is set in this row's mask words (words from `_tile_words`: w0 and 3 row vectors)."""
+  w0, vecs = words
+  pos = _tile_start(tile, c.t) + plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                                        layout=plgpu.Layout.WGMMA)
+  k = pos - c.length
+  widx = lax.shift_right_arithmetic(k, masks.WORD_BITS) - w0
+  vecs = [_bcast_rows(v, shape) for v in vecs]
+  word = jnp.where(widx == 0, vecs[0], jnp.where(widx == 1, vecs[1], vecs[2]))
+  bit = lax.shift_right_logical(word, k & (masks.WORD - 1)) & 1
+  return (pos < c.length) | ((k >= 0) & (pos < c.end) & (bit != 0))
+
+
+def _softmax_update(c, s, tile, carry, words):
+  """Mask (masked tiles: words given), online-softmax update; returns (p, alpha, (m, l))."""
   m, l = carry
-  if masked:
-    pos = _tile_start(tile, c.t, c.l) + plgpu.broadcasted_iota(
-        jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-    vis = (pos >= tile * c.t.block_kv) & (pos < c.length)
-    s = jnp.where(vis, s, -jnp.inf)
+  if words is not None:
+    s = jnp.where(_visible(c, tile, words, s.shape), s, -jnp.inf)
   m_new = jnp.maximum(m, s.max(axis=1))
-  alpha = jnp.exp2(m - m_new)
-  p = jnp.exp2(s - _bcast_rows(m_new, s.shape))
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet: p = 0
+  alpha = jnp.exp2(m - m_use)
+  p = jnp.exp2(s - _bcast_rows(m_use, s.shape))
   return p, alpha, (m_new, l * alpha + p.sum(axis=1))
 
 
@@ -139,10 +194,11 @@ def _step_scorer(c, w, i, carry, masked):
   acc, m, l = carry
   tile = c.lo + i
   slot = lax.rem(i, c.t.stages)
+  words = _tile_words(c, tile) if masked else None
   plgpu.barrier_wait(c.kv_bar.at[slot])
   kv = c.kv_smem.at[slot]
   s = _scores(c.q_smem, kv) * c.scale_log2
-  p, alpha, (m, l) = _softmax_update(c, s, tile, (m, l), masked)
+  p, alpha, (m, l) = _softmax_update(c, s, tile, (m, l), words)
   p16 = p.astype(c.dtype)
   a = p16
   if c.t.shared_p:
@@ -191,12 +247,29 @@ def _loop(c, w, acc):
   return carry
 
 
+def _store(c, w, o, lse2):
+  """Normalised O half (and wg0: LSE) -> SMEM -> TMA out. One split: final dtype, natural LSE."""
+  final = c.t.num_splits == 1
+  r2 = c.r // 2
+  o_smem = c.o_smem.at[w]
+  o_smem[...] = o.astype(o_smem.dtype)
+  if w == 0:
+    c.lse_smem[...] = lse2 * LN2 if final else lse2
+  plgpu.commit_smem()
+  rows, cols = _row_window(c), pl.ds(w * r2, r2)
+  o_dst = c.o_ref.at[c.b, rows, cols] if final else c.o_ref.at[c.b, c.s_idx, rows, cols]
+  plgpu.copy_smem_to_gmem(_smem_rows(o_smem, c.window), o_dst)
+  if w == 0:
+    lse_dst = c.lse_ref.at[c.b, rows] if final else c.lse_ref.at[c.b, c.s_idx, rows]
+    plgpu.copy_smem_to_gmem(_smem_rows(c.lse_smem, c.window), lse_dst)
+  plgpu.wait_smem_to_gmem(0)
+
+
 def _compute_wg(c, w):
   """Compute warpgroup w: loop over the split's tiles, then normalise and store O half and LSE."""
   plgpu.set_max_registers(232, action="increase")
   plgpu.barrier_wait(c.q_bar)
-  r2 = c.r // 2
-  acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, r2), jnp.float32), plgpu.Layout.WGMMA)
+  acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, c.r // 2), jnp.float32), plgpu.Layout.WGMMA)
   acc, m, l = _loop(c, w, acc)
   nonempty = l > 0.0
   inv = 1.0 / jnp.where(nonempty, l, 1.0)
@@ -206,53 +279,47 @@ def _compute_wg(c, w):
   _sync(c.wg_bar)  # both warpgroups are past their last read of Q/KV/P: the union may be reused
   if c.t.shared_p and w == 1:
     inv = plgpu.load(c.stat_smem.at[1], layout=_ROW, optimized=False)
-  o_smem = c.o_smem.at[w]
-  o_smem[...] = acc * _bcast_rows(inv, acc.shape)
-  if w == 0:
-    c.lse_smem[...] = lse2
-  plgpu.commit_smem()
-  rows = pl.ds(pl.multiple_of(c.m_idx * BLOCK_M, BLOCK_M), BLOCK_M)
-  plgpu.copy_smem_to_gmem(o_smem, c.o_ref.at[c.b, c.s_idx, rows, pl.ds(w * r2, r2)])
-  if w == 0:
-    plgpu.copy_smem_to_gmem(c.lse_smem, c.lse_ref.at[c.b, c.s_idx, rows])
-  plgpu.wait_smem_to_gmem(0)
+  _store(c, w, acc * _bcast_rows(inv, acc.shape), lse2)
 
 
-def _make_body(t: Tuning, l, r, scale_log2, dtype, interpret):
+def _make_body(t: Tuning, n, l, r, window, scale_log2, dtype, interpret):
   """Kernel body for static shapes."""
 
-  def body(len_ref, q_ref, kv_ref, o_ref, lse_ref, union, stat_smem, lse_smem, q_bar, kv_bar,
-           free_bar, wg_bar, p_ready, p_free):
+  def body(len_ref, q_ref, kv_ref, words_ref, o_ref, lse_ref, union, stat_smem, lse_smem, q_bar,
+           kv_bar, free_bar, wg_bar, p_ready, p_free):
     (q_smem, kv_smem, p_smem), (o_smem,) = union
     m_idx, s_idx, b = lax.axis_index("m"), lax.axis_index("s"), lax.axis_index("b")
+    length = jnp.clip(len_ref[b], 0, l)  # l: the cache's rows before any pad (never visible)
+    end = jnp.minimum(length + n, l)
+    lo, hi, full_hi = _split_range(length, end, s_idx, t)
+    c = _Ctx(t=t, interpret=interpret, r=r, window=window, scale_log2=scale_log2, dtype=dtype,
+             q_ref=q_ref, kv_ref=kv_ref, words_ref=words_ref, o_ref=o_ref, lse_ref=lse_ref,
+             q_smem=q_smem, kv_smem=kv_smem, p_smem=p_smem, o_smem=o_smem, stat_smem=stat_smem,
+             lse_smem=lse_smem, q_bar=q_bar, kv_bar=kv_bar, free_bar=free_bar, wg_bar=wg_bar,
+             p_ready=p_ready, p_free=p_free, m_idx=m_idx, s_idx=s_idx, b=b, length=length,
+             end=end, lo=lo, hi=hi, full_hi=full_hi)
     wg = lax.axis_index("wg")
-    length = len_ref[b]
-    lo, hi, full_hi = _split_range(length, s_idx, t)
-    c = _Ctx(t=t, l=l, interpret=interpret, r=r, scale_log2=scale_log2, dtype=dtype, q_smem=q_smem, kv_smem=kv_smem,
-             p_smem=p_smem, o_smem=o_smem, stat_smem=stat_smem, lse_smem=lse_smem, q_bar=q_bar,
-             kv_bar=kv_bar, free_bar=free_bar, wg_bar=wg_bar, p_ready=p_ready,
-             p_free=p_free, o_ref=o_ref, lse_ref=lse_ref,
-             m_idx=m_idx, s_idx=s_idx, b=b, length=length, lo=lo, hi=hi, full_hi=full_hi)
     for w in range(2):
       pl.when(wg == w)(functools.partial(_compute_wg, c, w))
 
     @pl.when(wg == 2)
     def _():
       plgpu.set_max_registers(40, action="decrease")
-      _memory_wg(q_ref, kv_ref, q_smem, kv_smem, q_bar, kv_bar, free_bar, b=b, m_idx=m_idx,
-                 lo=lo, hi=hi, t=t, l=l)
+      _memory_wg(c)
 
   return body
 
 
 def _scratch(t: Tuning, c, r, dtype, interpret):
-  """SMEM: a union of (Q, KV ring, P) with the fp32 output staging, plus stats and barriers."""
+  """SMEM: a union of (Q, KV ring, P) with the output staging, plus stats and barriers."""
   q = plgpu.SMEM((BLOCK_M, c), dtype, transforms=_BF16_TRANSFORMS)
   kv = plgpu.SMEM((t.stages, t.block_kv, c), dtype, transforms=_BF16_TRANSFORMS)
   n_p = 2 if interpret else int(t.shared_p)
   p_shape = (n_p, BLOCK_M, t.block_kv) if interpret else (BLOCK_M, t.block_kv)
   p = plgpu.SMEM(p_shape, dtype, transforms=_BF16_TRANSFORMS) if n_p else None
-  o = plgpu.SMEM((2, BLOCK_M, r // 2), jnp.float32, transforms=_F32_TRANSFORMS)
+  o_dtype = dtype if t.num_splits == 1 else t.partials_dtype
+  transforms = _F32_TRANSFORMS if o_dtype == jnp.float32 else _BF16_TRANSFORMS
+  o = plgpu.SMEM((2, BLOCK_M, r // 2), o_dtype, transforms=transforms)
   return [
       plgpu.RefUnion((q, kv, p), (o,)),
       plgpu.SMEM((2, BLOCK_M), jnp.float32),
@@ -266,97 +333,42 @@ def _scratch(t: Tuning, c, r, dtype, interpret):
   ]
 
 
-def prefix_partials(q_rows, cache, lengths, *, scale, tuning: Tuning, value_dim, interpret=False):
-  """Kernel over the committed prefix: (O [B, S, M, R] f32 normalised per split, LSE2 [B, S, M])."""
-  b, mp, c = q_rows.shape
+def out_types(b, m, r, t: Tuning, dtype):
+  """One split: (out [B, M, R] dtype, natural LSE [B, M]); else partials (O [B, S, M, R] in
+  t.partials_dtype, normalised per split; base-2 LSE [B, S, M] f32)."""
+  if t.num_splits == 1:
+    return (jax.ShapeDtypeStruct((b, m, r), dtype), jax.ShapeDtypeStruct((b, m), jnp.float32))
+  return (jax.ShapeDtypeStruct((b, t.num_splits, m, r), t.partials_dtype),
+          jax.ShapeDtypeStruct((b, t.num_splits, m), jnp.float32))
+
+
+def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning, value_dim,
+                     cache_rows=None, interpret=False):
+  """q_rows [B, M, C] (M rows: < 64 and a multiple of 8, or a multiple of 64), cache [B, L, C]
+  (L a multiple of 8), lengths [B] in [0, L], words [B, W + 2, tiles * 64] from
+  masks.tree_mask_words -> out_types (M rows). cache_rows: the rows before a pad to 8 (default L);
+  lengths are clipped to [0, cache_rows] in the kernel, and rows past it are never visible."""
+  b, m, c = q_rows.shape
   l = cache.shape[1]
   t, r = tuning, value_dim
-  if mp % BLOCK_M or c % 64 or r % 128 or r // 2 > 256 or l < t.block_kv:
-    raise ValueError(f"unsupported shapes {q_rows.shape=} {cache.shape=} {value_dim=} {t=}")
-  body = _make_body(t, l, r, scale * LOG2E, q_rows.dtype, interpret)
-  out_type = (jax.ShapeDtypeStruct((b, t.num_splits, mp, r), jnp.float32),
-              jax.ShapeDtypeStruct((b, t.num_splits, mp), jnp.float32))
+  if l % 8 or c % 64 or r % 128 or r // 2 > 256:
+    raise ValueError(f"unsupported shapes {q_rows.shape=} {cache.shape=} {value_dim=}")
+  if t.block_kv > 64:
+    raise ValueError(f"{t.block_kv=}: a tile reads 3 mask words, enough for 64 keys only")
+  tiles = -(-m // BLOCK_M)
+  window = min(m, BLOCK_M)
+  _check_windows(m, window, tiles, f"q rows {q_rows.shape}")
+  for what, shape in zip(("out", "lse"), out_types(b, m, r, t, q_rows.dtype)):
+    _check_windows(shape.shape[-2 if what == "out" else -1], window, tiles, f"{what} {shape}")
+  if words.shape[2] != tiles * BLOCK_M or words.shape[1] != masks.num_words(n) + masks.EXTRA_WORDS:
+    raise ValueError(f"{words.shape=} does not match {n=} and {tiles} row tiles")
+  rows_l = l if cache_rows is None else cache_rows
+  body = _make_body(t, n, rows_l, r, window, scale * LOG2E, q_rows.dtype, interpret)
   fn = plgpu.kernel(
-      body, out_type=out_type, scratch_types=_scratch(t, c, r, q_rows.dtype, interpret),
-      grid=(mp // BLOCK_M, t.num_splits, b), grid_names=("m", "s", "b"), num_threads=3,
-      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      body, out_type=out_types(b, m, r, t, q_rows.dtype),
+      scratch_types=_scratch(t, c, r, q_rows.dtype, interpret),
+      grid=(tiles, t.num_splits, b), grid_names=("m", "s", "b"), num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
-  return fn(lengths, q_rows, cache)
-
-
-def tree_partial(q, cache, lengths, tree_mask, *, scale, value_dim):
-  """The N x N tree block in XLA: (O [B, N, H, R] f32 unnormalised, row max M2 and sum D [B, N, H]).
-
-  O = sum_j 2^(s_j - M2) v_j over the visible tree nodes, D = sum_j 2^(s_j - M2) (0: none
-  visible); `merge` divides, so the normalisation fuses into the merge.
-  """
-  n = q.shape[1]
-  l = cache.shape[1]
-  pos = lengths[:, None] + jnp.arange(n)[None, :]                               # [B, N]
-  keys = jnp.take_along_axis(cache, jnp.clip(pos, 0, l - 1)[..., None], axis=1)
-  vis = tree_mask & (pos < l)[:, None, :]                                     # [B, N(i), N(j)]
-  # q and keys hold bf16 values: bf16 products are exact in f32, so a bf16 matmul with f32
-  # accumulation equals the f32 HIGHEST one (which ran as slow f32 GEMMs on the H200).
-  s = jnp.einsum("bnhc,bjc->bnhj", q, keys.astype(q.dtype), preferred_element_type=jnp.float32,
-                 precision=lax.Precision.HIGHEST) * (scale * LOG2E)
-  s = jnp.where(vis[:, :, None, :], s, -jnp.inf)
-  m = jnp.max(s, axis=-1)
-  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.exp2(s - m_safe[..., None])
-  den = jnp.sum(p, axis=-1)
-  # P in the value dtype (as the kernel's PV wgmma), f32 accumulation.
-  o = jnp.einsum("bnhj,bjr->bnhr", p.astype(q.dtype), keys[..., :value_dim].astype(q.dtype),
-                 preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-  return o, m_safe, den
-
-
-def _rows(q, mp):
-  """[B, N, H, C] -> [B, M, C] node-major rows, zero padded to M."""
-  b, n, h, c = q.shape
-  return jnp.pad(q.reshape(b, n * h, c), ((0, 0), (0, mp - n * h), (0, 0)))
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "value_dim", "tuning"))
-def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret=False,
-                               value_dim=None, tuning=None):
-  """out [B, N, H, R] in q.dtype and lse [B, N, H] f32 (natural log)."""
-  b, n, h, c = q.shape
-  l = cache.shape[1]
-  r = value_dim if value_dim is not None else c - 64
-  t = tuning if tuning is not None else default_tuning(b, n, h, l)
-  mp = -(-(n * h) // BLOCK_M) * BLOCK_M
-  l_pad = max(t.block_kv, -(-l // 8) * 8)  # TMA row starts must be multiples of 8 (SMEM tiling)
-  kv = cache if l == l_pad else jnp.pad(cache, ((0, 0), (0, l_pad - l), (0, 0)))
-  lengths = jnp.clip(lengths.astype(jnp.int32), 0, l)
-  o_p, lse_p = prefix_partials(_rows(q, mp), kv, lengths, scale=scale, tuning=t, value_dim=r,
-                               interpret=interpret)
-  return finish(o_p, lse_p, q, cache, lengths, tree_mask, scale=scale, value_dim=r)
-
-
-def finish(o_p, lse_p, q, cache, lengths, tree_mask, *, scale, value_dim):
-  """The XLA work after the kernel: the tree block, merged with the kernel's split partials."""
-  o_t, m_t, den_t = tree_partial(q, cache, lengths, tree_mask, scale=scale, value_dim=value_dim)
-  return merge(o_p, lse_p, o_t, m_t, den_t, q.dtype)
-
-
-def merge(o_p, lse_p, o_t, m_t, den_t, dtype):
-  """Kernel partials (O [B, S, M, R] normalised, LSE2 [B, S, M]) + the tree block (unnormalised O,
-  M2, D [B, N, H] from `tree_partial`) -> (out [B, N, H, R] in dtype, natural lse [B, N, H]).
-
-  Reads every partial once in the kernel's own layout (no transposes or concatenations):
-  weights 2^(lse - max), a sum over the splits, plus the tree block's term.
-  """
-  b, n, h, r = o_t.shape
-  s = o_p.shape[1]
-  o_p = o_p[:, :, :n * h].reshape(b, s, n, h, r)
-  lse_p = lse_p[:, :, :n * h].reshape(b, s, n, h)
-  has_tree = den_t > 0
-  lse_t = jnp.where(has_tree, m_t + jnp.log2(jnp.where(has_tree, den_t, 1.0)), -jnp.inf)
-  m = jnp.maximum(jnp.max(lse_p, axis=1), lse_t)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  w_p = jnp.exp2(lse_p - m[:, None])
-  w_t = jnp.where(has_tree, jnp.exp2(m_t - m), 0.0)  # scales the unnormalised tree O and D
-  den = jnp.sum(w_p, axis=1) + w_t * den_t
-  num = jnp.sum(w_p[..., None] * o_p, axis=1) + w_t[..., None] * o_t
-  out = num / jnp.where(den > 0, den, 1.0)[..., None]
-  return out.astype(dtype), (m + jnp.log2(den)) * LN2
+  return fn(lengths, q_rows, cache, words)

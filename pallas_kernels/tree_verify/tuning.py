@@ -2,17 +2,29 @@
 
 import dataclasses
 
+import jax.numpy as jnp
+
 NUM_SMS = 132  # H200 SXM
 BLOCK_M = 64   # rows = (node, head) pairs per tile; one wgmma M
+MIN_TILES_PER_SPLIT = 2  # a split below this pays its Q load and epilogue for too little streaming
+KERNELS = ("v2", "v1")  # v2: kernel.py (tree block in the kernel); v1: kernel_v1.py (tree in XLA)
+MERGES = ("xla", "triton")  # v2's split merge: combine.py (3 XLA kernels) or merge_triton.py (one)
 
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
   """Static kernel configuration."""
   block_kv: int = 64      # cache rows per streamed tile
-  num_splits: int = 1     # split-KV factor (grid axis); partials combined in XLA
+  num_splits: int = 1     # split-KV factor (grid axis); 1: the kernel writes the final output
   stages: int = 2         # KV tiles in flight (SMEM ring depth)
   shared_p: bool = True   # wg0 scores and shares P via SMEM (no redundant QK^T); else both wgs score
+  bf16_partials: bool = True  # split partials O in bf16 (half the write + merge read) or f32
+  kernel: str = "v2"      # which kernel (KERNELS); v1 ignores bf16_partials and merge
+  merge: str = "xla"      # v2's split merge (MERGES); "triton" needs a power-of-2 num_splits
+
+  @property
+  def partials_dtype(self):
+    return jnp.bfloat16 if self.bf16_partials else jnp.float32
 
   def __post_init__(self):
     if self.block_kv % 64 or self.block_kv <= 0:
@@ -21,6 +33,10 @@ class Tuning:
       raise ValueError("shared_p needs block_kv == 64 (SMEM budget)")
     if self.num_splits < 1 or self.stages < 2:
       raise ValueError(f"need num_splits >= 1 and stages >= 2, got {self}")
+    if self.kernel not in KERNELS or self.merge not in MERGES:
+      raise ValueError(f"{self.kernel=} must be in {KERNELS}, {self.merge=} in {MERGES}")
+    if self.merge == "triton" and self.num_splits & (self.num_splits - 1):
+      raise ValueError(f"merge='triton' needs a power-of-2 num_splits, got {self.num_splits}")
 
 
 def num_row_tiles(n, h):
@@ -28,9 +44,22 @@ def num_row_tiles(n, h):
   return -(-(n * h) // BLOCK_M)
 
 
-def default_tuning(b, n, h, l):
-  """Heuristic: enough (row tile, split, batch) CTAs to fill the SMs, splits of >= 8 KV tiles."""
+def default_splits(b, n, h, l, num_sms=NUM_SMS):
+  """Splits so that (row tiles x batch x splits) CTAs fill the SMs in one wave, each split
+  streaming at least MIN_TILES_PER_SPLIT KV tiles of the L cache rows."""
   ctas = num_row_tiles(n, h) * b
-  tiles = max(1, -(-l // 64))
-  splits = max(1, min(NUM_SMS // max(ctas, 1), tiles // 8, 64))
-  return Tuning(num_splits=splits)
+  kv_tiles = max(1, -(-l // 64))
+  return max(1, min(num_sms // ctas, kv_tiles // MIN_TILES_PER_SPLIT))
+
+
+def default_splits_v1(b, n, h, l, num_sms=NUM_SMS):
+  """v1's heuristic: splits of >= 8 KV tiles, at most 64 (its f32 partials and XLA merge)."""
+  ctas = num_row_tiles(n, h) * b
+  return max(1, min(num_sms // ctas, max(1, -(-l // 64)) // 8, 64))
+
+
+def default_tuning(b, n, h, l, kernel="v2"):
+  """The default knobs for a shape; kernel="v1" gives the v1 kernel with its own split count."""
+  if kernel == "v1":
+    return Tuning(num_splits=default_splits_v1(b, n, h, l), kernel="v1")
+  return Tuning(num_splits=default_splits(b, n, h, l))

@@ -1,5 +1,6 @@
 """DFlash draft: numpy reference on HF-layout weights, cache/train agreement, checkpoints, errors."""
 
+import functools
 import json
 import os
 import warnings
@@ -11,7 +12,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kdtree_jax import draft
-from kdtree_jax.draft import checkpoint, model
+from kdtree_jax.draft import checkpoint, ctx_attention, model
 
 SLIDING_CFG = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=3)
 
@@ -97,8 +98,12 @@ def close(got, ref, rel=1e-5):
   assert err <= rel * np.abs(ref).max(), (err, np.abs(ref).max())
 
 
+@pytest.mark.parametrize("ctx_chunk,ctx_impl", [(model.CTX_CHUNK, "xla"), (4, "xla"),
+                                                (model.CTX_CHUNK, "interpret")])
 @pytest.mark.parametrize("overrides", [{}, SLIDING_CFG])
-def test_block_matches_numpy(tmp_path, overrides):
+def test_block_matches_numpy(tmp_path, overrides, ctx_chunk, ctx_impl):
+  """ctx_chunk 4: the 64 cache rows as 16 chunks (most wholly past ctx_len); interpret:
+  the fused ctx kernel in interpret mode (full-attention layers; sliding ones stay on XLA)."""
   cfg = draft.DraftConfig.tiny(**overrides)
   params, W, embed, head = setup(cfg, tmp_path)
   rng = np.random.default_rng(2)
@@ -117,8 +122,10 @@ def test_block_matches_numpy(tmp_path, overrides):
   np.testing.assert_array_equal(np.asarray(cache.ctx_len), done)
   tokens = np.asarray(model.make_block(cfg, jnp.array([5, 9])))
   np.testing.assert_array_equal(tokens, [[5, 63, 63, 63], [9, 63, 63, 63]])
-  logits = jax.jit(model.draft_block, static_argnums=1)(
-      params, cfg, cache, jnp.asarray(tokens), jnp.asarray(done), jnp.asarray(embed), jnp.asarray(head))
+  block = jax.jit(functools.partial(model.draft_block, ctx_chunk=ctx_chunk, ctx_impl=ctx_impl),
+                  static_argnums=1)
+  logits = block(params, cfg, cache, jnp.asarray(tokens), jnp.asarray(done), jnp.asarray(embed),
+                 jnp.asarray(head))
   assert logits.shape == (B, S, cfg.vocab_size) and logits.dtype == jnp.float32
   for b in range(B):
     n = done[b]
@@ -271,6 +278,93 @@ def test_config_formats_and_errors():
     draft.DraftConfig.from_hf_dict(dict(zlab, rope_scaling={"rope_type": "yarn", "factor": 4}))
   with pytest.raises(ValueError, match="DFlash2"):
     draft.DraftConfig.from_hf_dict(dict(zlab, architectures=["DFlash2DraftModel"]))
+
+
+def test_cache_rows_whole_chunks():
+  """Capacities above one chunk round up to whole CTX_CHUNKs (no chunk of the ctx attention is
+  ever padded); smaller ones to whole 64-row tiles."""
+  n = model.CTX_CHUNK
+  assert [model.cache_rows(r) for r in (8, 64, 65, n, n + 1, 46016)] == [
+      64, 64, 128, n, 2 * n, -(-46016 // n) * n]
+  shape = jax.eval_shape(lambda: model.init_draft_cache(draft.DraftConfig.tiny(), 1, n + 1)).k[0].shape
+  assert shape[2] == 2 * n
+
+
+def test_ctx_kernel_partials_match_numpy():
+  """The fused ctx kernel (interpret mode, f32): per chunk, o equals a float64 numpy softmax
+  over the chunk's rows below ctx_len and lse its log-sum-exp; a chunk wholly past ctx_len gives
+  lse = -inf and o = 0; rows past ctx_len never matter (filled with huge values here)."""
+  B, G, M, E, C = 2, 2, 16, 32, 96
+  rng = np.random.default_rng(7)
+  q, k, v = (rng.normal(size=s).astype(np.float32) for s in
+             [(B, G, M, E), (B, G, C, E), (B, G, C, E)])
+  lens = np.array([45, 0])
+  for b, n in enumerate(lens):
+    k[b, :, n:], v[b, :, n:] = 1e4, 1e4
+  tuning = ctx_attention.Tuning(chunk=32, block_k=16)
+  o, lse = ctx_attention.ctx_partials(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                      jnp.asarray(lens), scale=0.3, tuning=tuning, interpret=True)
+  assert o.shape == (B, G, 3, M, E) and lse.shape == (B, G, 3, M) and o.dtype == jnp.float32
+  for b, g, j in np.ndindex(B, G, 3):
+    rows = slice(32 * j, min(32 * (j + 1), lens[b]))
+    s = 0.3 * q[b, g].astype(np.float64) @ k[b, g, rows].T
+    if s.shape[1] == 0:
+      assert np.all(np.isneginf(lse[b, g, j])) and not np.any(o[b, g, j])
+      continue
+    mx = s.max(1)
+    p = np.exp(s - mx[:, None])
+    np.testing.assert_allclose(lse[b, g, j], mx + np.log(p.sum(1)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(o[b, g, j], (p / p.sum(1, keepdims=True)) @ v[b, g, rows],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_ctx_kernel_lowers_for_h200():
+  """The fused ctx kernel lowers to Triton for an H200 (abstract device, no GPU needed) at
+  bench_k26_full's draft shape: 128 query rows, one kv head, 46080 cache rows."""
+  from jax._src import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  M, E, C = 128, 128, 46080
+  tuning = ctx_attention.default_tuning(1, 1, M, C)
+  assert tuning.chunk == 256 and C % tuning.chunk == 0
+  spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  assert ctx_attention.supports(spec(1, 1, M, E), spec(1, 1, C, E), tuning)
+  f32 = jax.ShapeDtypeStruct((1, 1, C, E), jnp.float32)
+  assert not ctx_attention.supports(spec(1, 1, M, E), f32, tuning)  # bf16 cache only
+  odd = ctx_attention.Tuning(chunk=192, block_k=64)  # not a power-of-two Triton block
+  assert not ctx_attention.supports(spec(1, 1, M, E), spec(1, 1, 192, E), odd)
+  assert not ctx_attention.supports(spec(1, 1, 8, E), spec(1, 1, C, E), tuning)  # M < 16
+  fn = jax.jit(functools.partial(ctx_attention.ctx_partials, scale=E ** -0.5, tuning=tuning))
+  dev = mesh_lib.AbstractDevice("NVIDIA H200", 132, "gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
+    text = fn.trace(spec(1, 1, M, E), spec(1, 1, C, E), spec(1, 1, C, E),
+                    jax.ShapeDtypeStruct((1,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "draft_ctx_attention" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernel: GPU only")
+@pytest.mark.parametrize("kv_heads,q_heads,ctx", [(1, 8, 46000), (8, 32, 3000), (1, 8, 5)])
+def test_ctx_kernel_compiled_matches_float64(kv_heads, q_heads, ctx):
+  """The compiled kernel (default tuning, bf16 cache) on bench_k26_full's / bench_k26's draft
+  head shapes: the merged attention over rows < ctx_len equals a float64 softmax of the same
+  bf16 inputs (rel L2 <= 1e-2: p is rounded to bf16 for the PV dot, as in the XLA path)."""
+  B, M, E = 2, q_heads // kv_heads * 16, 128
+  C = model.cache_rows(ctx + 16)
+  ks = jax.random.split(jax.random.key(8), 3)
+  q = jax.random.normal(ks[0], (B, kv_heads, M, E), jnp.float32).astype(jnp.bfloat16)
+  k, v = (jax.random.normal(kk, (B, kv_heads, C, E), jnp.float32).astype(jnp.bfloat16)
+          for kk in ks[1:])
+  lens = jnp.array([ctx, max(1, ctx // 3)], jnp.int32)
+  tuning = ctx_attention.default_tuning(B, kv_heads, M, C)
+  assert ctx_attention.supports(q, k, tuning)
+  parts = model.kernel_part(k, v, lens, tuning, False)(q.reshape(B, kv_heads, 1, M, E), E ** -0.5)
+  o, _, l = parts
+  got = np.asarray(o / l[..., None], np.float64).reshape(B, kv_heads, M, E)
+  q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+  for b, n in enumerate(np.asarray(lens)):
+    s = np.einsum("gme,gke->gmk", q64[b], k64[b, :, :n]) * E ** -0.5
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("gmk,gke->gme", p / p.sum(-1, keepdims=True), v64[b, :, :n])
+    assert np.linalg.norm(got[b] - want) <= 1e-2 * np.linalg.norm(want)
 
 
 def test_hidden_size_mismatch():

@@ -13,6 +13,7 @@ import pytest
 
 from kdtree_jax.checkpoint import int4
 from kdtree_jax.target import experts
+from pallas_kernels.grouped_matmul import expert_mlp as pallas_expert_mlp
 from pallas_kernels.grouped_matmul import (Tuning, gated_grouped_matmul, grouped_matmul,
                                            grouped_matmul_reference,
                                            int4_grouped_matmul_reference, work)
@@ -81,6 +82,8 @@ CASES = [  # sizes, m, k, n, group, tuning
     ([20, 0, 44, 64], 140, 256, 128, 128, Tuning(rows=16, block_n=64, block_k=128, stages=3)),
     ([1, 0, 1, 1, 0, 1], 4, 256, 128, 32, Tuning(rows=8, block_n=64, block_k=256, stages=2)),
     ([3, 0, 9], 13, 256, 64, 32, Tuning(rows=16, block_n=64, block_k=64, stages=2, splits=2)),
+    ([30, 0, 50, 3, 10], 100, 128, 128, 32,  # 2 CTA columns looping over the items
+     Tuning(rows=32, block_n=64, block_k=64, stages=2, splits=2, slots=2)),
 ]
 
 
@@ -112,6 +115,52 @@ def test_gated_kernel_interpret_matches_reference(fmt):
       int4_grouped_matmul_reference(x, *w, gs, jnp.float32)
   g, u = ref(gate), ref(up)
   _check(got, jax.nn.silu(g) * u, sum(sizes))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_gated_split_k_interpret_matches_reference(fmt):
+  """Gated call with split-K: gate and up partials from one call, summed and SiLU-multiplied."""
+  sizes, m, k, n = [3, 0, 9], 13, 256, 64
+  x, w_a, q_a = _operands(m, k, n, len(sizes), 32, seed=5)
+  _, w_b, q_b = _operands(m, k, n, len(sizes), 32, seed=6)
+  gate, up = (q_a, q_b) if fmt == "int4" else (w_a, w_b)
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = Tuning(rows=16, block_n=64, block_k=64, stages=2, splits=2, a_operand="smem")
+  got = gated_grouped_matmul(x, gate, up, gs, backend="interpret", tuning=t)
+  _check(got, gated_grouped_matmul(x, gate, up, gs, backend="xla"), sum(sizes))
+
+
+@pytest.mark.parametrize("t,k,e_l,e0", [(5, 3, 4, 2), (9, 8, 48, 0), (300, 8, 48, 0)])
+def test_sort_pairs_equals_stable_argsort(t, k, e_l, e0):
+  """The comparison order (and the sort past COMPARE_SORT_MAX_PAIRS) == a stable argsort."""
+  rng = np.random.default_rng(t)
+  idx = np.stack([rng.permutation(64)[:k] for _ in range(t)]).astype(np.int32)
+  order, rank, sizes, mine = experts.sort_pairs(jnp.asarray(idx), e_l, e0)
+  local = idx.reshape(-1) - e0
+  ok = (local >= 0) & (local < e_l)
+  key = np.where(ok, local, e_l)
+  want = np.argsort(key, kind="stable")
+  np.testing.assert_array_equal(np.asarray(order), want)
+  np.testing.assert_array_equal(np.asarray(rank)[want], np.arange(t * k))
+  np.testing.assert_array_equal(np.asarray(sizes), np.bincount(key, minlength=e_l + 1)[:e_l])
+  np.testing.assert_array_equal(np.asarray(mine), ok)
+  np.testing.assert_array_equal(np.asarray(experts.group_ends(jnp.asarray(idx), e_l, e0)),
+                                np.cumsum(np.asarray(sizes)))
+
+
+def test_expert_mlp_split_k_interpret_matches_xla():
+  """Both calls on one work list, down with split-K partials, combined by the caller's sum."""
+  sizes, m, d, f = [3, 0, 9, 2], 16, 256, 128
+  x, _, gate = _operands(m, d, f, len(sizes), 32, seed=7)
+  _, _, up = _operands(m, d, f, len(sizes), 32, seed=8)
+  _, _, down = _operands(m, f, d, len(sizes), 32, seed=9)
+  gs = jnp.asarray(sizes, jnp.int32)
+  tg = Tuning(rows=16, block_n=64, block_k=64, stages=2, splits=2, slots=1, a_operand="smem")
+  td = Tuning(rows=16, block_n=64, block_k=64, stages=2, splits=2, a_operand="smem")
+  got = pallas_expert_mlp(x, gate, up, down, gs, backend="interpret", tunings=(tg, td))
+  want = pallas_expert_mlp(x, gate, up, down, gs, backend="xla")
+  assert got.shape == (2, m, d) and want.shape == (1, m, d)
+  _check(got.sum(axis=0), want[0], sum(sizes))
 
 
 def test_int4_reference_equals_dequantised_matmul_in_f32():
@@ -163,6 +212,34 @@ def test_kernel_gpu_matches_reference(sizes, m, k, n, fmt, a_operand):
     _check(grouped_matmul(x, ws, gs, backend="pallas", tuning=t2), want, sum(sizes))
   gated = gated_grouped_matmul(x, ws, ws, gs, backend="pallas")
   _check(gated, gated_grouped_matmul(x, ws, ws, gs, backend="xla"), sum(sizes))
+
+
+@pytest.mark.parametrize("q_load", ["vector", "swizzled"])
+def test_int4_q_load_interpret_matches_reference(q_load):
+  sizes, m, k, n = [30, 0, 50, 3, 10], 100, 256, 128
+  x, _, ws = _operands(m, k, n, len(sizes), 32, seed=11)
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = Tuning(rows=32, block_n=64, block_k=128, stages=2, a_operand="smem", q_load=q_load)
+  _check(grouped_matmul(x, ws, gs, backend="interpret", tuning=t),
+         grouped_matmul(x, ws, gs, backend="xla"), sum(sizes))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_load", ["vector", "swizzled"])
+@pytest.mark.parametrize("sizes,m,k,n", [  # a K2.6 verify step's experts on one of 8 GPUs
+    (list(np.bincount(np.random.default_rng(2).integers(0, 48, 520), minlength=48)), 520, 7168,
+     2048),
+])
+def test_int4_q_load_gpu_matches_reference(sizes, m, k, n, q_load):
+  """The INT4 tile's SMEM layout / load variants (registers A operand), plain and gated."""
+  x, _, ws = _operands(m, k, n, len(sizes), 32)
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = dataclasses.replace(default_tuning(m, len(sizes), k, n, True), q_load=q_load)
+  _check(grouped_matmul(x, ws, gs, backend="pallas", tuning=t),
+         grouped_matmul(x, ws, gs, backend="xla"), sum(sizes))
+  tg = dataclasses.replace(default_tuning(m, len(sizes), k, n, True, gated=True), q_load=q_load)
+  _check(gated_grouped_matmul(x, ws, ws, gs, backend="pallas", tuning=tg),
+         gated_grouped_matmul(x, ws, ws, gs, backend="xla"), sum(sizes))
 
 
 def test_bad_input_errors():

@@ -7,12 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.tree_verify import api, kernel, reference
+from pallas_kernels.tree_verify import api, combine, kernel, masks, merge_triton, reference
 from pallas_kernels.tree_verify.tuning import Tuning, default_tuning
 
 ON_GPU = jax.default_backend() == "gpu"
 BACKEND = "pallas" if ON_GPU else "interpret"
 TOL = {jnp.bfloat16: 1e-2, jnp.float32: 1e-5}
+
+
+def GPU(values):  # pylint: disable=invalid-name
+  """A parametrization that is also in the default GPU set (`pytest -m gpu`, ~2 min on an H200)."""
+  return pytest.param(*values, marks=pytest.mark.gpu)
 C, R = 576, 512
 
 
@@ -29,11 +34,11 @@ def random_tree_mask(rng, b, n):
   return mask
 
 
-def make_inputs(b, n, h, l, lengths, seed=0, dtype=jnp.bfloat16):
+def make_inputs(b, n, h, l, lengths, seed=0, dtype=jnp.bfloat16, c=C):
   """Random q [B, N, H, C], cache [B, L, C], lengths [B], tree mask [B, N, N]."""
   kq, kc = jax.random.split(jax.random.key(seed))
-  q = jax.random.normal(kq, (b, n, h, C), jnp.float32).astype(dtype)
-  cache = jax.random.normal(kc, (b, l, C), jnp.float32).astype(dtype)
+  q = jax.random.normal(kq, (b, n, h, c), jnp.float32).astype(dtype)
+  cache = jax.random.normal(kc, (b, l, c), jnp.float32).astype(dtype)
   mask = random_tree_mask(np.random.default_rng(seed), b, n)
   return q, cache, jnp.asarray(lengths, jnp.int32), jnp.asarray(mask)
 
@@ -96,40 +101,85 @@ class TestReference:
     np.testing.assert_array_equal(vis, [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
 
 
-  def test_merge_matches_direct_softmax_merge(self):
-    """kernel.merge (partials in the kernel's layout + the unnormalised tree block) == f64 merge,
-    with empty splits (lse -inf) and rows that see no tree node (D = 0)."""
+
+class TestMasksAndMerge:
+  """The kernel's tree-mask words and the split merge, against plain numpy."""
+
+  @pytest.mark.parametrize("n,h", [(1, 8), (5, 3), (40, 2), (64, 1)])
+  def test_tree_mask_words(self, n, h):
+    mask = random_tree_mask(np.random.default_rng(n), 2, n)
+    m_pad = 64 * -(-(n * h) // 64)
+    words = np.asarray(masks.tree_mask_words(jnp.asarray(mask), h, m_pad)).view(np.uint32)
+    assert words.shape == (2, masks.num_words(n) + masks.EXTRA_WORDS, m_pad)
+    for bb, row, k in itertools.product(range(2), range(m_pad), range(32 * words.shape[1])):
+      want = row < n * h and k < n and mask[bb, row // h, k]
+      assert bool((words[bb, k // 32, row] >> (k % 32)) & 1) == want, (bb, row, k)
+
+  @pytest.mark.parametrize("how", ["xla", "triton"])
+  def test_merge_splits_matches_f64(self, how):
+    """Empty splits (lse -inf, O 0), a row with no visible key at all, padding rows past `rows`
+    (NaN: must not be read)."""
     rng = np.random.default_rng(5)
-    b, s, n, h, r = 2, 3, 3, 4, 8
-    mp = 64
-    o_p = rng.normal(size=(b, s, mp, r)).astype(np.float32)
-    lse_p = rng.normal(size=(b, s, mp)).astype(np.float32) * 3
-    lse_p[0, 1] = -np.inf                                  # an empty split
-    lse_p[1, :, :h] = -np.inf                              # node 0 of batch 1: no prefix at all
-    o_t = rng.normal(size=(b, n, h, r)).astype(np.float32)
-    m_t = rng.normal(size=(b, n, h)).astype(np.float32)
-    den_t = rng.uniform(0.5, 3.0, size=(b, n, h)).astype(np.float32)
-    den_t[0, 2] = 0.0                                      # node 2 of batch 0 sees no tree node
-    o_t[0, 2] = 0.0
-    out, lse = kernel.merge(*map(jnp.asarray, (o_p, lse_p, o_t, m_t, den_t)), jnp.float32)
-    # f64: every part as (weight 2^lse, normalised O), summed.
-    lse_tree = np.where(den_t > 0, m_t + np.log2(np.where(den_t > 0, den_t, 1)), -np.inf)
-    o_tree = o_t / np.where(den_t > 0, den_t, 1)[..., None]
-    parts_w = np.concatenate([np.exp2(lse_p[:, :, :n * h].reshape(b, s, n, h).astype(np.float64)),
-                              np.exp2(lse_tree[:, None].astype(np.float64))], axis=1)
-    parts_o = np.concatenate([o_p[:, :, :n * h].reshape(b, s, n, h, r), o_tree[:, None]], axis=1)
-    tot = parts_w.sum(axis=1)
-    want = (parts_w[..., None] * parts_o).sum(axis=1) / tot[..., None]
+    b, s, m, r, rows = 2, 4, 16, 64, 13
+    o_p = rng.normal(size=(b, s, m, r)).astype(np.float32)
+    lse_p = (rng.normal(size=(b, s, m)) * 3).astype(np.float32)
+    lse_p[0, 1], o_p[0, 1] = -np.inf, 0.0
+    lse_p[1, :, 3], o_p[1, :, 3] = -np.inf, 0.0
+    o_p[:, :, rows:], lse_p[:, :, rows:] = np.nan, np.nan
+    if how == "xla":
+      out, lse = combine.merge_splits(jnp.asarray(o_p), jnp.asarray(lse_p), rows, jnp.float32)
+    else:  # the Pallas Triton kernel in interpret mode (CPU), compiled on a GPU
+      out, lse = merge_triton.merge_splits_triton(jnp.asarray(o_p), jnp.asarray(lse_p), rows,
+                                                  jnp.float32, interpret=not ON_GPU)
+    w = np.exp2(lse_p[:, :, :rows].astype(np.float64))
+    tot = w.sum(axis=1)
+    want = (w[..., None] * o_p[:, :, :rows]).sum(axis=1) / np.where(tot > 0, tot, 1)[..., None]
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(lse), np.log(tot), rtol=1e-5, atol=1e-6)
 
-# Small shapes for CPU interpret mode: (B, N, H, L, lengths, tuning)
+
+class TestRowWindows:
+  """Every TMA row window of Q / O / LSE stays inside its own (batch, split) rows. Interpret mode
+  clips a window that runs past a ref, the GPU does not (it wrote the next split's partials:
+  v2's first H200 run, N=1, H=8), so the shapes are checked at trace time."""
+
+  @pytest.mark.parametrize("n,h,want", [(1, 8, 8), (2, 8, 16), (5, 8, 40), (8, 8, 64),
+                                        (9, 8, 128), (3, 1, 8), (1, 64, 64), (15, 8, 128)])
+  def test_kernel_rows(self, n, h, want):
+    assert api.kernel_rows(n, h) == want
+
+  @pytest.mark.parametrize("m", [72, 100, 4])
+  def test_window_past_ref_rejected(self, m):
+    """M = 72 would make the second tile's 64-row window reach 56 rows past the ref."""
+    sd = jax.ShapeDtypeStruct
+    f = lambda q, c, le, w: kernel.attention_kernel(q, c, le, w, n=m, scale=0.1, tuning=Tuning(
+        num_splits=2), value_dim=R, interpret=True)
+    with pytest.raises(ValueError, match="windows"):
+      jax.jit(f).trace(sd((1, m, C), jnp.bfloat16), sd((1, 128, C), jnp.bfloat16),
+                       sd((1,), jnp.int32), sd((1, 5, 64 * -(-m // 64)), jnp.int32))
+
+  @pytest.mark.parametrize("n,h", [(1, 8), (2, 8), (5, 8), (8, 8), GPU((9, 8))])  # M = 8 .. 72
+  def test_correct_over_rows(self, n, h):
+    """Several splits (partials [B, S, M, R]) and a batch of 2: a window past M would land in the
+    next split's or batch row's rows."""
+    q, cache, ln, mask = make_inputs(2, n, h, 192, [170, 100], seed=n * h)
+    check_against_reference(q, cache, ln, mask, Tuning(num_splits=3))
+
+
+# Small shapes for CPU interpret mode (GPU(...): also in the default GPU set, `pytest -m gpu`):
+# (B, N, H, L, lengths, tuning)
 SMALL = [
-    (1, 1, 1, 64, [63], Tuning(num_splits=1)),                     # one row, padded tile
+    (1, 1, 8, 64, [63], Tuning(num_splits=1)),                     # one split: final output
     (3, 5, 8, 200, [130, 0, 195], Tuning(num_splits=2)),           # ragged, len 0, L % 64 != 0
-    (3, 5, 8, 200, [130, 0, 195], Tuning(num_splits=2, shared_p=False)),
-    (1, 2, 64, 150, [148], Tuning(num_splits=3)),                  # 2 row tiles, empty split
-    (2, 16, 8, 40, [10, 24], Tuning(num_splits=1)),                # L < block_kv
+    GPU((3, 5, 8, 200, [130, 0, 195], Tuning(num_splits=2, shared_p=False, bf16_partials=False))),
+    (1, 15, 8, 136, [100], Tuning(num_splits=3)),                  # N = 8k-1: 2 row tiles, tree
+    (1, 8, 8, 192, [120], Tuning(num_splits=1)),                   # N*H = 64: one whole tile
+    (1, 40, 2, 192, [140], Tuning(num_splits=2)),                  # 2 mask words, tree over tiles
+    (1, 2, 64, 150, [148], Tuning(num_splits=3)),                  # L % 8 != 0, empty split
+    GPU((2, 4, 8, 150, [148, 151], Tuning(num_splits=2))),         # tree past L (pad rows), len > L
+    GPU((2, 3, 1, 40, [10, 30], Tuning(num_splits=1))),            # N*H % 8 != 0, L < block_kv
+    (3, 5, 8, 200, [130, 64, 195], Tuning(num_splits=2, kernel="v1")),  # v1 (A/B)
+    GPU((2, 9, 8, 300, [290, 0], Tuning(num_splits=4, merge="triton"))),  # one-kernel merge
 ]
 
 
@@ -141,27 +191,44 @@ class TestKernelSmall:
     q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=n * h + l)
     check_against_reference(q, cache, ln, mask, tuning)
 
-  def test_every_partial_written_and_deterministic(self):
-    """Interpret mode fills fresh buffers with NaN; on GPU a freed NaN buffer is reused."""
+  @pytest.mark.parametrize("splits,bf16_partials", [(1, True), GPU((3, True)), (3, False)])
+  def test_every_output_written_and_deterministic(self, splits, bf16_partials):
+    """Outputs land in buffers that held NaN (the interpreter fills fresh buffers with NaN; on
+    a GPU a freed NaN buffer of the same size is reused): every row of every split is written."""
     b, n, h, l, lengths = 3, 5, 8, 200, [130, 0, 195]
     q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=7)
-    t = Tuning(num_splits=3)
-    mp = kernel.BLOCK_M * -(-(n * h) // kernel.BLOCK_M)
-    q_rows = kernel._rows(q, mp)  # pylint: disable=protected-access
-    run = jax.jit(lambda qr, c, le: kernel.prefix_partials(
-        qr, c, le, scale=0.05, tuning=t, value_dim=R, interpret=not ON_GPU))
+    t = Tuning(num_splits=splits, bf16_partials=bf16_partials)
+    words = masks.tree_mask_words(mask, h, 64)  # M = 40: one tile, 40-row windows
+    run = jax.jit(lambda qr, c, le, w: kernel.attention_kernel(
+        qr, c, le, w, n=n, scale=0.05, tuning=t, value_dim=R, interpret=not ON_GPU))
     results = []
     for _ in range(2):
-      poison = jnp.full((b, t.num_splits, mp, R + 1), jnp.nan, jnp.float32).block_until_ready()
-      del poison
-      o, lse = run(q_rows, cache, ln)
-      results.append((np.asarray(o), np.asarray(lse)))
+      for shape in kernel.out_types(b, n * h, R, t, q.dtype):
+        jnp.full(shape.shape, jnp.nan, shape.dtype).block_until_ready()
+      o, lse = run(q.reshape(b, n * h, C), cache, ln, words)
+      results.append((np.asarray(o, np.float32), np.asarray(lse)))
     o, lse = results[0]
-    assert np.isfinite(o).all()
-    assert not np.isnan(lse).any()
-    assert np.isneginf(lse[1]).all() and (o[1] == 0).all()  # length 0: every split empty
+    assert np.isfinite(o).all() and not np.isnan(lse).any()
+    if splits > 1:  # len 0: batch 1 has one KV tile (its 5 tree rows), splits 1 and 2 are empty
+      assert np.isneginf(lse[1, 1:]).all() and (o[1, 1:] == 0).all()
+      assert np.isfinite(lse[:, 0]).all()
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])
+
+  def test_small_latent_width(self):
+    """C = 192, R = 128 (the tiny configs' MLA): 64-wide output halves per warpgroup."""
+    q, cache, ln, mask = make_inputs(2, 4, 8, 136, [100, 132], seed=9, c=192)
+    check_against_reference(q, cache, ln, mask, Tuning(num_splits=2))
+
+  def test_packed_mask_same_as_bool_mask(self):
+    """A mask packed once (pack_tree_mask) gives the bool mask's output bit for bit."""
+    q, cache, ln, mask = make_inputs(2, 9, 8, 130, [100, 121], seed=4)
+    t = Tuning(num_splits=2)
+    f = lambda m: api.tree_verify_attention(q, cache, ln, m, scale=0.1, backend=BACKEND, tuning=t)
+    np.testing.assert_array_equal(np.asarray(f(mask), np.float32),
+                                  np.asarray(f(masks.pack_tree_mask(mask, 8)), np.float32))
+    with pytest.raises(ValueError, match="pack_tree_mask"):
+      f(masks.pack_tree_mask(mask, 16))
 
   def test_public_api_bit_identical(self):
     q, cache, ln, mask = make_inputs(2, 2, 16, 100, [90, 33], seed=3)
@@ -169,32 +236,109 @@ class TestKernelSmall:
                                           tuning=Tuning(num_splits=2))
     np.testing.assert_array_equal(np.asarray(f(), np.float32), np.asarray(f(), np.float32))
 
-  def test_default_tuning(self):
-    assert default_tuning(1, 1, 8, 46000).num_splits > 1
+  def test_default_tuning_fills_the_sms(self):
+    assert default_tuning(1, 1, 8, 46000).num_splits == 132
+    assert default_tuning(4, 1, 8, 46000).num_splits == 33
+    assert default_tuning(1, 16, 8, 46000).num_splits == 66
+    assert default_tuning(1, 64, 64, 46000).num_splits == 2
     assert default_tuning(1, 64, 128, 46000).num_splits == 1
+    assert default_tuning(1, 1, 8, 256).num_splits == 2  # >= 2 KV tiles per split
+
+
+class TestLowersForGpu:
+  """Every kernel variant lowers to Mosaic GPU (layout inference, TMA shapes) on any host."""
+
+  @staticmethod
+  def lower_text(b, n, h, l, tuning):
+    sd = jax.ShapeDtypeStruct
+    f = lambda *a: api.tree_verify_attention_mgpu(*a, scale=0.1, tuning=tuning)
+    return jax.jit(f).trace(sd((b, n, h, C), jnp.bfloat16), sd((b, l, C), jnp.bfloat16),
+                            sd((b,), jnp.int32), sd((b, n, n), jnp.bool_)).lower(
+                                lowering_platforms=("cuda",)).as_text()
+
+  @pytest.mark.parametrize("b,n,h,l,tuning", [
+      (1, 1, 8, 46000, Tuning(num_splits=132)), (1, 64, 64, 46000, Tuning(num_splits=1)),
+      (2, 15, 8, 4096, Tuning(num_splits=3, shared_p=False)), (4, 63, 8, 4100, Tuning(num_splits=2)),
+      (1, 3, 1, 100, Tuning(num_splits=1)), (2, 9, 8, 4096, Tuning(kernel="v1", num_splits=4))])
+  def test_lowers(self, b, n, h, l, tuning):
+    assert "mosaic_gpu" in self.lower_text(b, n, h, l, tuning)
+
+  def test_triton_merge_lowers(self):
+    """The Pallas Triton merge needs a GPU kind to lower on a CPU host: an abstract H200."""
+    h200 = jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=h200)):
+      text = self.lower_text(1, 1, 8, 46000, Tuning(num_splits=128, merge="triton"))
+    assert "mosaic_gpu" in text and "triton" in text.lower()
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("b,n,h", list(itertools.product([1, 4], [1, 8, 16, 32, 64], [8, 64])))
+  def test_bench_grid_lowers(self, b, n, h):
+    """The bench grid's shapes with the default tuning (L = 46000; every L of the grid was
+    checked once, 2026-12-01)."""
+    assert "mosaic_gpu" in self.lower_text(b, n, h, 46000, default_tuning(b, n, h, 46000))
 
 
 @pytest.mark.gpu
-class TestKernelFullGPU:
-  """Every (N, H) pair with ragged batches, and a sweep over L; compiled kernel."""
+@pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")
+class TestKernelGPU:
+  """Default GPU set with the GPU(...) cases above (every code path, 13 cases, ~2 minutes on an
+  H200: ~10 s a case, mostly compiling; the bench checks its shapes against the reference too):
+  one split (final output) and
+  several (merge), shared P or not, ragged batches with length 0, L % 64 != 0 and % 8 != 0,
+  N*H % 8 != 0, N = 8k-1 and 8k, trees over several mask words, the default tuning at 46k."""
 
-  @pytest.mark.parametrize("n,h", list(itertools.product([1, 2, 5, 16, 64], [1, 8, 16, 64, 128])))
+  @pytest.mark.parametrize("b,n,h,l,lengths", [
+      (1, 1, 8, 46000, [45999]), (4, 1, 8, 4100, [4099, 0, 17, 2050]),
+      (3, 15, 8, 3000, [2985, 1, 1500]), (2, 100, 8, 1000, [900, 64])])
+  def test_default_tuning(self, b, n, h, l, lengths):
+    q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=n * 131 + h + l)
+    check_against_reference(q, cache, ln, mask)
+
+  @pytest.mark.parametrize("tuning", [Tuning(num_splits=1), Tuning(kernel="v1", num_splits=4)])
+  def test_tunings(self, tuning):
+    q, cache, ln, mask = make_inputs(3, 64, 8, 3000, [2936, 1, 1500], seed=11)
+    check_against_reference(q, cache, ln, mask, tuning)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")
+class TestKernelFullGridGPU:
+  """Every (N, H) pair with ragged batches, and a sweep over L; compiled kernel. Runs only with
+  pytest's --gpu-full-grid (tests/conftest.py)."""
+
+  @pytest.fixture(autouse=True)
+  def _full_grid_only(self, request):
+    if not request.config.getoption("--gpu-full-grid"):
+      pytest.skip("GPU full grid: pass --gpu-full-grid")
+
+  @pytest.mark.parametrize("b,n,h,l,lengths", [
+      (2, 2, 8, 46000, [45998, 30000]), (2, 5, 8, 8192, [8187, 4000]), (1, 9, 8, 8192, [8183]),
+      (1, 16, 8, 16384, [16368]), (2, 63, 8, 2048, [1985, 700]), (1, 64, 64, 4096, [4032]),
+      (2, 5, 3, 700, [695, 300])])
+  def test_default_tuning(self, b, n, h, l, lengths):
+    q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=n * 131 + h + l)
+    check_against_reference(q, cache, ln, mask)
+
+  @pytest.mark.parametrize("tuning", [Tuning(num_splits=7),
+                                      Tuning(bf16_partials=False, num_splits=5),
+                                      Tuning(shared_p=False, num_splits=1),
+                                      Tuning(shared_p=False, num_splits=4)])
+  def test_tunings(self, tuning):
+    q, cache, ln, mask = make_inputs(3, 64, 8, 3000, [2936, 1, 1500], seed=11)
+    check_against_reference(q, cache, ln, mask, tuning)
+
+  @pytest.mark.parametrize("n,h", list(itertools.product([1, 2, 7, 8, 16, 31, 32, 64, 127],
+                                                         [1, 8, 16, 64, 128])))
   def test_nh_grid(self, n, h):
     l = 1000
     q, cache, ln, mask = make_inputs(3, n, h, l, [l - n, 0, 517], seed=n * 131 + h)
     check_against_reference(q, cache, ln, mask)
 
-  @pytest.mark.parametrize("l", [64, 100, 4096, 4100, 46000])
-  @pytest.mark.parametrize("b", [1, 3])
+  @pytest.mark.parametrize("l", [64, 100, 4096, 4100, 46000, 131072])
+  @pytest.mark.parametrize("b", [1, 4])
   def test_lengths(self, l, b):
     n, h = 16, 8
-    lengths = [l - n] if b == 1 else [l - n, 0, max(l // 3, 1)]
+    lengths = [l - n] if b == 1 else [l - n, 0, max(l // 3, 1), l // 2]
     q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=l + b)
     check_against_reference(q, cache, ln, mask)
-
-  @pytest.mark.parametrize("tuning", [Tuning(num_splits=1), Tuning(num_splits=7),
-                                      Tuning(shared_p=False, num_splits=4),
-                                      Tuning(shared_p=False, num_splits=1)])
-  def test_tunings(self, tuning):
-    q, cache, ln, mask = make_inputs(3, 64, 8, 3000, [2936, 1, 1500], seed=11)
-    check_against_reference(q, cache, ln, mask, tuning)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kdtree_jax.target import config as C
-from kdtree_jax import sharding
+from kdtree_jax import projection, sharding
 from kdtree_jax.collective_audit import KINDS, count_collectives
 from kdtree_jax.decoding import loop
 from kdtree_jax.decoding.spec_config import SpecConfig
@@ -111,6 +111,9 @@ def test_at_most_two_collectives_per_target_layer(mesh_spec, mode):
         f"{loop_total(shallow)} at 2 -> {per_layer} per target layer\n"
         f"  kind          source                       4L  2L\n{breakdown(deep, shallow)}")
   assert per_layer <= 2
+  if not mesh_spec.startswith("data"):  # the 8-GPU projection charges exactly this count
+    draft_layers = small_configs()[1].num_hidden_layers
+    assert loop_total(deep) == projection.collectives_per_step(mode, 4, draft_layers)
 
 
 def _moe_case(dtype, **overrides):

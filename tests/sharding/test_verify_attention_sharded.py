@@ -2,7 +2,8 @@
 
 The kernel backends take this path on GPUs. On CPU the Mosaic GPU interpreter cannot run inside
 a multi-device shard_map (its emulated shared memory is global), so the wiring (specs, head
-split, replicated cache) is checked with the XLA backend forced through the same shard_map.
+split, replicated cache) is checked with the XLA backend forced through the same shard_map, and
+the kernel itself through it on a one-device mesh (every GPU on a GPU host).
 """
 
 import jax
@@ -40,3 +41,27 @@ def test_no_mesh_is_the_plain_call():
   cache = jnp.ones((1, 16, cfg.cache_dim))
   out = mla.verify_attention(cfg, q, cache, jnp.array([3]), jnp.ones((1, 2, 2), bool), "xla")
   assert out.shape == (1, 2, 4, cfg.kv_lora_rank)
+
+
+@pytest.mark.gpu
+def test_kernel_per_head_shard():
+  """The kernel backend through the model's shard_map path: compiled over every GPU, or in
+  interpret mode on a one-device CPU mesh (the interpreter cannot span several devices)."""
+  cfg = C.tiny(num_attention_heads=16, kv_lora_rank=512, qk_rope_head_dim=64)  # C = 576
+  b, n, h, l = 2, 7, cfg.num_attention_heads, 256
+  k = jax.random.split(jax.random.key(1), 3)
+  q = jax.random.normal(k[0], (b, n, h, cfg.cache_dim), jnp.bfloat16)
+  cache = jax.random.normal(k[1], (b, l, cfg.cache_dim), jnp.bfloat16)
+  lengths = jnp.array([249, 100], jnp.int32)
+  mask = jax.random.bernoulli(k[2], 0.5, (b, n, n)) | jnp.eye(n, dtype=bool)[None]
+  ref, _ = tree_verify_attention_reference(q, cache, lengths, mask, scale=cfg.softmax_scale,
+                                           value_dim=cfg.kv_lora_rank)
+  on_gpu = jax.default_backend() == "gpu"
+  devices = jax.devices() if on_gpu else jax.devices()[:1]
+  backend = "pallas" if on_gpu else "interpret"
+  mesh = sharding.make_mesh(f"tensor={len(devices)}", devices)
+  with sharding.use_mesh(mesh):
+    out = jax.jit(lambda *a: mla.verify_attention(cfg, *a, backend=backend, shard_heads=True))(
+        q, cache, lengths, mask)
+  err = jnp.linalg.norm((out - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32))
+  assert float(err) < 1e-2
