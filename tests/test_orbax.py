@@ -134,6 +134,7 @@ def _convert(*args):
                         text=True, check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_convert_end_to_end(tmp_path, fmt):
   cfg = C.tiny()
@@ -159,6 +160,7 @@ def test_convert_end_to_end(tmp_path, fmt):
   assert res.returncode != 0 and "--overwrite" in res.stderr
 
 
+@pytest.mark.slow
 def test_convert_draft_and_errors(tmp_path):
   cfg, params = draft()
   hf, out = str(tmp_path / "hf"), str(tmp_path / "orbax")

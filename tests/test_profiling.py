@@ -4,6 +4,7 @@ context (data) compiles nothing; its phase programs consume (donate) the state l
 import jax
 import jax.numpy as jnp
 import ml_collections
+import pytest
 
 from kdtree_jax.target import config as C
 from kdtree_jax import loader, profiling, timing
@@ -25,6 +26,7 @@ def _setup(mode):
   return Pair(tcfg, tp, dcfg, dp), spec
 
 
+@pytest.mark.slow
 def test_second_context_compiles_nothing_and_state_is_donated():
   pair, spec = _setup("ddtree")
   big = profiling.bench_state(pair.tcfg, pair.dcfg, spec, 1, 96, jnp.float32)

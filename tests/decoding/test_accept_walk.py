@@ -55,6 +55,7 @@ def _case(rng, n, vocab, max_depth):
   return parents, tokens, target
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_vis", [False, True])
 def test_vectorised_walk_equals_sequential(use_vis):
   rng = np.random.default_rng(0)
@@ -73,6 +74,7 @@ def test_vectorised_walk_equals_sequential(use_vis):
   assert {0, 1, 2, 3} <= depths, depths  # the cases reach several depths
 
 
+@pytest.mark.slow
 def test_ancestor_matrix_matches_ddtree_visibility():
   logits = np.random.default_rng(1).normal(size=(5, 7)).astype(np.float32) * 3
   tok, dep, par, vis = tree.build_ddtree(jnp.asarray(logits), 40)

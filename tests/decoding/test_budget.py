@@ -21,6 +21,7 @@ from test_decoding import make_pair, oracle_draft, run  # its neighbour (pytest 
 BLOCK = 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_prefix_of_the_largest_tree_is_the_best_smaller_tree(seed):
   """DDTree pops best-first, so its first n nodes ARE build_ddtree(logits, n), node for node."""
@@ -164,6 +165,7 @@ def test_calibrated_acceptance_is_honest_on_held_out_prompts():
 
 @pytest.mark.parametrize("nodes,cost", [((3, 7, 15), None), ((3, 7, 15), ((1.0, 5.0, 50.0),)),
                                         ((2, 5), ((9.0, 1.0),))])
+@pytest.mark.slow
 def test_auto_is_lossless_f32(nodes, cost):
   """Same tokens as greedy ar whichever widths the chooser picks (f32)."""
   pair = make_pair(4)
@@ -179,6 +181,7 @@ def test_auto_is_lossless_f32(nodes, cost):
     assert 15 not in au.widths_per_step
 
 
+@pytest.mark.slow
 def test_auto_is_lossless_when_the_width_changes_between_steps(monkeypatch):
   """An oracle draft (right token favoured, 25% confident misses) makes the expected acceptance
   vary per step, so the chooser switches widths mid-sequence; tokens stay those of ar (f32)."""

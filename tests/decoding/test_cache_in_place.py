@@ -30,6 +30,7 @@ def _loop_hlo(mode):
   return fn.lower(Pair(cfg, tp, dcfg, dp), st, jnp.int32(4)).compile().as_text(), st
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ar", "chain", "ddtree"])
 def test_loop_body_copies_no_cache_buffer(mode):
   txt, st = _loop_hlo(mode)

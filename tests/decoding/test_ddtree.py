@@ -162,6 +162,7 @@ def test_accept_walk_full_and_zero():
   assert check_walk(tpar, ttok, target, 5) == tdep.max() == 5
 
 
+@pytest.mark.slow
 def test_jit_vmap_batch():
   rng = np.random.default_rng(3)
   logits = rng.normal(size=(4, 6, 20)).astype(np.float32)

@@ -58,6 +58,7 @@ def run(pair, spec, prompts, max_len):
   return loop.generate(pair, spec, prompts, max_len=max_len)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_lossless_greedy_with_oracle_draft(seed, monkeypatch):
   rng = np.random.default_rng(seed)
@@ -79,6 +80,7 @@ def test_lossless_greedy_with_oracle_draft(seed, monkeypatch):
   jax.clear_caches()
 
 
+@pytest.mark.slow
 def test_lossless_eos_inside_accepted_path_and_cache_full(monkeypatch):
   pair = make_pair(3)
   prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15]]
@@ -103,6 +105,7 @@ def test_lossless_eos_inside_accepted_path_and_cache_full(monkeypatch):
     jax.clear_caches()
 
 
+@pytest.mark.slow
 def test_lossless_with_the_real_draft():
   pair = make_pair(4)
   prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
@@ -111,6 +114,7 @@ def test_lossless_with_the_real_draft():
   assert out["ar"].tokens == out["chain"].tokens == out["ddtree"].tokens
 
 
+@pytest.mark.slow
 def test_step_compiles_once_over_50_steps():
   pair = make_pair(5)
   spec = SpecConfig(mode="ddtree", budget=6, max_new_tokens=200, block_size=BLOCK)
@@ -130,6 +134,7 @@ def test_step_compiles_once_over_50_steps():
   assert len(lengths) == 50 and len(traces) == 1
 
 
+@pytest.mark.slow
 def test_sampling_matches_target_distribution():
   """At temperature 1, the second emitted token's law is sum_t1 p(t1) p(t2 | t1) (chi-square)."""
   vocab = 8
@@ -170,6 +175,7 @@ def test_bad_input(bad, match):
     loop.validate(tcfg, dcfg, spec, bad.get("prompts", [[1, 2]]), bad.get("max_len", 32))
 
 
+@pytest.mark.slow
 def test_streaming_equals_one_dispatch_and_compiles_once():
   pair = make_pair(7)
   prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]

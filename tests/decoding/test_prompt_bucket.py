@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import pytest
 
 from kdtree_jax.target import config as C
 from kdtree_jax import loader
@@ -28,6 +29,7 @@ def _unpadded(pair, spec, prompt, max_len):
   return list(np.asarray(st.out)[0, :int(st.n_out[0])])
 
 
+@pytest.mark.slow
 def test_new_length_in_bucket_does_not_recompile():
   tcfg = C.tiny()
   tp = init_params(jax.random.key(0), tcfg, jnp.float32)

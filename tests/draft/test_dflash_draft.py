@@ -169,6 +169,7 @@ def _one_layer_run(cfg, tmp_path, taps, tokens, start):
                                       jnp.asarray(embed), jnp.asarray(head)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("is_causal", [None, True])
 def test_sliding_window_both_sides_and_block_rule(tmp_path, is_causal):
   """z-lab reference rule: |q - k| < window on ctx and block keys; non-causal unless is_causal."""

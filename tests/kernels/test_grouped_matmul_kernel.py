@@ -44,6 +44,7 @@ def test_work_list_covers_every_row_once(sizes, m, rows):
   assert all(it[1] % 8 == 0 and it[2] + it[3] <= rows for it in live)
 
 
+@pytest.mark.slow
 def test_work_list_bound_holds_for_adversarial_sizes():
   """Random sizes and near-worst cases (experts starting 7 rows past an 8-aligned row): every row
   covered by a live item, never more live items than the static bound."""
@@ -174,6 +175,7 @@ def test_int4_reference_equals_dequantised_matmul_in_f32():
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_expert_ffn_through_the_kernel_equals_xla_path():
   """The whole routed-expert FFN, INT4 and bf16: interpret-mode kernel == XLA (bf16 tolerance)."""
   t, e, k, d, f = 24, 6, 2, 128, 128

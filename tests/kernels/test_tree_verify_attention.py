@@ -186,6 +186,7 @@ SMALL = [
 class TestKernelSmall:
   """Small shapes; interpret mode on CPU, the compiled kernel on GPU."""
 
+  @pytest.mark.slow
   @pytest.mark.parametrize("b,n,h,l,lengths,tuning", SMALL)
   def test_correct(self, b, n, h, l, lengths, tuning):
     q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=n * h + l)

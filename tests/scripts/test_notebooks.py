@@ -68,6 +68,7 @@ def _bench_script(name, *args, timeout=120):
   return proc
 
 
+@pytest.mark.slow
 def test_sweep_json_lines(tmp_path):
   out = tmp_path / "sweep.jsonl"
   proc = _bench_script("sweep.py", "--mode", "chain,ddtree", "--budgets", "4", "--block_sizes",
@@ -91,6 +92,7 @@ def test_sweep_json_lines(tmp_path):
   assert (tmp_path / "sweep.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_context_bench_with_phase_table(tmp_path):
   """bench_context_decode.py: the throughput rows and the phase table (each phase compiled alone)."""
   out = tmp_path / "ctx.jsonl"

@@ -137,6 +137,7 @@ def _sharded_moe(cfg, p, x, mesh_spec):
 
 @pytest.mark.parametrize("mesh_spec", ["tensor=8", "tensor=2,expert=4", "expert=8",
                                        "data=2,expert=4"])
+@pytest.mark.slow
 def test_moe_is_one_all_reduce_in_the_activation_dtype(mesh_spec):
   """Routed + shared experts: one psum, in bf16 for bf16 activations (the CPU backend widens
   it to f32 when compiling, so the dtype is read before optimization); same values as one

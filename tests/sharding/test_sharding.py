@@ -68,6 +68,7 @@ def reference(pair, mode):
 # Each mesh and each mode once (the full 3 x 3 matrix costs 9 compiles, too slow for CI).
 @pytest.mark.parametrize("mesh_spec,mode", [
     ("tensor=2,expert=4", "ddtree"), ("tensor=8", "chain"), ("expert=8", "ar")])
+@pytest.mark.slow
 def test_sharded_decoding_matches_one_device(pair, mesh_spec, mode, monkeypatch):
   mesh = sharding.make_mesh(mesh_spec)
   states, device_fn = [], loop.generate_device
@@ -93,6 +94,7 @@ def check_state_shardings(state, mesh):
     assert not state.draft_cache.k[0].sharding.is_fully_replicated  # split over kv heads
 
 
+@pytest.mark.slow
 def test_decode_script_with_mesh_matches_one_device(tmp_path):
   out = tmp_path / "out.json"
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "decode.py"), "--config",
@@ -165,6 +167,7 @@ def test_no_large_parameter_replicated_k26(mesh_spec):
 # ---- (d) expert-parallel MoE == single-device MoE -------------------------------------------
 @pytest.mark.parametrize("mesh_spec", ["tensor=8", "expert=8", "tensor=2,expert=4",
                                        "data=2,expert=4"])
+@pytest.mark.slow
 def test_ep_moe_matches_single_device(mesh_spec):
   cfg = C.tiny(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
                moe_intermediate_size=16)
@@ -228,6 +231,7 @@ def test_decode_script_rejects_bad_mesh():
 
 
 # ---- created directly sharded ---------------------------------------------------------------
+@pytest.mark.slow
 def test_init_sharded_equals_init():
   tcfg, _ = small_configs()
   mesh = sharding.make_mesh("tensor=2,expert=4")

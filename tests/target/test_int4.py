@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kdtree_jax.target import config as C
 from kdtree_jax.checkpoint import quant
@@ -69,6 +70,7 @@ def test_int4_checkpoint_loads_packed_and_matches_dequantised(tmp_path):
   assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 1e-2
 
 
+@pytest.mark.slow
 def test_int4_experts_expert_parallel_on_8_devices():
   """Int4Weight stacks shard by the rules and the EP MoE equals the single-device one (f32)."""
   from kdtree_jax import sharding  # pylint: disable=import-outside-toplevel

@@ -24,6 +24,7 @@ def tiny_model():
   return cfg, P.init_params(jax.random.key(0), cfg, jnp.float32, std=0.1)
 
 
+@pytest.mark.slow
 def test_incremental_decode_equals_prefill(tiny_model):
   cfg, params = tiny_model
   toks = jax.random.randint(jax.random.key(1), (2, 40), 0, cfg.vocab_size)  # > orig_max 32: YaRN
@@ -51,6 +52,7 @@ def random_tree(rng, n):
   return parents, np.array(depth), vis
 
 
+@pytest.mark.slow
 def test_tree_decode_equals_path_prefill(tiny_model):
   cfg, params = tiny_model
   rng = np.random.default_rng(0)
