@@ -32,7 +32,7 @@ from absl import flags  # noqa: E402
 import jax  # noqa: E402
 
 from kdtree_jax import cli, run_config, sharding  # noqa: E402
-from kdtree_jax.decoding import loop, step_cost  # noqa: E402
+from kdtree_jax.decoding import auto_program, loop, step_cost  # noqa: E402
 from kdtree_jax.decoding.sampling import SamplingConfig  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.models import DTYPES, load_models  # noqa: E402
@@ -175,6 +175,7 @@ def main(argv):
                     max_new_tokens=c.max_new_tokens, attn_backend=c.attn_backend,
                     sampling=SamplingConfig(c.temperature, c.top_k, c.top_p), auto=auto)
   prompts = [models.tokenizer.encode(c.prompt)]
+  spec = auto_program.for_run(spec, c, flags.FLAGS["config"], len(prompts[0]))  # auto: program
   warnings = _setting_warnings(c) + loop.length_warnings(models.tcfg, spec, prompts, c.max_len,
                                                         c.trained_positions)
   for warning in warnings:
