@@ -150,10 +150,11 @@ def choose_for_tables(spec, cost_json: str, accept_json: str, ctx: int):
   budget='auto' spec: the best whole program by `candidates`, or the switch itself (None) when
   a table lacks the candidates."""
   replay = load_replay(accept_json)
-  if replay is None or not cost_json or not os.path.exists(cost_json):
+  missing = ([] if replay is not None else [f"no 'programs' table in {accept_json or '-'}"]) + (
+      [] if cost_json and os.path.exists(cost_json) else [f"no {cost_json or 'step-cost JSON'}"])
+  if missing:
     return spec, (f"budget auto: runs the per-step switch (no whole-program candidates: "
-                  f"{accept_json or 'acceptance JSON'} has no 'programs' table or "
-                  f"{cost_json or 'step-cost JSON'} is missing)"), None
+                  f"{'; '.join(missing)})"), None
   with open(cost_json) as f:
     cands = candidates(program_costs(json.load(f)["rows"]), replay, ctx)
   if not cands:
