@@ -160,3 +160,16 @@ def test_every_program_auto_can_pick_is_lossless_f32(choice):
   assert spec.mode == ("chain" if choice["name"] == "chain" else "ddtree")
   ar = run(pair, SpecConfig(mode="ar", max_new_tokens=20, block_size=BLOCK), prompts, 64)
   assert run(pair, spec, prompts, 64).tokens == ar.tokens
+
+
+def test_for_run_reads_the_tables_the_config_names(tmp_path):
+  """decode.py's call: the stem in the config's auto_tables, the choice at prompt + half the new
+  tokens (here chain: 10x cheaper per step), one line logged."""
+  from kdtree_jax import run_config  # pylint: disable=import-outside-toplevel
+  _write(tmp_path, 0.1, (1, 1.5, 2.5, 4.5), (1.2, 1.7, 2.7, 4.7), _MIXED)
+  config = run_config.trained_pair(auto_tables=str(tmp_path / "p"))
+  spec = SpecConfig(mode="ddtree", budget="auto", block_size=BLOCK, max_new_tokens=64)
+  logged = []
+  out = auto_program.for_run(spec, config, "configs/whatever.py", 36, log=logged.append)
+  assert out == SpecConfig(mode="chain", block_size=BLOCK, max_new_tokens=64)
+  assert len(logged) == 1 and logged[0].startswith("budget auto: runs chain at ctx 68:")
