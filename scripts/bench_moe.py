@@ -11,6 +11,7 @@ Every output is checked against the f32 XLA reference first. One JSON line per r
   python scripts/bench_moe.py --out runs/bench_moe.jsonl
 """
 
+import dataclasses
 import json
 import time
 
@@ -36,10 +37,10 @@ _F = flags.DEFINE_integer("ffn", 2048, "Expert width.")
 _FORMATS = flags.DEFINE_list("formats", ["int4", "bf16"], "Expert weight formats.")
 _IMPLS = flags.DEFINE_list("impls", ["pallas", "mgpu"], "Grouped matmuls to compare.")
 _TUNINGS = flags.DEFINE_list(
-    "tunings", ["default", "r16n64k512s4", "r16n64k256s6", "r8n64k256s4x4", "r16n128k256s4",
-                "r8n64k256s4x7w1"],
-    "Tuning sweep: 'default' or rR nBN kBK sSTAGES [xSPLITS] [wSLOTS] [smem] (bf16 rows use "
-    "kBK/2).")
+    "tunings", ["default", "defaultwide", "r16n64k512s4", "r16n64k256s6", "r8n64k256s4x4",
+                "r16n128k256s4", "r8n64k256s4x7w1"],
+    "Tuning sweep: 'default' or rR nBN kBK sSTAGES [xSPLITS] [wSLOTS] [smem], then 'wide' for "
+    "INT4 32-bit tile loads (bf16 rows use kBK/2 and ignore 'wide').")
 _PARTS = flags.DEFINE_list("parts", ["ffn", "tune", "layer"], "Parts to run, in this order.")
 _OUT = flags.DEFINE_string("out", "runs/bench_moe.jsonl", "JSON lines output.")
 _REPS = flags.DEFINE_integer("reps", 20, "CUPTI repetitions (median).")
@@ -137,9 +138,12 @@ def part_ffn(ceil, sink, rows):
 
 
 def _parse_tuning(s, fmt, default):
-  """'default' -> `default`; 'r16n64k256s4x2w1smem' -> Tuning (bf16 takes half the K step)."""
+  """'default[wide]' -> `default` (with int4_wide_loads); 'r16n64k256s4x2w1smem[wide]' -> Tuning
+  (bf16 takes half the K step and no wide loads)."""
+  wide = s.endswith("wide") and fmt == "int4"
+  s = s.removesuffix("wide")
   if s == "default":
-    return default
+    return dataclasses.replace(default, int4_wide_loads=wide)
   smem = s.endswith("smem")
   s = s.removesuffix("smem")
   r, rest = s[1:].split("n")
@@ -149,7 +153,8 @@ def _parse_tuning(s, fmt, default):
   st, _, splits = rest.partition("x")
   k = int(k) if fmt == "int4" else int(k) // 2
   return Tuning(rows=int(r), block_n=int(n), block_k=k, stages=int(st), splits=int(splits or 1),
-                slots=int(slots or 0), a_operand="smem" if smem else "registers")
+                slots=int(slots or 0), a_operand="smem" if smem else "registers",
+                int4_wide_loads=wide)
 
 
 def part_tune(ceil, sink, rows):

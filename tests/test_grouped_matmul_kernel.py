@@ -216,6 +216,28 @@ def test_kernel_gpu_matches_reference(sizes, m, k, n, fmt, a_operand):
   _check(gated, gated_grouped_matmul(x, ws, ws, gs, backend="xla"), sum(sizes))
 
 
+def test_int4_wide_loads_interpret_matches_reference():
+  sizes, m, k, n = [30, 0, 50, 3, 10], 100, 256, 128
+  x, _, ws = _operands(m, k, n, len(sizes), 32, seed=11)
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = Tuning(rows=32, block_n=64, block_k=128, stages=2, a_operand="smem", int4_wide_loads=True)
+  _check(grouped_matmul(x, ws, gs, backend="interpret", tuning=t),
+         grouped_matmul(x, ws, gs, backend="xla"), sum(sizes))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="compiled kernel runs on the GPU only")
+def test_int4_wide_loads_gpu_matches_reference():
+  """32-bit INT4 tile loads (WGMMA_UPCAST_4X, relaid out in registers), a K2.6 verify shape."""
+  sizes = list(np.bincount(np.random.default_rng(2).integers(0, 48, 520), minlength=48))
+  m, k, n = 520, 7168, 2048
+  x, _, ws = _operands(m, k, n, len(sizes), 32)
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = dataclasses.replace(default_tuning(m, len(sizes), k, n, True), int4_wide_loads=True)
+  _check(grouped_matmul(x, ws, gs, backend="pallas", tuning=t),
+         grouped_matmul(x, ws, gs, backend="xla"), sum(sizes))
+
+
 def test_bad_input_errors():
   x, (w,), (q, s) = _operands(8, 64, 128, 2, 32)
   gs = jnp.asarray([4, 4], jnp.int32)

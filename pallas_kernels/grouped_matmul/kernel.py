@@ -55,15 +55,24 @@ def _chunk_scales(s_smem, j, shape, group, block_k):
   return jnp.where(col < group, row(2 * j), row(2 * j + 1))
 
 
-def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtype):
+def _load_int4(q_smem, j, wide: bool):
+  """Chunk j's [BN, 64] int4 in the WGMMA layout: byte loads (2 values each) in that layout, or
+  `wide`: 32-bit loads (8 values) in WGMMA_UPCAST_4X, relaid out by in-warp shuffles."""
+  chunk = q_smem.at[:, pl.ds(CHUNK * j, CHUNK)]
+  if not wide:
+    return plgpu.load(chunk, layout=plgpu.Layout.WGMMA, optimized=False)
+  q = plgpu.load(chunk, layout=plgpu.Layout.WGMMA_UPCAST_4X, optimized=False)
+  return plgpu.layout_cast(q, plgpu.Layout.WGMMA)
+
+
+def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtype, wide):
   """One K step: per 64-column chunk, dequantise W^T in registers and issue wgmma.
 
   w_stage None: the registers are wgmma's A operand. Else two swizzled SMEM buffers [BN, 64]
   that the chunks alternate through (the A-from-SMEM variant; GPU interpret mode needs it).
   """
   for j in range(block_k // CHUNK):
-    q = plgpu.load(q_smem.at[:, pl.ds(CHUNK * j, CHUNK)], layout=plgpu.Layout.WGMMA,
-                   optimized=False)
+    q = _load_int4(q_smem, j, wide)
     w = q.astype(dtype) * _chunk_scales(s_smem, j, q.shape, group, block_k).astype(dtype)
     if w_stage is not None:
       w_stage[j % 2] = w
@@ -155,7 +164,7 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int):
             tiles = w_smem[j * per_stack:(j + 1) * per_stack]
             if int4:
               _int4_step(acc_ref, x_smem, *tiles, w_stage, group=group, block_k=t.block_k,
-                         dtype=dtype)
+                         dtype=dtype, wide=t.int4_wide_loads)
             else:
               _bf16_step(acc_ref, x_smem, *tiles)
 

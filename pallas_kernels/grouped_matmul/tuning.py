@@ -18,6 +18,8 @@ class Tuning:
   slots: 0 = one CTA column per work item; else this many columns, each looping over items
     slot, slot + slots, ... (live items come first): with split-K at small T, where the static
     item bound (8 at T=1) far exceeds the live items (~1), most CTAs would launch only to exit.
+  int4_wide_loads: INT4 only: read the weight tile with 32-bit loads (8 values, Mosaic's
+    WGMMA_UPCAST_4X layout) and relayout to WGMMA in registers, instead of one-byte loads.
   """
   rows: int = 32
   block_n: int = 128
@@ -26,6 +28,7 @@ class Tuning:
   a_operand: str = "registers"
   splits: int = 1
   slots: int = 0
+  int4_wide_loads: bool = False
 
   def __post_init__(self):
     if self.rows % 8 or not 8 <= self.rows <= 256:
