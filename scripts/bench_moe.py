@@ -38,7 +38,7 @@ _FORMATS = flags.DEFINE_list("formats", ["int4", "bf16"], "Expert weight formats
 _IMPLS = flags.DEFINE_list("impls", ["pallas", "mgpu"], "Grouped matmuls to compare.")
 _TUNINGS = flags.DEFINE_list(
     "tunings", ["default", "defaultwide", "r16n64k512s4", "r16n64k256s6", "r8n64k256s4x4",
-                "r16n128k256s4", "r8n64k256s4x7w1"],
+                "r16n128k256s4", "r8n64k256s4x7w1", "r8n64k256s4x7w2"],
     "Tuning sweep: 'default' or rR nBN kBK sSTAGES [xSPLITS] [wSLOTS] [smem], then 'wide' for "
     "INT4 32-bit tile loads (bf16 rows use kBK/2 and ignore 'wide').")
 _PARTS = flags.DEFINE_list("parts", ["ffn", "tune", "layer"], "Parts to run, in this order.")
