@@ -1,5 +1,8 @@
-"""MEASURED tokens/s of the trained pair on this device: ar, chain, ddtree at fixed budgets and
-budget='auto' choosing from this device's measured step-cost table.
+"""MEASURED tokens/s of the trained pair on this device: ar, chain, ddtree at fixed budgets, the
+per-step width switch ('switch', widths chosen from this device's measured step-cost table) and
+budget='auto' (`auto_program.py`: the one of chain / each fixed width / the switch of most
+modelled tok/s, from the same table's per-program loop ms and the acceptance JSON's recorded
+steps; it prints which and why).
 
 Two prompt sets, batch 1, greedy, the config's dtype (float32: every mode must emit exactly the
 `ar` tokens): `heldout` = --prompts evenly spaced --prompt_len-token windows of the held-out
@@ -27,7 +30,7 @@ import numpy as np
 from ml_collections import config_flags
 
 from kdtree_jax import data, runtime, timing
-from kdtree_jax.decoding import loop, step_cost
+from kdtree_jax.decoding import auto_program, loop, step_cost
 from kdtree_jax.decoding.loop import generate
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.loader import DTYPES, load_pair
@@ -38,7 +41,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Run config 
 _STEP_COST = flags.DEFINE_string("step_cost", "", "Step-cost JSON of this pair on this device "
                                  "('' = the config's auto_tables, else the analytic floor).")
 _ACCEPT = flags.DEFINE_string("accept", "", "Acceptance JSON ('' = the config's auto_tables).")
-_BUDGETS = flags.DEFINE_list("budgets", ["7", "15", "31", "63"], "Fixed ddtree budgets.")
+_BUDGETS = flags.DEFINE_list("budgets", ["1", "3", "7", "15", "31", "63"],
+                            "Fixed ddtree budgets (auto's candidates: the table's node counts).")
 _PROMPTS = flags.DEFINE_integer("prompts", 6, "Held-out prompts.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Tokens per held-out prompt.")
 _GEN = flags.DEFINE_integer("gen", 0, "Tokens per prompt (0: the config's max_new_tokens).")
@@ -50,6 +54,15 @@ def heldout_prompts(n: int, length: int) -> list[list[int]]:
   held = data.build_corpus().eval
   starts = np.linspace(0, len(held) - length - 1, n).astype(int)
   return [list(map(int, held[s:s + length])) for s in starts]
+
+
+def choose_program(switch, cost_json, accept_json, prompts, gen):
+  """(spec, line, candidate or None) budget='auto' runs for these prompts
+  (`auto_program.choose_for_tables` at their mean context: prompt + half the new tokens)."""
+  ctx = int(np.mean([len(p) for p in prompts])) + gen // 2
+  out = auto_program.choose_for_tables(switch, cost_json, accept_json, ctx)
+  print(out[1], flush=True)
+  return out
 
 
 def precompile(pair, specs, prompt, max_len, dtype):
@@ -85,9 +98,10 @@ def decode_all(pair, spec, prompts, max_len, dtype) -> dict:
   return out
 
 
-def result_row(prompt_set, mode, b, res, ar_tokens, auto, cost):
+def result_row(prompt_set, mode, b, res, ar_tokens, auto, cost, choice=None):
   """One row: tok/s, tokens per step (prefill's first token included, as decode.py counts),
-  ms per step; for auto the width histogram and its modelled ms per step."""
+  ms per step; for the switch (and auto running it) the width histogram and its modelled ms per
+  step; for auto the program it ran and that program's modelled tok/s."""
   r = dict(kind="pair_measured", prompts=prompt_set, n_prompts=len(res["tokens"]), mode=mode,
            budget=b, tokens=res["emitted"], steps=res["steps"],
            tokens_per_s=res["emitted"] / res["seconds"],
@@ -95,22 +109,28 @@ def result_row(prompt_set, mode, b, res, ar_tokens, auto, cost):
            ms_per_step=1e3 * res["seconds"] / max(res["steps"], 1),
            compile_s=res["compile_s"], same_tokens_as_ar=res["tokens"] == ar_tokens,
            device=jax.devices()[0].device_kind)
-  if mode == "auto":
+  if choice is not None:
+    r.update(program=choice["name"], modelled_tokens_per_s=choice["tokens_per_s"],
+             modelled_tokens_per_step=choice["tokens_per_step"])
+  if res["widths"]:
     hist = collections.Counter(res["widths"])
     r["width_histogram"] = {int(k): v for k, v in sorted(hist.items())}
     r["cost_source"] = auto.cost_source
-    if hasattr(cost, "widths"):  # a measured table: its prediction of the steps auto ran
+    if hasattr(cost, "widths"):  # a measured table: its prediction of the steps the switch ran
       r["modelled_ms_per_step"] = float(np.mean([cost.ms(w + 1, x) for w, x in
                                                  zip(res["widths"], res["ctx"])]))
+  elif choice is not None:
+    r["modelled_ms_per_step"] = choice["ms_per_step"]
   return r
 
 
 def table(rows) -> str:
   lines = [f"{'prompts':>8} {'mode':>6} {'budget':>6} {'tok/s':>9} {'tok/step':>8} "
-           f"{'ms/step':>8} {'modelled':>8}  lossless  widths (auto)"]
+           f"{'ms/step':>8} {'modelled':>8}  lossless  widths (switch)"]
   for r in rows:
     mod = r.get("modelled_ms_per_step")
-    lines.append(f"{r['prompts']:>8} {r['mode']:>6} {str(r['budget'] or '-'):>6} "
+    budget = r.get("program", r["budget"]) or "-"
+    lines.append(f"{r['prompts']:>8} {r['mode']:>6} {str(budget):>6} "
                  f"{r['tokens_per_s']:9.1f} {r['tokens_per_step']:8.2f} {r['ms_per_step']:8.3f} "
                  f"{'-' if mod is None else f'{mod:.3f}':>8}  {str(r['same_tokens_as_ar']):>8}  "
                  f"{r.get('width_histogram', '')}")
@@ -118,21 +138,29 @@ def table(rows) -> str:
 
 
 def verdict(rows) -> str:
-  """auto vs the best of chain and every fixed budget, and auto's modelled vs measured ms per
-  step, per prompt set."""
+  """Per prompt set: auto (the program it ran) vs the best of chain, every fixed budget and the
+  switch, and vs each of them; auto's modelled vs measured tok/s; the switch's modelled vs
+  measured ms per step."""
   out = []
   for ps in sorted({r["prompts"] for r in rows}):
     rs = [r for r in rows if r["prompts"] == ps]
     auto = next((r for r in rs if r["mode"] == "auto"), None)
-    rivals = [r for r in rs if r["mode"] in ("chain", "ddtree")]
+    rivals = [r for r in rs if r["mode"] in ("chain", "ddtree", "switch")]
+    name = lambda r: r["mode"] + (f" {r['budget']}" if r["mode"] == "ddtree" else "")
     if auto and rivals:
       best = max(rivals, key=lambda r: r["tokens_per_s"])
-      out.append(f"{ps}: auto {auto['tokens_per_s']:.1f} tok/s / best of chain and fixed "
-                 f"({best['mode']} {best['budget'] or ''}) {best['tokens_per_s']:.1f} = "
-                 f"{auto['tokens_per_s'] / best['tokens_per_s']:.3f}")
-    if auto and auto.get("modelled_ms_per_step"):
-      mod, ms = auto["modelled_ms_per_step"], auto["ms_per_step"]
-      out.append(f"{ps}: auto modelled {mod:.3f} ms/step vs measured {ms:.3f} "
+      each = ", ".join(f"{name(r)} {auto['tokens_per_s'] / r['tokens_per_s']:.2f}x"
+                       for r in rivals)
+      out.append(f"{ps}: auto (runs {auto.get('program', '?')}) {auto['tokens_per_s']:.1f} tok/s"
+                 f" / best of chain, fixed and switch ({name(best)}) {best['tokens_per_s']:.1f} "
+                 f"= {auto['tokens_per_s'] / best['tokens_per_s']:.3f}; auto vs {each}")
+      if auto.get("modelled_tokens_per_s"):
+        out.append(f"{ps}: auto modelled {auto['modelled_tokens_per_s']:.0f} tok/s vs measured "
+                   f"{auto['tokens_per_s']:.0f} (measured includes each prompt's prefill)")
+    sw = next((r for r in rs if r["mode"] == "switch"), None)
+    if sw and sw.get("modelled_ms_per_step"):
+      mod, ms = sw["modelled_ms_per_step"], sw["ms_per_step"]
+      out.append(f"{ps}: switch modelled {mod:.3f} ms/step vs measured {ms:.3f} "
                  f"({100 * (mod / ms - 1):+.1f}%; measured includes each prompt's prefill)")
   return "\n".join(out)
 
@@ -154,23 +182,29 @@ def main(_):
                                              auto=a)
   sets = {"heldout": (heldout_prompts(_PROMPTS.value, _PROMPT_LEN.value),
                       [("ar", None), ("chain", None)] + [("ddtree", int(b)) for b in _BUDGETS.value]
-                      + [("auto", "auto")]),
+                      + [("switch", "auto"), ("auto", "auto")]),
           "default": ([tokenizer.encode(c.prompt)],
-                      [("ar", None), ("chain", None), ("ddtree", c.budget), ("auto", "auto")])}
-  spec_of = lambda mode, b: mk("ddtree", "auto", auto) if mode == "auto" else mk(mode, b or 32)
-  precompile(pair, list({spec_of(m, b): 0 for _, ms in sets.values() for m, b in ms}),
+                      [("ar", None), ("chain", None), ("ddtree", c.budget), ("switch", "auto"),
+                       ("auto", "auto")])}
+  switch = mk("ddtree", "auto", auto)
+  choices = {name: choose_program(switch, _STEP_COST.value or cost_json,
+                                  _ACCEPT.value or accept_json, prompts, gen)
+             for name, (prompts, _) in sets.items()}
+  spec_of = lambda mode, b, name: (switch if mode == "switch" else choices[name][0]
+                                   if mode == "auto" else mk(mode, b or 32))
+  precompile(pair, list({spec_of(m, b, n): 0 for n, (_, ms) in sets.items() for m, b in ms}),
              sets["default"][0][0], c.max_len, dtype)
   rows = []
   for name, (prompts, modes) in sets.items():
     ar_tokens = None
     for mode, b in modes:
-      spec = spec_of(mode, b)
-      res = decode_all(pair, spec, prompts, c.max_len, dtype)
+      res = decode_all(pair, spec_of(mode, b, name), prompts, c.max_len, dtype)
       ar_tokens = res["tokens"] if mode == "ar" else ar_tokens
       rows.append(result_row(name, mode, b if mode != "ar" and mode != "chain" else None, res,
-                             ar_tokens, auto, cost))
+                             ar_tokens, auto, cost, choices[name][2] if mode == "auto" else None))
       print(table(rows[-1:]).splitlines()[1], flush=True)
-  print(f"\nMEASURED on {jax.devices()[0].device_kind}, {c.dtype}, {gen} tokens per prompt; {what}")
+  print(f"\nMEASURED on {jax.devices()[0].device_kind}, {c.dtype}, {gen} tokens per prompt; {what}"
+        + "".join(f"\n{n}: {line}" for n, (_, line, _) in choices.items()))
   print(table(rows))
   print(verdict(rows))
   if _OUT.value:

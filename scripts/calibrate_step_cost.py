@@ -5,7 +5,9 @@ scoring, then that width's verify: `speculative_step(width_index=i)`; --auto_pro
 one loop decode runs, the width as data behind lax.switch), the fixed modes' loops and a router
 probe, all at once (parallel XLA compiles), then at every context (data too) and compiled width:
 the time per step inside the device while loop (slope over two step counts: what tokens/s sees)
-and its GPU kernel time per step (CUPTI, GPU only); `ar` and `chain` the same way; the distinct
+and its GPU kernel time per step (CUPTI, GPU only, after every loop timing of that program); `ar`,
+`chain` and (--fixed_programs) DDTree compiled at each fixed node count the same way (rows
+'ddtree_fixed': budget='auto''s whole-program candidates, `auto_program.py`); the distinct
 routed experts the router picks per MoE layer in one verify of the largest tree (the first n + 1
 rows of it are a width-(n + 1) verify); the analytic floor (`step_cost.AnalyticCost`, ceilings
 measured in the same run) beside each, with measured / floor; each interior context predicted
@@ -21,6 +23,7 @@ a table). One JSON (`--out_dir`/step_cost.json); copy it beside the config
   python scripts/calibrate_step_cost.py --config configs/bench_tiny.py --ctx 256,1024 --small
 """
 
+import dataclasses
 import json
 import os
 import time
@@ -50,6 +53,11 @@ _PROGRAMS = flags.DEFINE_enum(
     "auto_programs", "per_width", ["per_width", "switch"], "per_width: one program per width "
     "(compiled in parallel; a 61-layer switch over 6 verifies compiles for minutes); switch: the "
     "auto loop decode runs, the width as data behind lax.switch (one compile, incl. the branch).")
+_FIXED = flags.DEFINE_bool("fixed_programs", True, "Also time DDTree compiled at each fixed node "
+                            "count of --nodes (budget='auto''s whole-program candidates, "
+                            "rows 'ddtree_fixed').")
+_KERNEL = flags.DEFINE_bool("kernel_ms", True, "CUPTI kernel ms per step (GPU), after the loop "
+                            "timings of each program.")
 _SMALL = flags.DEFINE_bool("small", False, "Tiny ceiling measurements (CPU smoke runs).")
 _OUT = flags.DEFINE_string("out_dir", "runs/calib", "Output folder (step_cost.json).")
 
@@ -124,11 +132,22 @@ def distinct_experts(ids_per_layer, width, local):
   return [len(np.unique(i[:width][i[:width] < local])) for i in ids_per_layer]
 
 
-def timed(fn, args_for, steps):
-  """(loop ms per step, 'slope' | 'total', GPU kernel ms per step or None) of a while loop."""
-  ms, how = per_step_ms(fn, args_for, steps)
-  kern, _ = timing.kernel_ms(fn, args_for(steps[1]), iters=1)
-  return ms, how, None if kern is None else kern / steps[1]
+def time_group(jobs, steps):
+  """Loop ms per step of every job (row, fn, args_for) first, then (--kernel_ms, GPU) their
+  CUPTI kernel ms, then the first job's loop ms again (`loop_ms_after_cupti`): on the H200 an
+  executable's loop ran 2.4x slower after CUPTI had traced it (k2tiny ar 0.194 -> 0.476 ms), so
+  no wall time is taken after that executable's kernel pass."""
+  for r, fn, args_for in jobs:
+    r["loop_ms"], r["timing"] = per_step_ms(fn, args_for, steps)
+    r["loop_over_analytic"] = r["loop_ms"] / r["analytic_ms"]
+  if not _KERNEL.value:
+    return
+  for r, fn, args_for in jobs:
+    kern, _ = timing.kernel_ms(fn, args_for(steps[1]), iters=1)
+    r["kernel_ms"] = None if kern is None else kern / steps[1]
+  r, fn, args_for = jobs[0]
+  if r["kernel_ms"] is not None:
+    r["loop_ms_after_cupti"] = per_step_ms(fn, args_for, steps)[0]
 
 
 def _width_program(exe, i, tp, dp, st):
@@ -139,27 +158,27 @@ def _width_program(exe, i, tp, dp, st):
 
 
 def ddtree_rows(exe, tcfg, tp, dp, spec, big, analytic, ctxs, steps, save):
-  """One row per (context, compiled width) of the budget='auto' loop(s) (`_width_program`); routed
-  experts (`exe['probe']`) counted after the timings of the first context (all with
+  """One row per (context, compiled width) of the budget='auto' loop(s) (`_width_program`),
+  timed by `time_group`; routed experts (`exe['probe']`) counted at the first context (all with
   --experts_all_ctx)."""
-  rows = []
+  rows, jobs = [], []
   for ctx in ctxs:
     st = profiling.at_context(big, spec, ctx)
-    here = []
     for i, nodes in enumerate(spec.auto.node_counts):
       fn, args_for = _width_program(exe, i, tp, dp, st)
-      ms, how, kern = timed(fn, args_for, steps)
-      here.append(row("ddtree", nodes + 1, ctx, ms, how, kern, analytic.ms(nodes + 1, ctx), [],
-                      tcfg))
-      print(_fmt(here[-1]), flush=True)
+      rows.append(row("ddtree", nodes + 1, ctx, analytic.ms(nodes + 1, ctx), [], tcfg))
+      jobs.append((rows[-1], fn, args_for))
+  time_group(jobs, steps)
+  for ctx in ctxs:
+    here = [r for r in rows if r["ctx"] == ctx]
     if exe.get("probe") is not None and (ctx == ctxs[0] or _EXPERTS_ALL_CTX.value):
+      st = profiling.at_context(big, spec, ctx)
       ids = [np.asarray(i) for i in jax.device_get(exe["probe"](tp, dp, st))]
       local = tcfg.num_local_experts or tcfg.n_routed_experts
       for r in here:
         r.update(experts(distinct_experts(ids, r["width"], local), r["width"], tcfg))
-        print(_fmt(r), flush=True)
-    rows += here
-    save(rows)
+    print("\n".join(_fmt(r) for r in here), flush=True)
+  save(rows)
   return rows
 
 
@@ -169,22 +188,25 @@ def mode_spec(c, dcfg, mode):
                     target_choice=forced_accept.target_choice(c.get("forced_accept", -1)))
 
 
-def mode_rows(exe, tcfg, pair, spec, big, analytic, ctxs, steps):
-  """Rows of a fixed mode ('ar' or 'chain', loop `exe`) at every context."""
-  rows = []
+def mode_rows(exe, tcfg, pair, spec, big, analytic, ctxs, steps, label):
+  """Rows of one fixed program ('ar', 'chain', or 'ddtree_fixed': DDTree compiled at
+  spec.budget nodes; loop `exe`) at every context, timed by `time_group`."""
+  rows, jobs = [], []
   for ctx in ctxs:
     st = profiling.at_context(big, spec, ctx)
-    ms, how, kern = timed(exe, lambda n, st=st: (pair, st, jnp.int32(n)), steps)
-    rows.append(row(spec.mode, spec.verify_width, ctx, ms, how, kern,
-                    analytic.mode_ms(spec.mode, ctx), [], tcfg))
-    print(_fmt(rows[-1]), flush=True)
+    floor = analytic.mode_ms(spec.mode, ctx) if spec.mode != "ddtree" else \
+        analytic.ms(spec.verify_width, ctx)
+    rows.append(row(label, spec.verify_width, ctx, floor, [], tcfg))
+    jobs.append((rows[-1], exe, lambda n, st=st: (pair, st, jnp.int32(n))))
+  time_group(jobs, steps)
+  print("\n".join(_fmt(r) for r in rows), flush=True)
   return rows
 
 
-def row(mode, width, ctx, loop_ms, how, kernel_ms, analytic_ms, touched, tcfg):
-  return dict(mode=mode, width=width, ctx=ctx, loop_ms=loop_ms, timing=how, kernel_ms=kernel_ms,
-              analytic_ms=analytic_ms, loop_over_analytic=loop_ms / analytic_ms,
-              **experts(touched, width, tcfg))
+def row(mode, width, ctx, analytic_ms, touched, tcfg):
+  """A row before timing (`time_group` fills loop_ms, timing, kernel_ms)."""
+  return dict(mode=mode, width=width, ctx=ctx, loop_ms=None, timing=None, kernel_ms=None,
+              analytic_ms=analytic_ms, loop_over_analytic=None, **experts(touched, width, tcfg))
 
 
 def experts(touched, width, tcfg):
@@ -201,8 +223,9 @@ def _fmt(r):
   kern = "-" if r["kernel_ms"] is None else f"{r['kernel_ms']:.3f}"
   ex = "-" if r["experts_touched_mean"] is None else (
       f"{r['experts_touched_mean']:.1f}/{r['experts_touched_model']:.1f}")
-  return (f"{r['mode']:>6} {r['width']:>4} {r['ctx']:>7} {r['loop_ms']:9.3f} {kern:>9} "
-          f"{r['analytic_ms']:9.3f} {r['loop_over_analytic']:7.2f} {ex:>11}")
+  after = f"  (after CUPTI {r['loop_ms_after_cupti']:.3f})" if "loop_ms_after_cupti" in r else ""
+  return (f"{r['mode']:>12} {r['width']:>4} {r['ctx']:>7} {r['loop_ms']:9.3f} {kern:>9} "
+          f"{r['analytic_ms']:9.3f} {r['loop_over_analytic']:7.2f} {ex:>11}{after}")
 
 
 def held_out_contexts(rows):
@@ -245,7 +268,7 @@ def fit_table(errors) -> str:
   return "\n".join(lines)
 
 
-HEADER = (f"{'mode':>6} {'N':>4} {'ctx':>7} {'loop ms':>9} {'kern ms':>9} {'floor ms':>9} "
+HEADER = (f"{'mode':>12} {'N':>4} {'ctx':>7} {'loop ms':>9} {'kern ms':>9} {'floor ms':>9} "
           f"{'x floor':>7} {'experts':>11}  (experts: router-counted / independent-routing model)")
 
 
@@ -271,6 +294,9 @@ def main(_):
   state_of = lambda sp: profiling.bench_state(tcfg, dcfg, sp, 1, max(ctxs), dtype,
                                               steps=max(steps) + 4)
   specs = {"auto": spec, **{m: mode_spec(c, dcfg, m) for m in _MODES.value}}
+  if _FIXED.value:
+    specs.update({f"ddtree{n}": dataclasses.replace(spec, budget=n, auto=None)
+                  for n in spec.auto.node_counts})
   lowered = lower_programs(tcfg, tp, dcfg, dp, specs, state_of)
   print(f"device={jax.devices()[0].device_kind} layers={tcfg.num_hidden_layers} "
         f"ceilings copy {hw.copy_tbps:.2f} TB/s mm {hw.mm_tflops:.0f} TFLOP/s", flush=True)
@@ -289,9 +315,10 @@ def main(_):
 
   print(HEADER, flush=True)
   rows = ddtree_rows(exe, tcfg, tp, dp, spec, state_of(spec), analytic, ctxs, steps, save)
-  for m in _MODES.value:  # one cache-sized state in memory at a time
+  for m in (m for m in specs if m != "auto"):  # one cache-sized state in memory at a time
+    label = "ddtree_fixed" if m.startswith("ddtree") else m
     rows += mode_rows(exe[m], tcfg, Pair(tcfg, tp, dcfg, dp), specs[m], state_of(specs[m]),
-                      analytic, ctxs, steps)
+                      analytic, ctxs, steps, label)
     save(rows)
   checks = held_out_contexts(rows)
   print(f"\nwrote {path} ({time.perf_counter() - t0:.0f} s)\n{HEADER}")

@@ -39,7 +39,7 @@ from absl import flags
 import jax
 
 from kdtree_jax import cli, run_config, sharding
-from kdtree_jax.decoding import loop, step_cost
+from kdtree_jax.decoding import auto_program, loop, step_cost
 from kdtree_jax.decoding.sampling import SamplingConfig
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.loader import DTYPES, load_pair
@@ -152,6 +152,7 @@ def main(argv):
                     max_new_tokens=c.max_new_tokens, attn_backend=c.attn_backend,
                     sampling=SamplingConfig(c.temperature, c.top_k, c.top_p), auto=auto)
   prompts = [tokenizer.encode(c.prompt)]
+  spec = auto_program.for_run(spec, c, flags.FLAGS["config"], len(prompts[0]))  # auto: program
   warnings = _setting_warnings(c) + loop.length_warnings(pair.tcfg, spec, prompts, c.max_len,
                                                         c.trained_positions)
   for warning in warnings:

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from kdtree_jax import data, plots, runtime  # noqa: E402
-from kdtree_jax.decoding import accept_trace, budget, step_cost  # noqa: E402
+from kdtree_jax.decoding import accept_trace, auto_program, budget, step_cost  # noqa: E402
 from kdtree_jax.decoding.loop import generate  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
 from kdtree_jax.loader import DTYPES, load_pair  # noqa: E402
@@ -41,6 +41,8 @@ _FIT_PROMPTS = flags.DEFINE_integer("fit_prompts", 8, "Held-out prompts to fit a
 _GEN = flags.DEFINE_integer("gen", 96, "Tokens per prompt.")
 _STEP_COST = flags.DEFINE_string("step_cost", "", "Calibration JSON of one GPU's K2.6 share.")
 _OUT = flags.DEFINE_string("out_dir", "results/budget_eval", "Output folder.")
+_FIT_ONLY = flags.DEFINE_bool("fit_only", False, "Only fit the acceptance JSON (--out_dir/"
+                              "accept_calibration.json; copy it to configs/X.accept.json).")
 _MEASURE = flags.DEFINE_string("measure_cost", "", "Calibration JSON of THIS pair on THIS device "
                                "(calibrate_step_cost.py --config configs/k2tiny.py): also time "
                                "every run for real here, auto choosing from that table.")
@@ -81,12 +83,21 @@ def records(pair, prompts, nodes, gen, max_len):
 
 
 def fit_acceptance(pair, prompts, nodes, gen, max_len, out_dir):
-  """AcceptCalibration fitted on `prompts`; saved as JSON."""
+  """AcceptCalibration fitted on `prompts`; saved as JSON with the 'programs' table budget='auto'
+  chooses whole programs by (`auto_program.Replay`: per recorded step the tokens each node-count
+  prefix committed and the calibrated expectation; chain's tokens per step on the same prompts)."""
   recs = records(pair, prompts, nodes, gen, max_len)
   cal = accept_trace.fit(recs, nodes)
+  chain = run(pair, SpecConfig(mode="chain", block_size=pair.dcfg.block_size,
+                                 max_new_tokens=gen), prompts, max_len)
+  per_step = lambda f: tuple(tuple(map(float, r)) for r in np.stack([f(n) for n in nodes], 1))
+  replay = auto_program.Replay(
+      tuple(nodes), per_step(lambda n: accept_trace.prefix_accept(recs, n)),
+      per_step(lambda n: accept_trace.prefix_expected(recs, n, cal)),
+      float(np.mean(chain["accepted"])))
   with open(os.path.join(out_dir, "accept_calibration.json"), "w") as f:
     json.dump(dict(calibration=cal.to_dict(), steps=len(recs["depth"]), prompts=len(prompts),
-                   gen=gen), f, indent=1)
+                   gen=gen, programs=replay.to_dict()), f, indent=1)
   return cal
 
 
@@ -242,6 +253,10 @@ def main(_):
   test, fit = prompt_sets(_PROMPTS.value, _FIT_PROMPTS.value)
   gen, max_len = _GEN.value, c.max_len
   cal = fit_acceptance(pair, fit, nodes, gen, max_len, _OUT.value)
+  if _FIT_ONLY.value:
+    print(f"wrote {os.path.join(_OUT.value, 'accept_calibration.json')} "
+          f"({time.perf_counter() - t0:.0f} s)")
+    return
   checks = calibration_check(pair, cal, test, nodes, gen, max_len)
   runs = fixed_runs(pair, [int(b) for b in _BUDGETS.value], gen, test, max_len)
   ar_tokens = runs[("ar", None)]["tokens"]

@@ -110,7 +110,7 @@ class AnalyticCost:
     raise ValueError(f"mode {mode!r} must be 'ar' or 'chain' (ddtree: use ms(width, ctx))")
 
 
-def _interp_ctx(ctxs, values, ctx):
+def interp_ctx(ctxs, values, ctx):
   """Linear in context; beyond the grid, the line through the two nearest points."""
   ctxs, values = np.asarray(ctxs, float), np.asarray(values, float)
   if len(ctxs) == 1:
@@ -143,14 +143,14 @@ class CalibratedCost:
     if not self.widths[0] <= n <= self.widths[-1]:
       raise ValueError(f"width {n} is outside the calibrated widths {self.widths}; "
                        "re-run scripts/calibrate_step_cost.py with --widths covering it")
-    per_ctx = [_interp_ctx(self.contexts, col, ctx) for col in np.asarray(self.step_ms).T]
+    per_ctx = [interp_ctx(self.contexts, col, ctx) for col in np.asarray(self.step_ms).T]
     return float(np.interp(n, self.widths, per_ctx))
 
   def mode_ms(self, mode: str, ctx: int) -> float:
     table = dict(self.mode_ms_table)
     if mode not in table:
       raise ValueError(f"mode {mode!r} was not calibrated (have {sorted(table)})")
-    return _interp_ctx(self.contexts, table[mode], ctx)
+    return interp_ctx(self.contexts, table[mode], ctx)
 
 
 def load_calibration(path: str, key: str = "loop_ms") -> CalibratedCost:
@@ -169,7 +169,8 @@ def load_calibration(path: str, key: str = "loop_ms") -> CalibratedCost:
   if missing:
     raise ValueError(f"{path}: no {key!r} for {missing[:3]} (kernel_ms exists only on GPU runs)")
   table = tuple(tuple(val[("ddtree", w, c)] for w in widths) for c in ctxs)
-  fixed = sorted({(r["mode"], r["width"]) for r in rows if r["mode"] != "ddtree"})
+  fixed = sorted({(r["mode"], r["width"]) for r in rows
+                  if r["mode"] not in ("ddtree", "ddtree_fixed")})  # fixed: auto_program.py
   modes = tuple((m, tuple(val[(m, w, c)] for c in ctxs)) for m, w in fixed)
   return CalibratedCost(tuple(widths), tuple(ctxs), table, modes, source=f"calibrated:{path}",
                         device=raw.get("device", ""))

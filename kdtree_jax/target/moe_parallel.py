@@ -3,9 +3,9 @@
 For the few tokens of a verify step: tokens, expert ids and weights are replicated over the
 model axes; shard s holds experts [s * E_l, (s + 1) * E_l) (and an F slice under `tensor`).
 It sorts the (token, slot) pairs routed to its experts first, runs a dropless grouped matmul over
-them, zeroes the rest, scatter-adds into [T, D], and a psum over the mesh axes that actually
-split the experts (those the partial sums vary over) adds the shards. Same math as
-`moe.routed_experts` (summation order aside).
+them, and gathers each token's K weighted rows into [T, D] (other shards' pairs count 0); a psum
+over the mesh axes that actually split the experts (those the partial sums vary over) adds the
+shards. Same math as `moe.routed_experts` (summation order aside).
 
 The shared expert (F split over the model axes by the rules) is a partial sum too: when its
 F split spans the same mesh axes as the routed experts', `experts_ep` adds its slice inside the

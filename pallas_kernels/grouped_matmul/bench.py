@@ -38,10 +38,10 @@ _F = flags.DEFINE_integer("ffn", 2048, "Expert width.")
 _FORMATS = flags.DEFINE_list("formats", ["int4", "bf16"], "Expert weight formats.")
 _IMPLS = flags.DEFINE_list("impls", ["pallas", "mgpu"], "Grouped matmuls to compare.")
 _TUNINGS = flags.DEFINE_list(
-    "tunings", ["default", "defaultv", "defaultz", "r16n64k512s4z", "r16n128k256s4z",
-                "r8n64k256s4x7w1z"],
-    "Tuning sweep: 'default' or rR nBN kBK sSTAGES [xSPLITS] [wSLOTS] [smem], then a q_load "
-    "suffix 'v' (vector) or 'z' (swizzled) (bf16 rows use kBK/2 and ignore q_load).")
+    "tunings", ["default", "defaultwide", "r16n64k512s4", "r16n64k256s6", "r8n64k256s4x4",
+                "r16n128k256s4", "r8n64k256s4x7w1", "r8n64k256s4x7w2"],
+    "Tuning sweep: 'default' or rR nBN kBK sSTAGES [xSPLITS] [wSLOTS] [smem], then 'wide' for "
+    "INT4 32-bit tile loads (bf16 rows use kBK/2 and ignore 'wide').")
 _PARTS = flags.DEFINE_list("parts", ["ffn", "tune", "layer"], "Parts to run, in this order.")
 _OUT = flags.DEFINE_string("out", "runs/bench_moe.jsonl", "JSON lines output.")
 _REPS = flags.DEFINE_integer("reps", 20, "CUPTI repetitions (median).")
@@ -139,12 +139,12 @@ def part_ffn(ceil, sink, rows):
 
 
 def _parse_tuning(s, fmt, default):
-  """'default[v|z]' -> the default tuning (with that q_load); 'r16n64k256s4x2w1smemz' -> Tuning
-  (bf16 takes half the K step and the plain q_load)."""
-  q_load = {"v": "vector", "z": "swizzled"}.get(s[-1], "bytes") if fmt == "int4" else "bytes"
-  s = s[:-1] if s[-1] in "vz" else s
+  """'default[wide]' -> `default` (with int4_wide_loads); 'r16n64k256s4x2w1smem[wide]' -> Tuning
+  (bf16 takes half the K step and no wide loads)."""
+  wide = s.endswith("wide") and fmt == "int4"
+  s = s.removesuffix("wide")
   if s == "default":
-    return dataclasses.replace(default, q_load=q_load)
+    return dataclasses.replace(default, int4_wide_loads=wide)
   smem = s.endswith("smem")
   s = s.removesuffix("smem")
   r, rest = s[1:].split("n")
@@ -154,7 +154,8 @@ def _parse_tuning(s, fmt, default):
   st, _, splits = rest.partition("x")
   k = int(k) if fmt == "int4" else int(k) // 2
   return Tuning(rows=int(r), block_n=int(n), block_k=k, stages=int(st), splits=int(splits or 1),
-                slots=int(slots or 0), a_operand="smem" if smem else "registers", q_load=q_load)
+                slots=int(slots or 0), a_operand="smem" if smem else "registers",
+                int4_wide_loads=wide)
 
 
 def part_tune(ceil, sink, rows):

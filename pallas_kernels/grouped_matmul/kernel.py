@@ -36,9 +36,6 @@ from pallas_kernels.grouped_matmul.tuning import Tuning
 CHUNK = 64  # K columns per wgmma call (128-byte swizzle of bf16)
 _SWIZZLED = (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(128))
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout array
-# INT4 tile as [8, 64] tiles (32 bytes a row) with a 32-byte swizzle: the 8 rows a warp loads at
-# one column are 32 bytes apart in different banks, not 128 bytes apart in one (8-way conflict).
-_Q_SWIZZLED = (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(32))
 
 
 def supports(x_mk, k: int, n: int, group: int | None, t: Tuning) -> bool:
@@ -58,15 +55,24 @@ def _chunk_scales(s_smem, j, shape, group, block_k):
   return jnp.where(col < group, row(2 * j), row(2 * j + 1))
 
 
-def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtype, optimized):
+def _load_int4(q_smem, j, wide: bool):
+  """Chunk j's [BN, 64] int4 in the WGMMA layout: byte loads (2 values each) in that layout, or
+  `wide`: 32-bit loads (8 values) in WGMMA_UPCAST_4X, relaid out by in-warp shuffles."""
+  chunk = q_smem.at[:, pl.ds(CHUNK * j, CHUNK)]
+  if not wide:
+    return plgpu.load(chunk, layout=plgpu.Layout.WGMMA, optimized=False)
+  q = plgpu.load(chunk, layout=plgpu.Layout.WGMMA_UPCAST_4X, optimized=False)
+  return plgpu.layout_cast(q, plgpu.Layout.WGMMA)
+
+
+def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtype, wide):
   """One K step: per 64-column chunk, dequantise W^T in registers and issue wgmma.
 
   w_stage None: the registers are wgmma's A operand. Else two swizzled SMEM buffers [BN, 64]
   that the chunks alternate through (the A-from-SMEM variant; GPU interpret mode needs it).
   """
   for j in range(block_k // CHUNK):
-    q = plgpu.load(q_smem.at[:, pl.ds(CHUNK * j, CHUNK)], layout=plgpu.Layout.WGMMA,
-                   optimized=optimized)
+    q = _load_int4(q_smem, j, wide)
     w = q.astype(dtype) * _chunk_scales(s_smem, j, q.shape, group, block_k).astype(dtype)
     if w_stage is not None:
       w_stage[j % 2] = w
@@ -104,8 +110,7 @@ def _weight_specs(int4: bool, group: int, t: Tuning, k0):
     return [plgpu.BlockSpec((t.block_k, t.block_n), lambda kk, ni: (k0 + kk, ni),
                             transforms=_SWIZZLED)]
   n_s = max(t.block_k // group, 1)
-  return [plgpu.BlockSpec((t.block_n, t.block_k), lambda kk, ni: (ni, k0 + kk),
-                          transforms=_Q_SWIZZLED if t.q_load == "swizzled" else ()),
+  return [plgpu.BlockSpec((t.block_n, t.block_k), lambda kk, ni: (ni, k0 + kk)),
           plgpu.BlockSpec((n_s, t.block_n),
                           lambda kk, ni: (((k0 + kk) * t.block_k) // (n_s * group), ni))]
 
@@ -159,7 +164,7 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int):
             tiles = w_smem[j * per_stack:(j + 1) * per_stack]
             if int4:
               _int4_step(acc_ref, x_smem, *tiles, w_stage, group=group, block_k=t.block_k,
-                         dtype=dtype, optimized=t.q_load != "bytes")
+                         dtype=dtype, wide=t.int4_wide_loads)
             else:
               _bf16_step(acc_ref, x_smem, *tiles)
 

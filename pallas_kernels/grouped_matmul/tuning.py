@@ -18,10 +18,8 @@ class Tuning:
   slots: 0 = one CTA column per work item; else this many columns, each looping over items
     slot, slot + slots, ... (live items come first): with split-K at small T, where the static
     item bound (8 at T=1) far exceeds the live items (~1), most CTAs would launch only to exit.
-  q_load: INT4 only, how the weight tile goes SMEM -> registers: "bytes" (plain rows, loads
-    as Mosaic emits them with optimized=False: byte loads, rows 128 bytes apart share a bank),
-    "vector" (plain rows, optimized=True) or "swizzled" (SMEM as [8, 64] tiles with a 32-byte
-    swizzle, optimized=True).
+  int4_wide_loads: INT4 only: read the weight tile with 32-bit loads (8 values, Mosaic's
+    WGMMA_UPCAST_4X layout) and relayout to WGMMA in registers, instead of one-byte loads.
   """
   rows: int = 32
   block_n: int = 128
@@ -30,7 +28,7 @@ class Tuning:
   a_operand: str = "registers"
   splits: int = 1
   slots: int = 0
-  q_load: str = "bytes"
+  int4_wide_loads: bool = False
 
   def __post_init__(self):
     if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -45,8 +43,6 @@ class Tuning:
       raise ValueError(f"{self.splits=} must be >= 1")
     if self.slots < 0:
       raise ValueError(f"{self.slots=} must be >= 0")
-    if self.q_load not in ("bytes", "vector", "swizzled"):
-      raise ValueError(f"{self.q_load=} must be 'bytes', 'vector' or 'swizzled'")
     if self.a_operand not in ("registers", "smem"):
       raise ValueError(f"{self.a_operand=} must be 'registers' or 'smem'")
 

@@ -12,7 +12,7 @@ import pytest
 
 from kdtree_jax.target import config as C
 from kdtree_jax import tree as ddtree
-from kdtree_jax.decoding import budget, step, step_cost
+from kdtree_jax.decoding import auto_program, budget, step, step_cost
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.draft.config import DraftConfig
 
@@ -229,11 +229,11 @@ def test_calibrate_step_cost_script(tmp_path):
   raw = json.loads((tmp_path / "step_cost.json").read_text())
   rows = raw["rows"]
   got = sorted((r["mode"], r["width"], r["ctx"]) for r in rows)
-  assert got == sorted([("ddtree", w, c) for w in (4, 8, 16) for c in (64, 96, 128)]
-                       + [("ar", 1, c) for c in (64, 96, 128)])
+  assert got == sorted([(m, w, c) for m in ("ddtree", "ddtree_fixed") for w in (4, 8, 16)
+                        for c in (64, 96, 128)] + [("ar", 1, c) for c in (64, 96, 128)])
   held = raw["held_out_contexts"]
   assert sorted((k["mode"], k["width"], k["ctx"]) for k in held) == sorted(
-      [("ddtree", w, 96) for w in (4, 8, 16)] + [("ar", 1, 96)])
+      [(m, w, 96) for m in ("ddtree", "ddtree_fixed") for w in (4, 8, 16)] + [("ar", 1, 96)])
   for k in held:
     assert k["error"] == pytest.approx(k["predicted_ms"] / k["measured_ms"] - 1)
   assert all(r["loop_ms"] > 0 and r["analytic_ms"] > 0 for r in rows)
@@ -246,6 +246,8 @@ def test_calibrate_step_cost_script(tmp_path):
   by = {(r["mode"], r["width"], r["ctx"]): r["loop_ms"] for r in rows}
   assert cost.ms(8, 128) == pytest.approx(by[("ddtree", 8, 128)])
   assert cost.mode_ms("ar", 64) == pytest.approx(by[("ar", 1, 64)])
+  fixed = auto_program.program_costs(rows).fixed_ms  # auto's whole-program candidates
+  assert sorted(fixed) == [3, 7, 15] and fixed[7][2] == pytest.approx(by[("ddtree_fixed", 8, 128)])
 
 
 @pytest.mark.slow

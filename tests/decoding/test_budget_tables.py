@@ -120,26 +120,41 @@ def test_trained_pair_names_its_tables():
 
 @pytest.mark.slow
 def test_bench_pair_script(tmp_path):
-  """scripts/bench_pair.py at minimal size: every run lossless, auto chooses only table widths
-  and its modelled ms per step is the table's at the widths it chose."""
+  """scripts/bench_pair.py at minimal size: every run lossless; the switch chooses only table
+  widths and its modelled ms per step is the table's at the widths it chose; auto runs the
+  program of most modelled tok/s (here chain: the table makes it 10x cheaper) and says so."""
   _write_tables(str(tmp_path / "pair"), widths=(2, 4))
+  cost = json.loads((tmp_path / "pair.step_cost.json").read_text())
+  cost["rows"] += [dict(mode=m, width=w, ctx=c, loop_ms=ms, kernel_ms=None)
+                   for m, w, ms in (("chain", 4, 0.3), ("ddtree_fixed", 2, 3.0),
+                                    ("ddtree_fixed", 4, 4.0)) for c in (100, 1000)]
+  (tmp_path / "pair.step_cost.json").write_text(json.dumps(cost))
+  accept = json.loads((tmp_path / "pair.accept.json").read_text())
+  accept["programs"] = dict(node_counts=[1, 3], observed=[[2, 3], [1, 2]],
+                            expected=[[1.5, 2.5], [1.5, 2.5]], chain_tokens_per_step=2.0)
+  (tmp_path / "pair.accept.json").write_text(json.dumps(accept))
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_pair.py"), "--prompts", "1",
          "--gen", "8", "--budgets", "3", "--step_cost", str(tmp_path / "pair.step_cost.json"),
-         "--compile_cache_dir=", "--out", str(tmp_path / "pair.jsonl")]
+         "--accept", str(tmp_path / "pair.accept.json"), "--compile_cache_dir=",
+         "--out", str(tmp_path / "pair.jsonl")]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [json.loads(x) for x in (tmp_path / "pair.jsonl").read_text().splitlines()]
   assert sorted((r["prompts"], r["mode"], str(r["budget"])) for r in rows) == sorted(
-      [("heldout", "ar", "None"), ("heldout", "chain", "None"), ("heldout", "ddtree", "3"),
-       ("heldout", "auto", "auto"), ("default", "ar", "None"), ("default", "chain", "None"),
-       ("default", "ddtree", "32"), ("default", "auto", "auto")])
+      [(p, m, b) for p, b3 in (("heldout", "3"), ("default", "32")) for m, b in
+       (("ar", "None"), ("chain", "None"), ("ddtree", b3), ("switch", "auto"), ("auto", "auto"))])
   assert all(r["same_tokens_as_ar"] for r in rows)
   for r in rows:
     assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] * 1e3 / r["ms_per_step"])
-    if r["mode"] == "auto":
+    if r["mode"] == "switch":
       assert set(map(int, r["width_histogram"])) <= {1, 3}
       assert sum(r["width_histogram"].values()) <= r["steps"]
       assert 1.0 + 2 + 0.0 <= r["modelled_ms_per_step"] <= 1.0 + 4 + 1.0
-  assert "auto" in proc.stdout and "best of chain and fixed" in proc.stdout
+    if r["mode"] == "auto":
+      chain = next(x for x in rows if (x["prompts"], x["mode"]) == (r["prompts"], "chain"))
+      assert r["program"] == "chain" and r["steps"] == chain["steps"]
+      assert r["modelled_tokens_per_s"] == pytest.approx(1e3 * 2.0 / 0.3)
+  assert "budget auto: runs chain" in proc.stdout
+  assert "best of chain, fixed and switch" in proc.stdout and "auto vs chain" in proc.stdout

@@ -216,32 +216,25 @@ def test_kernel_gpu_matches_reference(sizes, m, k, n, fmt, a_operand):
   _check(gated, gated_grouped_matmul(x, ws, ws, gs, backend="xla"), sum(sizes))
 
 
-@pytest.mark.parametrize("q_load", ["vector", "swizzled"])
-def test_int4_q_load_interpret_matches_reference(q_load):
+def test_int4_wide_loads_interpret_matches_reference():
   sizes, m, k, n = [30, 0, 50, 3, 10], 100, 256, 128
   x, _, ws = _operands(m, k, n, len(sizes), 32, seed=11)
   gs = jnp.asarray(sizes, jnp.int32)
-  t = Tuning(rows=32, block_n=64, block_k=128, stages=2, a_operand="smem", q_load=q_load)
+  t = Tuning(rows=32, block_n=64, block_k=128, stages=2, a_operand="smem", int4_wide_loads=True)
   _check(grouped_matmul(x, ws, gs, backend="interpret", tuning=t),
          grouped_matmul(x, ws, gs, backend="xla"), sum(sizes))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_load", ["vector", "swizzled"])
-@pytest.mark.parametrize("sizes,m,k,n", [  # a K2.6 verify step's experts on one of 8 GPUs
-    (list(np.bincount(np.random.default_rng(2).integers(0, 48, 520), minlength=48)), 520, 7168,
-     2048),
-])
-def test_int4_q_load_gpu_matches_reference(sizes, m, k, n, q_load):
-  """The INT4 tile's SMEM layout / load variants (registers A operand), plain and gated."""
+def test_int4_wide_loads_gpu_matches_reference():
+  """32-bit INT4 tile loads (WGMMA_UPCAST_4X, relaid out in registers), a K2.6 verify shape."""
+  sizes = list(np.bincount(np.random.default_rng(2).integers(0, 48, 520), minlength=48))
+  m, k, n = 520, 7168, 2048
   x, _, ws = _operands(m, k, n, len(sizes), 32)
   gs = jnp.asarray(sizes, jnp.int32)
-  t = dataclasses.replace(default_tuning(m, len(sizes), k, n, True), q_load=q_load)
+  t = dataclasses.replace(default_tuning(m, len(sizes), k, n, True), int4_wide_loads=True)
   _check(grouped_matmul(x, ws, gs, backend="pallas", tuning=t),
          grouped_matmul(x, ws, gs, backend="xla"), sum(sizes))
-  tg = dataclasses.replace(default_tuning(m, len(sizes), k, n, True, gated=True), q_load=q_load)
-  _check(gated_grouped_matmul(x, ws, ws, gs, backend="pallas", tuning=tg),
-         gated_grouped_matmul(x, ws, ws, gs, backend="xla"), sum(sizes))
 
 
 def test_bad_input_errors():
