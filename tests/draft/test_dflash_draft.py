@@ -100,6 +100,7 @@ def close(got, ref, rel=1e-5):
 
 @pytest.mark.parametrize("ctx_chunk,ctx_impl", [(model.CTX_CHUNK, "xla"), (4, "xla"),
                                                 (model.CTX_CHUNK, "interpret")])
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [{}, SLIDING_CFG])
 def test_block_matches_numpy(tmp_path, overrides, ctx_chunk, ctx_impl):
   """ctx_chunk 4: the 64 cache rows as 16 chunks (most wholly past ctx_len); interpret:
@@ -432,6 +433,7 @@ def test_matches_reference_fixture(name):
   assert (got.argmax(-1) == ref["logits"].argmax(-1)).mean() > 0.99
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(os.listdir(FIXTURES)) if os.path.isdir(FIXTURES) else [])
 def test_matches_reference_fixture_bf16(name):
   """The bf16 path (bf16 weights, cache and activations; f32 attention statistics) against the

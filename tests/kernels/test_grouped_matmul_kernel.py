@@ -88,6 +88,7 @@ CASES = [  # sizes, m, k, n, group, tuning
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes,m,k,n,group,tuning", CASES)
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_kernel_interpret_matches_reference(sizes, m, k, n, group, tuning, fmt):

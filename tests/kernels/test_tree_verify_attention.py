@@ -158,6 +158,7 @@ class TestRowWindows:
       jax.jit(f).trace(sd((1, m, C), jnp.bfloat16), sd((1, 128, C), jnp.bfloat16),
                        sd((1,), jnp.int32), sd((1, 5, 64 * -(-m // 64)), jnp.int32))
 
+  @pytest.mark.slow
   @pytest.mark.parametrize("n,h", [(1, 8), (2, 8), (5, 8), (8, 8), GPU((9, 8))])  # M = 8 .. 72
   def test_correct_over_rows(self, n, h):
     """Several splits (partials [B, S, M, R]) and a batch of 2: a window past M would land in the
@@ -221,6 +222,7 @@ class TestKernelSmall:
     q, cache, ln, mask = make_inputs(2, 4, 8, 136, [100, 132], seed=9, c=192)
     check_against_reference(q, cache, ln, mask, Tuning(num_splits=2))
 
+  @pytest.mark.slow
   def test_packed_mask_same_as_bool_mask(self):
     """A mask packed once (pack_tree_mask) gives the bool mask's output bit for bit."""
     q, cache, ln, mask = make_inputs(2, 9, 8, 130, [100, 121], seed=4)

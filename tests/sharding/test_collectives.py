@@ -151,6 +151,7 @@ def test_moe_is_one_all_reduce_in_the_activation_dtype(mesh_spec):
   assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_spec", ["tensor=8", "tensor=2,expert=4"])
 def test_moe_shared_expert_split_differently_keeps_two_reductions(mesh_spec):
   """A shared expert whose F does not divide like the routed experts' (12 rows: not over 8
