@@ -1,7 +1,7 @@
 """The draft's ctx attention as one fused Pallas (Triton) kernel: flash-decoding over the cache.
 
 The XLA form (model._chunked_partial_attention) writes the f32 scores of every cache row to HBM
-and reads them twice more (max, exp) before the PV dot: about 3x the K/V bytes at R*S = 64 query
+and reads them twice more (max, exp) before the PV dot: about 3x the K/V bytes at U*S = 64 query
 rows per kv head, 5x at 128. Here each program keeps one chunk's scores on chip: program
 (b, g, j) streams rows [j*chunk, (j+1)*chunk) of kv head g in tiles of block_k rows with an
 online softmax, and stops at ctx_len (rows past it are never read, so the cost follows the
@@ -11,7 +11,8 @@ them: the partials' bytes are M/chunk of the chunk's K/V bytes at bf16, half tha
 the caller merges through their log-sum-exps with the block part.
 
 Only the length mask is applied (full-attention layers); sliding-window layers take the XLA
-path. Letters: B batch, G kv heads, M = R*S query rows per kv head, C cache rows, E head_dim.
+path. Letters: B batch, G kv heads, L cache rows, Y head_dim (the package glossary), and this
+kernel's own M = U*S query rows per kv head.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from jax.experimental.pallas import triton as pltriton
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-  """chunk: cache rows per program (divides C); block_k: rows per tile of the online softmax."""
+  """chunk: cache rows per program (divides L); block_k: rows per tile of the online softmax."""
   chunk: int = 1024
   block_k: int = 64
   num_warps: int = 8
@@ -37,7 +38,7 @@ class Tuning:
 def default_tuning(batch: int, kv_heads: int, rows_m: int, capacity: int,
                    chunk: int | None = None) -> Tuning:
   """`chunk` rows per program, or the largest of 1024 / 512 / 256 (dividing the capacity) that
-  still gives at least 128 programs (the H200 has 132 SMs; each partial costs M*E*2 bytes
+  still gives at least 128 programs (the H200 has 132 SMs; each partial costs M*Y*2 bytes
   written and read again, M/chunk of the chunk's K/V bytes); 8 warps for M > 64 query rows (the
   f32 accumulator's registers)."""
   fits = [c for c in (1024, 512, 256) if capacity % c == 0] or [capacity]
@@ -46,14 +47,14 @@ def default_tuning(batch: int, kv_heads: int, rows_m: int, capacity: int,
   return Tuning(chunk=chunk, block_k=min(64, chunk), num_warps=8 if rows_m > 64 else 4)
 
 
-def supports(q_bgme, k_bgce, tuning: Tuning = Tuning()) -> bool:
-  """Shapes the kernel handles: bf16 cache, M and E multiples of 16 (Triton dot tiles), whole
+def supports(q_bgmy, k_bgly, tuning: Tuning = Tuning()) -> bool:
+  """Shapes the kernel handles: bf16 cache, M and Y multiples of 16 (Triton dot tiles), whole
   power-of-two chunks (Triton blocks) of whole power-of-two tiles of at least 16 rows."""
-  M, E = q_bgme.shape[2:]
-  C, c, bk = k_bgce.shape[2], tuning.chunk, tuning.block_k
+  M, Y = q_bgmy.shape[2:]
+  L, c, bk = k_bgly.shape[2], tuning.chunk, tuning.block_k
   pow2 = lambda x: x & (x - 1) == 0
-  return (k_bgce.dtype == jnp.bfloat16 and M % 16 == 0 and E % 16 == 0 and bk >= 16
-          and pow2(bk) and pow2(c) and C % c == 0 and c % bk == 0)
+  return (k_bgly.dtype == jnp.bfloat16 and M % 16 == 0 and Y % 16 == 0 and bk >= 16
+          and pow2(bk) and pow2(c) and L % c == 0 and c % bk == 0)
 
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_k):
@@ -61,7 +62,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_k):
   chunk = k_ref.shape[0]
   valid = jnp.clip(len_ref[0] - pl.program_id(2) * chunk, 0, chunk)
   q = q_ref[...]
-  M, E = q.shape
+  M, Y = q.shape
 
   def tile(t, carry):
     o, m, l = carry
@@ -75,7 +76,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_k):
     o = o * corr[:, None] + pltriton.dot(p.astype(k_ref.dtype), v_ref[rows, :])
     return o, m_new, l * corr + jnp.sum(p, axis=1)
 
-  init = (jnp.zeros((M, E), jnp.float32), jnp.full((M,), -jnp.inf, jnp.float32),
+  init = (jnp.zeros((M, Y), jnp.float32), jnp.full((M,), -jnp.inf, jnp.float32),
           jnp.zeros((M,), jnp.float32))
   o, m, l = jax.lax.fori_loop(0, pl.cdiv(valid, block_k), tile, init)
   seen = l > 0  # False only for a chunk wholly past ctx_len (then m = -inf, o = 0)
@@ -84,29 +85,29 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_k):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tuning", "interpret"))
-def ctx_partials(q_bgme, k_bgce, v_bgce, ctx_len_b, *, scale, tuning: Tuning = Tuning(),
+def ctx_partials(q_bgmy, k_bgly, v_bgly, ctx_len_b, *, scale, tuning: Tuning = Tuning(),
                  interpret=False):
-  """Per-chunk partials over cache rows < ctx_len: o [B, G, N, M, E] = softmax(s) v over the
+  """Per-chunk partials over cache rows < ctx_len: o [B, G, N, M, Y] = softmax(s) v over the
   chunk's rows, in the cache dtype (0 for a chunk wholly past ctx_len), and lse [B, G, N, M] =
   log sum exp(s) in f32 (-inf for such a chunk)."""
-  B, G, M, E = q_bgme.shape
-  C = k_bgce.shape[2]
-  n, c = C // tuning.chunk, tuning.chunk
-  k = k_bgce.reshape(B, G, n, c, E)
-  v = v_bgce.reshape(B, G, n, c, E)
-  kv_spec = pl.BlockSpec((None, None, None, c, E), lambda b, g, j: (b, g, j, 0, 0))
+  B, G, M, Y = q_bgmy.shape
+  L = k_bgly.shape[2]
+  n, c = L // tuning.chunk, tuning.chunk
+  k = k_bgly.reshape(B, G, n, c, Y)
+  v = v_bgly.reshape(B, G, n, c, Y)
+  kv_spec = pl.BlockSpec((None, None, None, c, Y), lambda b, g, j: (b, g, j, 0, 0))
   row_spec = pl.BlockSpec((None, None, None, M), lambda b, g, j: (b, g, j, 0))
   return pl.pallas_call(
       functools.partial(_kernel, scale=scale, block_k=tuning.block_k),
       grid=(B, G, n),
       in_specs=[pl.BlockSpec((1,), lambda b, g, j: (b,)),
-                pl.BlockSpec((None, None, M, E), lambda b, g, j: (b, g, 0, 0)),
+                pl.BlockSpec((None, None, M, Y), lambda b, g, j: (b, g, 0, 0)),
                 kv_spec, kv_spec],
-      out_specs=[pl.BlockSpec((None, None, None, M, E), lambda b, g, j: (b, g, j, 0, 0)),
+      out_specs=[pl.BlockSpec((None, None, None, M, Y), lambda b, g, j: (b, g, j, 0, 0)),
                  row_spec],
-      out_shape=[jax.ShapeDtypeStruct((B, G, n, M, E), k_bgce.dtype),
+      out_shape=[jax.ShapeDtypeStruct((B, G, n, M, Y), k_bgly.dtype),
                  jax.ShapeDtypeStruct((B, G, n, M), jnp.float32)],
       compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps,
                                               num_stages=tuning.num_stages),
       interpret=interpret, name="draft_ctx_attention",
-  )(ctx_len_b.astype(jnp.int32), q_bgme.astype(k_bgce.dtype), k, v)
+  )(ctx_len_b.astype(jnp.int32), q_bgmy.astype(k_bgly.dtype), k, v)

@@ -1,11 +1,12 @@
 """DFlash draft forward: pure functions over a params pytree (Qwen3-style layers).
 
-Letters: B batch, T new ctx tokens, C cache rows, S block tokens, A anchors, D hidden,
-H query heads, G kv heads, R = H/G heads per kv head, E head_dim, F ffn, V vocab, Y layers.
+Letters: B batch, T new ctx tokens, L cache rows, S block tokens, A anchors, D hidden,
+H query heads, G kv heads, U = H/G heads per kv head, Y head_dim, F ffn, V vocab, X key
+positions of one attention call, W block size, Z tapped features (the package glossary).
 
 Params (HF Linear [out, in] stored as [in, out]): fc [n_tap*D, D], hidden_norm [D], norm [D],
-layers: a list of Y dicts (one per layer, so no step slices a stacked weight): q_proj
-[D, H*E], k_proj / v_proj [D, G*E], o_proj [H*E, D], q_norm / k_norm [E], input_layernorm /
+layers: a list of dicts (one per layer, so no step slices a stacked weight): q_proj
+[D, H*Y], k_proj / v_proj [D, G*Y], o_proj [H*Y, D], q_norm / k_norm [Y], input_layernorm /
 post_attention_layernorm [D], gate_proj / up_proj [D, F], down_proj [F, D].
 
 Attention rule: z-lab's reference (github.com/z-lab/dflash dflash/model.py, run by its
@@ -18,9 +19,9 @@ Inference attention: the ctx part reads the cache in place (bf16 when the cache 
 scores and softmax statistics) and the block part attends to the block's own K/V; the two are
 merged through their log-sum-exps, so no step copies or concatenates the ctx K/V. The ctx part
 runs as N independent chunks of CTX_CHUNK rows (a batch axis of both dots, the chunks merged
-through their log-sum-exps): a PV dot contracting over all C rows lets XLA:GPU's split-K rewrite
+through their log-sum-exps): a PV dot contracting over all L rows lets XLA:GPU's split-K rewrite
 pad both operands (p and the V cache) to a multiple of split_k * 8 rows, a cache-sized copy per
-layer per step (the H200 showed one ~57 us `loop_pad_fusion` per layer at C = 46016 = 64 * 719).
+layer per step (the H200 showed one ~57 us `loop_pad_fusion` per layer at L = 46016 = 64 * 719).
 init_draft_cache rounds the capacity up to whole chunks. ctx_impl='pallas' runs the ctx part as
 one fused kernel instead (ctx_attention.py: no f32 scores in HBM, rows < ctx_len only).
 """
@@ -41,8 +42,8 @@ CTX_CHUNK = 1024
 
 @struct.dataclass
 class DraftCache:
-  """Dense draft ctx K/V: k, v = one [B, G, C, E] buffer per draft layer (k normed + roped;
-  kv heads before rows so attention reads each head's rows as one contiguous matrix), pos [B, C],
+  """Dense draft ctx K/V: k, v = one [B, G, L, Y] buffer per draft layer (k normed + roped;
+  kv heads before rows so attention reads each head's rows as one contiguous matrix), pos [B, L],
   ctx_len [B]. Separate per-layer buffers are written in place (see cache.py)."""
 
   k: tuple
@@ -75,11 +76,11 @@ def init_draft_params(rng, cfg: DraftConfig, target_hidden: int, n_taps: int, dt
   _check_target(cfg, target_hidden)
   if n_taps != cfg.n_taps:
     raise ValueError(f"{n_taps=} != len(cfg.target_layer_ids)={cfg.n_taps}")
-  D, E, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-  HE, GE = cfg.num_attention_heads * E, cfg.num_key_value_heads * E
+  D, Y, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+  HE, GE = cfg.num_attention_heads * Y, cfg.num_key_value_heads * Y
   shapes = dict(q_proj=(D, HE), k_proj=(D, GE), v_proj=(D, GE), o_proj=(HE, D),
                 gate_proj=(D, F), up_proj=(D, F), down_proj=(F, D))
-  norms = dict(q_norm=E, k_norm=E, input_layernorm=D, post_attention_layernorm=D)
+  norms = dict(q_norm=Y, k_norm=Y, input_layernorm=D, post_attention_layernorm=D)
   fc_key, *layer_keys = jax.random.split(rng, cfg.num_hidden_layers + 1)
   normal = lambda k, s: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype)
 
@@ -105,29 +106,29 @@ def rms_norm(x, w, eps):
   return w * y.astype(x.dtype)
 
 
-def rope(x_bshe, pos_bs, theta):
+def rope(x_bshy, pos_bs, theta):
   """NeoX / rotate_half RoPE at integer positions (f32 math)."""
-  E = x_bshe.shape[-1]
-  inv = 1.0 / (theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
+  Y = x_bshy.shape[-1]
+  inv = 1.0 / (theta ** (jnp.arange(0, Y, 2, dtype=jnp.float32) / Y))
   ang = pos_bs.astype(jnp.float32)[..., None] * inv
   cos = jnp.concatenate([jnp.cos(ang)] * 2, -1)[:, :, None]
   sin = jnp.concatenate([jnp.sin(ang)] * 2, -1)[:, :, None]
-  xf = x_bshe.astype(jnp.float32)
-  rot = jnp.concatenate([-xf[..., E // 2:], xf[..., : E // 2]], -1)
-  return (xf * cos + rot * sin).astype(x_bshe.dtype)
+  xf = x_bshy.astype(jnp.float32)
+  rot = jnp.concatenate([-xf[..., Y // 2:], xf[..., : Y // 2]], -1)
+  return (xf * cos + rot * sin).astype(x_bshy.dtype)
 
 
-def context_feature(params, cfg: DraftConfig, taps_btf):
+def context_feature(params, cfg: DraftConfig, taps_btz):
   """c = hidden_norm(fc(concat taps)) [B, T, D]."""
   want = cfg.n_taps * cfg.hidden_size
-  if taps_btf.shape[-1] != want:
-    raise ValueError(f"taps last dim {taps_btf.shape[-1]} != n_taps*hidden = {want}")
-  return rms_norm(taps_btf.astype(params["fc"].dtype) @ params["fc"], params["hidden_norm"],
+  if taps_btz.shape[-1] != want:
+    raise ValueError(f"taps last dim {taps_btz.shape[-1]} != n_taps*hidden = {want}")
+  return rms_norm(taps_btz.astype(params["fc"].dtype) @ params["fc"], params["hidden_norm"],
                   cfg.rms_norm_eps)
 
 
 def _kv(lp, cfg, x_btd, pos_bt):
-  """One layer's K (k_norm + rope) and V [B, T, G, E] from inputs x."""
+  """One layer's K (k_norm + rope) and V [B, T, G, Y] from inputs x."""
   B, T, _ = x_btd.shape
   k = (x_btd @ lp["k_proj"]).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
   v = (x_btd @ lp["v_proj"]).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
@@ -135,14 +136,14 @@ def _kv(lp, cfg, x_btd, pos_bt):
   return k, v
 
 
-def materialize_context(params, cfg: DraftConfig, cache: DraftCache, taps_btf, positions_bt,
+def materialize_context(params, cfg: DraftConfig, cache: DraftCache, taps_btz, positions_bt,
                         num_valid_b) -> DraftCache:
   """Append ctx K/V of T new committed tokens at rows [ctx_len, ctx_len+T); ctx_len += num_valid."""
-  c = context_feature(params, cfg, taps_btf)
+  c = context_feature(params, cfg, taps_btz)
 
-  def put(dst_gce, src_tge, at):
-    src_gte = jnp.swapaxes(src_tge, 0, 1).astype(dst_gce.dtype)
-    return jax.lax.dynamic_update_slice(dst_gce, src_gte, (0, at, 0))
+  def put(dst_gly, src_tgy, at):
+    src_gty = jnp.swapaxes(src_tgy, 0, 1).astype(dst_gly.dtype)
+    return jax.lax.dynamic_update_slice(dst_gly, src_gty, (0, at, 0))
 
   put_b = jax.vmap(put)
   ks, vs = [], []
@@ -166,92 +167,92 @@ def _both(a, b):
   return b if a is None else a if b is None else a & b
 
 
-def _partial_attention(q_bgrse, k_bgke, v_bgke, ok_bsk, scale):
+def _partial_attention(q_bgusy, k_bgxy, v_bgxy, ok_bsx, scale):
   """Unnormalised softmax attention over one key set; inputs in the K/V dtype, f32 statistics.
 
-  Returns o [B, G, R, S, E] = sum_k exp(s - m) v, m [B, G, R, S] (row max, -inf if no key is
-  visible) and l [B, G, R, S] = sum_k exp(s - m). ok_bsk (None: all visible) broadcasts over S.
+  Returns o [B, G, U, S, Y] = sum_k exp(s - m) v, m [B, G, U, S] (row max, -inf if no key is
+  visible) and l [B, G, U, S] = sum_k exp(s - m). ok_bsx (None: all visible) broadcasts over S.
   """
-  s = jnp.einsum("bgrse,bgke->bgrsk", q_bgrse.astype(k_bgke.dtype), k_bgke,
+  s = jnp.einsum("bgrse,bgke->bgrsk", q_bgusy.astype(k_bgxy.dtype), k_bgxy,
                  preferred_element_type=jnp.float32) * scale
-  if ok_bsk is not None:
-    s = jnp.where(ok_bsk[:, None, None], s, -jnp.inf)
+  if ok_bsx is not None:
+    s = jnp.where(ok_bsx[:, None, None], s, -jnp.inf)
   m = jnp.max(s, axis=-1)
   p = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m)[..., None])
-  o = jnp.einsum("bgrsk,bgke->bgrse", p.astype(v_bgke.dtype), v_bgke,
+  o = jnp.einsum("bgrsk,bgke->bgrse", p.astype(v_bgxy.dtype), v_bgxy,
                  preferred_element_type=jnp.float32)
   return o, m, jnp.sum(p, axis=-1)
 
 
 def _merge_partials(o_n, m_n, l_n):
-  """Merge N partials stacked on axis 0 (o [N, ..., E], m / l [N, ...]) into one (o, m, l);
+  """Merge N partials stacked on axis 0 (o [N, ..., Y], m / l [N, ...]) into one (o, m, l);
   m stays -inf (and o, l 0) where no partial saw a key."""
   m = jnp.max(m_n, axis=0)
   w = jnp.exp(m_n - jnp.where(jnp.isneginf(m), 0.0, m))
   return jnp.sum(o_n * w[..., None], axis=0), m, jnp.sum(l_n * w, axis=0)
 
 
-def _chunked_partial_attention(q_bgrse, k_bgce, v_bgce, ok_bsc, scale, chunk):
-  """_partial_attention over C = N * chunk rows as N chunks: the chunk index is a batch axis of
-  both dots (q broadcast over it, M*E*N elements, small), so the PV dot contracts over `chunk`
-  rows, never all C, and scores, p and the mask share one chunk-major layout [B, G, N, R, S, k]
+def _chunked_partial_attention(q_bgusy, k_bgly, v_bgly, ok_bsl, scale, chunk):
+  """_partial_attention over L = N * chunk rows as N chunks: the chunk index is a batch axis of
+  both dots (q broadcast over it, M*Y*N elements, small), so the PV dot contracts over `chunk`
+  rows, never all L, and scores, p and the mask share one chunk-major layout [B, G, N, U, S, k]
   (no transposes); the N partials merged through their log-sum-exps. Same (o, m, l) as
   _partial_attention up to f32 summation order."""
-  B, G, C, E = k_bgce.shape
-  R, S = q_bgrse.shape[2:4]
-  n = C // chunk
-  k = k_bgce.reshape(B, G, n, chunk, E)
-  v = v_bgce.reshape(B, G, n, chunk, E)
-  q = jnp.broadcast_to(q_bgrse.astype(k.dtype)[:, :, None], (B, G, n, R, S, E))
+  B, G, L, Y = k_bgly.shape
+  U, S = q_bgusy.shape[2:4]
+  n = L // chunk
+  k = k_bgly.reshape(B, G, n, chunk, Y)
+  v = v_bgly.reshape(B, G, n, chunk, Y)
+  q = jnp.broadcast_to(q_bgusy.astype(k.dtype)[:, :, None], (B, G, n, U, S, Y))
   batch = ((0, 1, 2), (0, 1, 2))
   s = jax.lax.dot_general(q, k, (((5,), (4,)), batch),
-                          preferred_element_type=jnp.float32) * scale  # [B, G, N, R, S, k]
-  if ok_bsc is not None:
-    ok = ok_bsc.reshape(ok_bsc.shape[0], ok_bsc.shape[1], n, chunk).transpose(0, 2, 1, 3)
+                          preferred_element_type=jnp.float32) * scale  # [B, G, N, U, S, k]
+  if ok_bsl is not None:
+    ok = ok_bsl.reshape(ok_bsl.shape[0], ok_bsl.shape[1], n, chunk).transpose(0, 2, 1, 3)
     s = jnp.where(ok[:, None, :, None], s, -jnp.inf)
   m = jnp.max(s, axis=-1)
   p = jnp.exp(s - jnp.where(jnp.isneginf(m), 0.0, m)[..., None])
   o = jax.lax.dot_general(p.astype(v.dtype), v, (((5,), (3,)), batch),
-                          preferred_element_type=jnp.float32)  # [B, G, N, R, S, E]
+                          preferred_element_type=jnp.float32)  # [B, G, N, U, S, Y]
   front = lambda x: jnp.moveaxis(x, 2, 0)
   return _merge_partials(front(o), front(m), front(jnp.sum(p, axis=-1)))
 
 
-def xla_part(k_bgke, v_bgke, ok_bsk, chunk=None):
-  """A key set for _merged_attention: q_bgrse, scale -> (o, m, l) by XLA, in chunks of `chunk`
+def xla_part(k_bgxy, v_bgxy, ok_bsx, chunk=None):
+  """A key set for _merged_attention: q_bgusy, scale -> (o, m, l) by XLA, in chunks of `chunk`
   rows (a divisor of the rows) when there are more rows than that."""
-  def part(q_bgrse, scale):
-    if chunk is not None and k_bgke.shape[2] > chunk:
-      return _chunked_partial_attention(q_bgrse, k_bgke, v_bgke, ok_bsk, scale, chunk)
-    return _partial_attention(q_bgrse, k_bgke, v_bgke, ok_bsk, scale)
+  def part(q_bgusy, scale):
+    if chunk is not None and k_bgxy.shape[2] > chunk:
+      return _chunked_partial_attention(q_bgusy, k_bgxy, v_bgxy, ok_bsx, scale, chunk)
+    return _partial_attention(q_bgusy, k_bgxy, v_bgxy, ok_bsx, scale)
   return part
 
 
-def kernel_part(k_bgce, v_bgce, ctx_len_b, tuning, interpret):
+def kernel_part(k_bgly, v_bgly, ctx_len_b, tuning, interpret):
   """The ctx rows < ctx_len as a key set through the fused kernel (ctx_attention.py)."""
-  def part(q_bgrse, scale):
-    B, G, R, S, E = q_bgrse.shape
-    o, lse = ctx_attention.ctx_partials(q_bgrse.reshape(B, G, R * S, E), k_bgce, v_bgce,
+  def part(q_bgusy, scale):
+    B, G, U, S, Y = q_bgusy.shape
+    o, lse = ctx_attention.ctx_partials(q_bgusy.reshape(B, G, U * S, Y), k_bgly, v_bgly,
                                         ctx_len_b, scale=scale, tuning=tuning,
                                         interpret=interpret)
     # a normalised partial is (o, m, l) = (o, lse, 1); a chunk past ctx_len has lse = -inf
     l = jnp.where(jnp.isneginf(lse), 0.0, 1.0)
     o, m, l = _merge_partials(*(jnp.moveaxis(x, 2, 0) for x in (o.astype(jnp.float32), lse, l)))
-    return o.reshape(B, G, R, S, E), m.reshape(B, G, R, S), l.reshape(B, G, R, S)
+    return o.reshape(B, G, U, S, Y), m.reshape(B, G, U, S), l.reshape(B, G, U, S)
   return part
 
 
-def _merged_attention(q_bshe, parts, scale, kv_heads):
-  """Softmax attention over the union of key sets (callables q_bgrse, scale -> (o, m, l), see
+def _merged_attention(q_bshy, parts, scale, kv_heads):
+  """Softmax attention over the union of key sets (callables q_bgusy, scale -> (o, m, l), see
   xla_part), merged through their log-sum-exps (every query must see at least one key) ->
-  [B, S, H*E] in q's dtype."""
-  B, S, H, E = q_bshe.shape
+  [B, S, H*Y] in q's dtype."""
+  B, S, H, Y = q_bshy.shape
   G = kv_heads
-  q = q_bshe.reshape(B, S, G, H // G, E).transpose(0, 2, 3, 1, 4)
+  q = q_bshy.reshape(B, S, G, H // G, Y).transpose(0, 2, 3, 1, 4)
   outs = [part(q, scale) for part in parts]
   o, _, l = _merge_partials(*(jnp.stack(x) for x in zip(*outs)))
-  o = (o / l[..., None]).transpose(0, 3, 1, 2, 4).reshape(B, S, H * E)
-  return o.astype(q_bshe.dtype)
+  o = (o / l[..., None]).transpose(0, 3, 1, 2, 4).reshape(B, S, H * Y)
+  return o.astype(q_bshy.dtype)
 
 
 def _layer(lp, cfg, x_bsd, q_pos_bs, ctx_parts, blk_ok_bss):
@@ -309,10 +310,10 @@ def _ctx_part(cfg, cache, i, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_chunk):
   k, v, window = cache.k[i], cache.v[i], cfg.window(i)
   if ctx_impl not in CTX_IMPLS:
     raise ValueError(f"{ctx_impl=} must be one of {CTX_IMPLS}")
-  B, G, C, E = k.shape
+  B, G, L, Y = k.shape
   M = cfg.num_attention_heads // G * q_pos_bs.shape[1]
-  tuning = ctx_attention.default_tuning(B, G, M, C, kernel_chunk)
-  q_like = jax.ShapeDtypeStruct((B, G, M, E), k.dtype)
+  tuning = ctx_attention.default_tuning(B, G, M, L, kernel_chunk)
+  q_like = jax.ShapeDtypeStruct((B, G, M, Y), k.dtype)
   if ctx_impl != "xla" and window is None and (
       ctx_impl == "interpret" or ctx_attention.supports(q_like, k, tuning)):
     return kernel_part(k, v, cache.ctx_len, tuning, ctx_impl == "interpret")
@@ -332,36 +333,36 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   B, S = block_tokens_bs.shape
   x = _embed(params, cfg, block_tokens_bs, embed_vd)
   q_pos = start_b.astype(jnp.int32)[:, None] + jnp.arange(S, dtype=jnp.int32)
-  C = cache.pos.shape[1]
-  chunk = ctx_chunk if C % ctx_chunk == 0 else None
-  live = (jnp.arange(C)[None, :] < cache.ctx_len[:, None])[:, None, :]  # [B, 1, C]
+  L = cache.pos.shape[1]
+  chunk = ctx_chunk if L % ctx_chunk == 0 else None
+  live = (jnp.arange(L)[None, :] < cache.ctx_len[:, None])[:, None, :]  # [B, 1, L]
   for i, lp in enumerate(params["layers"]):
     ctx = _ctx_part(cfg, cache, i, q_pos, live, ctx_impl, chunk, kernel_chunk)
     x = _layer(lp, cfg, x, q_pos, [ctx], _block_mask(cfg, i, q_pos))
   return _logits(params, cfg, x, head_dv)
 
 
-def draft_train_forward(params, cfg: DraftConfig, ctx_taps_bsf, anchors_ba, block_tokens_bak,
+def draft_train_forward(params, cfg: DraftConfig, ctx_taps_bsz, anchors_ba, block_tokens_baw,
                         embed_vd, head_dv):
-  """Training forward (DFlash recipe): A blocks per row, one forward -> [B, A, K, V] f32.
+  """Training forward (DFlash recipe): A blocks per row, one forward -> [B, A, W, V] f32.
 
-  Block a sits at positions anchors[a] + 0..K-1; it sees ctx keys at positions < anchors[a]
+  Block a sits at positions anchors[a] + 0..W-1; it sees ctx keys at positions < anchors[a]
   (ctx row j = position j) and its own block keys; nothing else. Same layers and attention
   rule as draft_block.
   """
-  B, Sc, _ = ctx_taps_bsf.shape
-  _, A, K = block_tokens_bak.shape
-  c = context_feature(params, cfg, ctx_taps_bsf)
+  B, Sc, _ = ctx_taps_bsz.shape
+  _, A, W = block_tokens_baw.shape
+  c = context_feature(params, cfg, ctx_taps_bsz)
   ctx_pos = jnp.broadcast_to(jnp.arange(Sc, dtype=jnp.int32), (B, Sc))
-  x = _embed(params, cfg, block_tokens_bak.reshape(B, A * K), embed_vd)
-  anchor_q = jnp.repeat(anchors_ba.astype(jnp.int32), K, axis=1)  # [B, A*K]
-  q_pos = anchor_q + jnp.tile(jnp.arange(K, dtype=jnp.int32), A)
-  blk_id = jnp.repeat(jnp.arange(A), K)
-  same = jnp.broadcast_to(blk_id[:, None] == blk_id[None, :], (B, A * K, A * K))
+  x = _embed(params, cfg, block_tokens_baw.reshape(B, A * W), embed_vd)
+  anchor_q = jnp.repeat(anchors_ba.astype(jnp.int32), W, axis=1)  # [B, A*W]
+  q_pos = anchor_q + jnp.tile(jnp.arange(W, dtype=jnp.int32), A)
+  blk_id = jnp.repeat(jnp.arange(A), W)
+  same = jnp.broadcast_to(blk_id[:, None] == blk_id[None, :], (B, A * W, A * W))
   before = ctx_pos[:, None, :] < anchor_q[:, :, None]
   for i, lp in enumerate(params["layers"]):
     ctx_k, ctx_v = _kv(lp, cfg, c, ctx_pos)
     ctx_ok = _both(before, _window_ok(q_pos[:, :, None], ctx_pos[:, None, :], cfg.window(i)))
     ctx = xla_part(jnp.swapaxes(ctx_k, 1, 2), jnp.swapaxes(ctx_v, 1, 2), ctx_ok)
     x = _layer(lp, cfg, x, q_pos, [ctx], _block_mask(cfg, i, q_pos, same))
-  return _logits(params, cfg, x, head_dv).reshape(B, A, K, -1)
+  return _logits(params, cfg, x, head_dv).reshape(B, A, W, -1)
