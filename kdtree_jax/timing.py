@@ -52,31 +52,9 @@ def cupti_available() -> bool:
   return mosaic_gpu is not None
 
 
-def kernel_ms(fn, args, feed=same_args, iters=10):
-  """(GPU kernel ms per call, summed over every kernel; the args after the last call), or
-  (None, args) off-GPU. One warm-up call first (compiles; records command buffers)."""
-  if not cupti_available():
-    return None, args
-  from jax._src.lib import mosaic_gpu  # pylint: disable=import-outside-toplevel
-  ext = mosaic_gpu._mosaic_gpu_ext  # pylint: disable=protected-access
-  out, args = _call(fn, args, feed)
-  jax.block_until_ready(out)
-  ext._cupti_init()  # pylint: disable=protected-access
-  timings = []
-  try:
-    for _ in range(iters):
-      out, args = _call(fn, args, feed)
-    jax.block_until_ready(out)
-  finally:
-    timings = ext._cupti_get_timings(True)  # pylint: disable=protected-access
-  return sum(t for _, t in timings or []) / iters, args
-
-
-def kernel_breakdown(fn, args, feed=same_args, iters=10):
-  """[(kernel name, calls per program call, us per program call)], slowest first, summed over
-  `iters` calls (CUPTI), or [] off-GPU. Says where a program's time goes kernel by kernel."""
-  if not cupti_available():
-    return []
+def _cupti_kernels(fn, args, feed, iters):
+  """([(kernel name, ms)] of `iters` calls after one warm-up call (compiles; records command
+  buffers), the args after the last call)."""
   from jax._src.lib import mosaic_gpu  # pylint: disable=import-outside-toplevel
   ext = mosaic_gpu._mosaic_gpu_ext  # pylint: disable=protected-access
   out, args = _call(fn, args, feed)
@@ -89,6 +67,24 @@ def kernel_breakdown(fn, args, feed=same_args, iters=10):
     jax.block_until_ready(out)
   finally:
     timings = ext._cupti_get_timings(True) or []  # pylint: disable=protected-access
+  return timings, args
+
+
+def kernel_ms(fn, args, feed=same_args, iters=10):
+  """(GPU kernel ms per call, summed over every kernel; the args after the last call), or
+  (None, args) off-GPU."""
+  if not cupti_available():
+    return None, args
+  timings, args = _cupti_kernels(fn, args, feed, iters)
+  return sum(t for _, t in timings) / iters, args
+
+
+def kernel_breakdown(fn, args, feed=same_args, iters=10):
+  """[(kernel name, calls per program call, us per program call)], slowest first, summed over
+  `iters` calls (CUPTI), or [] off-GPU. Says where a program's time goes kernel by kernel."""
+  if not cupti_available():
+    return []
+  timings, _ = _cupti_kernels(fn, args, feed, iters)
   by_name = {}
   for name, ms in timings:
     n, total = by_name.get(name, (0, 0.0))
