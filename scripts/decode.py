@@ -127,11 +127,20 @@ def _summary(c, spec, res, text):
       mean_accept_len=res.mean_accept_len, tokens_per_s=res.tokens_per_s,
       seconds=res.seconds, ms_per_step=1e3 * res.seconds / max(steps, 1),
       compile_seconds=res.compile_seconds, warmup_seconds=res.warmup_seconds,
-      widths_per_step=res.widths_per_step or None)
+      widths_per_step=res.widths_per_step or None,
+      program=_program(spec) if c.mode == "ddtree" and c.budget == "auto" else None)
+
+
+def _program(spec):
+  """The program budget='auto' ran: chain, ddtree at one width, or the per-step switch."""
+  if spec.mode != "ddtree":
+    return spec.mode
+  return "ddtree switch" if spec.budget == "auto" else f"ddtree {spec.budget}"
 
 
 def _print_summary(s):
   budget = f" budget={s['budget']}" if s["budget"] is not None else ""
+  budget += f" (ran {s['program']})" if s["program"] else ""
   print(f"\n--- mode={s['mode']}{budget} tokens={len(s['tokens'])} steps={s['steps']} "
         f"mean_accept_len={s['mean_accept_len']:.2f} stop_reason={s['stop_reason']} "
         f"tokens/s={s['tokens_per_s']:.1f} ms/step={s['ms_per_step']:.2f} "
