@@ -65,7 +65,8 @@ def share_steps(bench_jsonl: str) -> dict[tuple[str, int | None], float]:
 
 def table(projections: list[Projection]) -> str:
   lines = ["| mode | budget | share step ms (1 H200) | collectives/step | all-reduce us "
-           "(GPUs) | collectives ms | projected 8-GPU step ms |", "|---|---:|---:|---:|---:|---:|---:|"]
+           "(GPUs) | collectives ms | projected 8-GPU step ms |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
   for p in projections:
     lines.append(f"| {p.mode} | {p.budget or '-'} | {p.share_step_ms:.2f} | {p.collectives} | "
                  f"{p.allreduce_us:.1f} ({p.gpus}) | {p.collective_ms:.2f} | {p.step_ms:.2f} |")

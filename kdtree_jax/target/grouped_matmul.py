@@ -16,28 +16,29 @@ from pallas_kernels.grouped_matmul import grouped_matmul as kernel_grouped_matmu
 
 
 def expert_operands(w) -> tuple:
-  """The kernel's weight operands: (w [G, K, N],) for bf16, (packed, scale) for INT4."""
+  """The kernel's weight operands: (w [E, in, out],) for bf16, (packed, scale) for INT4."""
   return (w.packed, w.scale) if isinstance(w, Int4Weight) else (w,)
 
 
-def grouped_matmul(x_mk, w_gkn, group_sizes, impl="auto"):
-  """out[rows of group g] = x[rows of group g] @ w[g]; rows of x are sorted by group.
+def grouped_matmul(x_td, w, group_sizes, impl="auto"):
+  """out[rows of expert e] = x[rows of expert e] @ w[e]; rows of x [T, in] are sorted by expert.
 
   impl: "auto" (the kernel on a GPU when the shapes suit it, else XLA), "pallas" (the kernel),
   "interpret" (the kernel on CPU, tests), "xla" (the reference); the kernel's API checks it.
   """
-  return kernel_grouped_matmul(x_mk, expert_operands(w_gkn), group_sizes, backend=impl)
+  return kernel_grouped_matmul(x_td, expert_operands(w), group_sizes, backend=impl)
 
 
-def gated_grouped_matmul(x_mk, gate_gkn, up_gkn, group_sizes, impl="auto"):
+def gated_grouped_matmul(x_td, gate_edf, up_edf, group_sizes, impl="auto"):
   """silu(x @ gate[g]) * (x @ up[g]) per group: one kernel call on a GPU (fused epilogue)."""
-  return kernel_gated_matmul(x_mk, expert_operands(gate_gkn), expert_operands(up_gkn),
+  return kernel_gated_matmul(x_td, expert_operands(gate_edf), expert_operands(up_edf),
                              group_sizes, backend=impl)
 
 
-def expert_mlp(x_mk, gate_gkn, up_gkn, down_gfd, group_sizes, impl="auto", group_ends=None):
-  """The gated call then the down call on one work list -> [S, M, D] f32 K-partials (S = 1 on
-  XLA); rows past sum(group_sizes) undefined on the kernel. group_ends: cumsum(group_sizes)."""
-  return kernel_expert_mlp(x_mk, expert_operands(gate_gkn), expert_operands(up_gkn),
-                           expert_operands(down_gfd), group_sizes, backend=impl,
+def expert_mlp(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto", group_ends=None):
+  """The gated call then the down call on one work list -> [splits, T, D] f32 split-K
+  partials (1 split on XLA); rows past sum(group_sizes) undefined on the kernel.
+  group_ends: cumsum(group_sizes)."""
+  return kernel_expert_mlp(x_td, expert_operands(gate_edf), expert_operands(up_edf),
+                           expert_operands(down_efd), group_sizes, backend=impl,
                            group_ends=group_ends)
