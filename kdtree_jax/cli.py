@@ -186,7 +186,6 @@ def _override_error(exc, default) -> Exception:
 
 def load_config(holder, example: str = "configs/tiny.py"):
   """The config a `define_config` flag holds; a missing or unreadable file -> UsageError."""
-  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
   if holder.value is None:
     raise UsageError("--config", f"is required: name a config file, e.g. --config {example}")
   try:
@@ -194,11 +193,17 @@ def load_config(holder, example: str = "configs/tiny.py"):
     config.keys()  # a file that failed to load raises on first use
     return config
   except (OSError, AttributeError) as e:
-    path = config_flags.get_config_filename(flags.FLAGS["config"])
+    path = config_path()
     reason = "no such file" if isinstance(e, FileNotFoundError) or "Errno 2" in str(e) else \
         " ".join(str(e).split())[-200:]
     raise UsageError("--config", f"cannot read the config file {path!r} ({reason}); give a "
                      "configs/*.py file, e.g. --config configs/tiny.py") from e
+
+
+def config_path() -> str:
+  """The file the command line's --config names (without a :preset), for tables kept beside it."""
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  return config_flags.get_config_filename(flags.FLAGS["config"])
 
 
 def _config_fields() -> list[str]:

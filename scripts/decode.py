@@ -155,13 +155,13 @@ def main(argv):
   with cli.progress("loading the target and draft"):
     pair, tokenizer = load_pair(c, mesh)
   block = pair.dcfg.block_size if pair.dcfg is not None else 2
-  auto = step_cost.auto_for_run(c, flags.FLAGS["config"], pair.tcfg, pair.dcfg) \
+  auto = step_cost.auto_for_run(c, cli.config_path(), pair.tcfg, pair.dcfg) \
       if c.budget == "auto" and c.mode == "ddtree" else None
   spec = SpecConfig(mode=c.mode, budget=c.budget, block_size=block,
                     max_new_tokens=c.max_new_tokens, attn_backend=c.attn_backend,
                     sampling=SamplingConfig(c.temperature, c.top_k, c.top_p), auto=auto)
   prompts = [tokenizer.encode(c.prompt)]
-  spec = auto_program.for_run(spec, c, flags.FLAGS["config"], len(prompts[0]))  # auto: program
+  spec = auto_program.for_run(spec, c, cli.config_path(), len(prompts[0]))  # auto: program
   warnings = _setting_warnings(c) + loop.length_warnings(pair.tcfg, spec, prompts, c.max_len,
                                                         c.trained_positions)
   for warning in warnings:

@@ -170,9 +170,6 @@ def for_run(spec, config, config_path, prompt_len: int, log=print):
   (`step_cost.table_paths`); any other spec unchanged."""
   if spec.budget != "auto":
     return spec
-  if not isinstance(config_path, str):
-    from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
-    config_path = config_flags.get_config_filename(config_path)
   cost_json, accept_json = step_cost.table_paths(config_path, config)
   spec, line, _ = choose_for_tables(spec, cost_json, accept_json,
                                     prompt_len + spec.max_new_tokens // 2)

@@ -269,10 +269,7 @@ def auto_budget(cost_json: str | None, accept_json: str | None, tcfg, dcfg):
 
 def auto_for_run(config, config_path, tcfg, dcfg, log=print):
   """decode.py's budget='auto': `auto_budget` of the tables beside the run config (`table_paths`);
-  config_path: the config file, or the absl flag holding it. Logs which tables it used."""
-  if not isinstance(config_path, str):
-    from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
-    config_path = config_flags.get_config_filename(config_path)
+  config_path: the config file. Logs which tables it used."""
   auto, what = auto_budget(*table_paths(config_path, config), tcfg, dcfg)
   log(what)
   return auto
