@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 
+import jax
 import numpy as np
 
 from kdtree_jax import phase_costs
@@ -264,7 +265,16 @@ def auto_budget(cost_json: str | None, accept_json: str | None, tcfg, dcfg):
   nodes = tuple(w - 1 for w in cost.widths if w >= 2)
   auto = budget.from_cost_model(cost, nodes, cost.contexts, cal)
   return auto, (f"budget auto: step cost calibrated {cost_json} (nodes {list(nodes)}, contexts "
-                f"{list(cost.contexts)}, measured on {cost.device or '?'}); {accept}")
+                f"{list(cost.contexts)}, measured on {cost.device or '?'}{_other_device(cost)}); "
+                f"{accept}")
+
+
+def _other_device(cost) -> str:
+  """A warning when the table was measured on another kind of device than this run's."""
+  here = jax.devices()[0].device_kind
+  if not cost.device or cost.device == here:
+    return ""
+  return f"; this run is on {here}: the choice is the one that is best on {cost.device}"
 
 
 def auto_for_run(config, config_path, tcfg, dcfg, log=print):

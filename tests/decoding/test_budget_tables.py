@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -103,6 +104,9 @@ def test_auto_budget_reads_the_tables_beside_the_config(tmp_path):
   assert auto.cost_ms[1][2] == pytest.approx(1.0 + 8 + 1.0)  # ctx 1000, width 8
   assert auto.calibration == cal
   assert "calibrated" in logged[0] and "TestGPU" in logged[0] and "pair.accept.json" in logged[0]
+  # a table of another device kind than this run's says the choice is that device's
+  here = jax.devices()[0].device_kind
+  assert f"this run is on {here}: the choice is the one that is best on TestGPU" in logged[0]
   # the config field names another stem; absent files fall back, and say so
   other = run_config.trained_pair(auto_tables=str(tmp_path / "none"))
   auto = step_cost.auto_for_run(other, cfg_path, tcfg, dcfg, log=logged.append)
