@@ -41,8 +41,13 @@ flags.DEFINE_string("cache_dir", "/tmp/jax_cache", "persistent compilation cache
 flags.DEFINE_bool("small", False, "tiny draft and ceilings (CPU smoke run)")
 flags.DEFINE_bool("probe_cudnn", False, "GPU: also time one layer's ctx attention, XLA vs cuDNN")
 flags.DEFINE_list("drafts", ["k26_dflash_share", "bench_k26"], "draft shapes (see the docstring)")
-flags.DEFINE_list("ctx_impls", ["xla", "pallas", "pallas:512", "pallas:1024"],
-                  "draft_block ctx attention: xla, or pallas[:rows per program] (GPU only)")
+flags.DEFINE_list("ctx_impls", ["xla", "pallas", "pallas:512:128", "pallas:512:32",
+                                "pallas:512:64:4", "pallas:512:64:8:3", "pallas:256"],
+                  "draft_block ctx attention: xla, or pallas[:chunk[:block_k[:num_warps"
+                  "[:num_stages]]]] (GPU only; fields left out: ctx_attention.default_tuning's)")
+flags.DEFINE_list("ctx_kv", ["xla", "separate", "packed"],
+                  "draft_ctx K/V projections: xla (two dots per layer; XLA may merge them), "
+                  "separate (kept apart), packed (model.pack_ctx_kv: one dot for all layers)")
 flags.DEFINE_integer("top", 12, "kernels listed per phase")
 
 
@@ -127,7 +132,7 @@ def filled_cache(cfg, b, capacity, ctx, seed=3):
                           ctx_len=jnp.full((b,), ctx, jnp.int32))
 
 
-def ctx_program(cfg, steps, count):
+def ctx_program(cfg, steps, count, kv_dots="xla"):
   """`steps` commits in one program, the cache carried through a fori_loop (updated in place).
 
   Each commit reads its own taps (nothing is loop-invariant, so nothing is hoisted); the
@@ -138,7 +143,7 @@ def ctx_program(cfg, steps, count):
   def commits(params, cache, taps_nbtf):
     def body(i, c):
       pos = c.ctx_len[:, None] + jnp.arange(w, dtype=jnp.int32)
-      return model.materialize_context(params, cfg, c, taps_nbtf[i], pos, count)
+      return model.materialize_context(params, cfg, c, taps_nbtf[i], pos, count, kv_dots)
     out = jax.lax.fori_loop(0, steps, body, cache)
     last = jax.vmap(lambda a, at: jax.lax.dynamic_slice_in_dim(a, at, 1, axis=1))
     return [last(a, out.ctx_len - 1) for a in out.k + out.v]
@@ -146,17 +151,38 @@ def ctx_program(cfg, steps, count):
   return jax.jit(commits)
 
 
-def bench_ctx(cfg, params, b, ctx, reps, steps):
+def bench_ctx(cfg, params, b, ctx, reps, steps, variant="xla"):
   """draft_ctx per commit: (T(steps) - T(steps // 4)) / (steps - steps // 4), which drops the
-  program's fixed costs (the copy of the un-donated input cache into the loop, launches)."""
+  program's fixed costs (the copy of the un-donated input cache into the loop, launches).
+  variant: a --ctx_kv name ('packed': params through model.pack_ctx_kv first, as a load would)."""
+  kv_dots = "xla" if variant == "packed" else variant
+  params = model.pack_ctx_kv(params) if variant == "packed" else params
   w, few = cfg.block_size, max(1, steps // 4)
   cache = filled_cache(cfg, b, ctx + w * (steps + 1), ctx)
   taps = jax.random.normal(jax.random.key(4), (steps, b, w, cfg.n_taps * cfg.hidden_size),
                            jnp.bfloat16)
   count = jnp.full((b,), w, jnp.int32)
-  t_many, timer, k_many = timed_us(ctx_program(cfg, steps, count), (params, cache, taps), reps)
-  t_few, _, k_few = timed_us(ctx_program(cfg, few, count), (params, cache, taps), reps)
-  return (t_many - t_few) / (steps - few), timer, kernels_per_step(k_many, k_few, steps, few)
+  prog = ctx_program(cfg, steps, count, kv_dots)
+  t_many, timer, k_many = timed_us(prog, (params, cache, taps), reps)
+  t_few, _, k_few = timed_us(ctx_program(cfg, few, count, kv_dots), (params, cache, taps), reps)
+  per_step = kernels_per_step(k_many, k_few, steps, few)
+  ops = kernel_ops(prog.lower(params, cache, taps).compile().as_text(), per_step, FLAGS.top)
+  return (t_many - t_few) / (steps - few), timer, per_step, ops
+
+
+def kernel_ops(hlo_text, kernels, top):
+  """{kernel name: "out <- operands (op_name)"} of the optimized HLO instruction of that name,
+  for the `top` slowest kernels (so a CUPTI name like gemm_fusion_dot_86 says which dot it is:
+  bf16[1,16,4608] <- bf16[1,16,7168] bf16[7168,4608])."""
+  shape_of = dict(re.findall(r"%([\w.\-]+) = (\w+\[[\d,]*\])", hlo_text))
+  found = {}
+  for name, _, _ in kernels[:top]:
+    m = re.search(r"%" + re.escape(name) + r" = (\S+\[[\d,]*\])\S* \w+\(([^)]*)\)(.*)", hlo_text)
+    if m:
+      ins = " ".join(shape_of.get(a, "?") for a in re.findall(r"%([\w.\-]+)", m.group(2)))
+      op = re.search(r'op_name="([^"]*)"', m.group(3))
+      found[name] = f"{m.group(1)} <- {ins} ({op.group(1)[-60:] if op else ''})"
+  return found
 
 
 def cache_sized_outputs(hlo_text, cache_shape):
@@ -174,22 +200,34 @@ def cache_sized_outputs(hlo_text, cache_shape):
   return found
 
 
+def parse_ctx_impl(name):
+  """'pallas:512:64:8:3' -> ('pallas', 512, (('block_k', 64), ('num_warps', 8), ('num_stages', 3)));
+  fields left out keep ctx_attention.default_tuning's values."""
+  impl, *fields = name.split(":")
+  fields = [int(f) for f in fields]
+  chunk = fields[0] if fields else None
+  tuning = tuple(zip(("block_k", "num_warps", "num_stages"), fields[1:]))
+  return impl, chunk, tuning
+
+
 def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
   """draft_block over ctx committed rows (cache capacity ctx + W rounded up as init_draft_cache
   does, as the decode loop sizes it).
 
   Returns (us, timer, kernels per call, names of computations that rewrite a whole cache
-  buffer)."""
+  buffer, logits, kernel_ops of the top kernels)."""
   cache = filled_cache(cfg, b, ctx + cfg.block_size, ctx)
   block = model.make_block(cfg, jnp.ones((b,), jnp.int32))
   start = jnp.full((b,), ctx, jnp.int32)
-  impl, _, chunk = ctx_impl.partition(":")
+  impl, chunk, tuning = parse_ctx_impl(ctx_impl)
   prog = jax.jit(lambda p, c, t, s, e, h: model.draft_block(
-      p, cfg, c, t, s, e, h, ctx_impl=impl, kernel_chunk=int(chunk) if chunk else None))
+      p, cfg, c, t, s, e, h, ctx_impl=impl, kernel_chunk=chunk, kernel_tuning=tuning))
   args = (params, cache, block, start, embed, head)
   compiled = prog.lower(*args).compile()  # timed as is: one compile per impl
-  rewrites = cache_sized_outputs(compiled.as_text(), cache.k[0].shape)
-  return (*timed_us(compiled, args, reps), rewrites, compiled(*args))
+  text = compiled.as_text()
+  us, timer, kernels = timed_us(compiled, args, reps)
+  return (us, timer, kernels, cache_sized_outputs(text, cache.k[0].shape), compiled(*args),
+          kernel_ops(text, kernels, FLAGS.top))
 
 
 def rel_l2(got, ref):
@@ -251,16 +289,19 @@ def bench_draft(name, ceil, t0):
   on_gpu = jax.devices()[0].platform == "gpu"
   rows, b = [], FLAGS.batch
   for ctx in map(int, FLAGS.ctx):
-    us, timer, kernels = bench_ctx(cfg, params, b, ctx, FLAGS.reps, FLAGS.loop_steps)
-    rows.append(row("draft_ctx", ctx, us, timer, kernels,
-                    ctx_cost(cfg, params, b, cfg.block_size), ceil, cfg, b))
+    for variant in FLAGS.ctx_kv:
+      us, timer, kernels, ops = bench_ctx(cfg, params, b, ctx, FLAGS.reps, FLAGS.loop_steps,
+                                          variant)
+      rows.append(row("draft_ctx", ctx, us, timer, kernels,
+                      ctx_cost(cfg, params, b, cfg.block_size), ceil, cfg, b)
+                  | dict(ctx_kv=variant, kernel_ops=ops))
     first = None  # the first impl's logits: the others' rel L2 is against them
     for impl in FLAGS.ctx_impls:
       if impl != "xla" and not on_gpu:
         continue
       try:
-        us, timer, kernels, rewrites, logits = bench_block(cfg, params, embed, head, b, ctx,
-                                                           FLAGS.reps, impl)
+        us, timer, kernels, rewrites, logits, ops = bench_block(cfg, params, embed, head, b, ctx,
+                                                                FLAGS.reps, impl)
       except Exception as e:  # pylint: disable=broad-except
         rows.append(dict(phase="draft_block", ctx=ctx, ctx_impl=impl, error=f"{type(e).__name__}: "
                          f"{str(e)[:400]}"))
@@ -268,7 +309,7 @@ def bench_draft(name, ceil, t0):
       first = logits if first is None else first
       rows.append(row("draft_block", ctx, us, timer, kernels,
                       block_cost(cfg, params, head, b, ctx), ceil, cfg, b)
-                  | dict(cache_sized_outputs=rewrites, ctx_impl=impl,
+                  | dict(cache_sized_outputs=rewrites, ctx_impl=impl, kernel_ops=ops,
                          logits_rel_l2_vs_first=rel_l2(logits, first)))
     if FLAGS.probe_cudnn and on_gpu:
       rows += ctx_attention_probe(cfg, b, ctx, FLAGS.reps)
@@ -281,6 +322,11 @@ def rows_first_impl():
   return FLAGS.ctx_impls[0]
 
 
+def variant_of(r):
+  """The row's variant: ctx_kv for draft_ctx, ctx_impl for draft_block."""
+  return r.get("ctx_kv", r.get("ctx_impl", ""))
+
+
 def report(rows):
   """Kernels per phase (per call), then the phase table."""
   for r in rows:
@@ -290,19 +336,19 @@ def report(rows):
             f"{r.get('error', '')} rel err {r.get('rel_err', '-')}")
     if r.get("kernels"):
       total = sum(us for _, _, us in r["kernels"])
-      print(f"{r['draft']} {r['phase']} {r.get('ctx_impl', '')} ctx={r['ctx']}: kernels per "
+      print(f"{r['draft']} {r['phase']} {variant_of(r)} ctx={r['ctx']}: kernels per "
             f"{'commit' if r['phase'] == 'draft_ctx' else 'call'} ({total:.1f} us in "
             f"{sum(n for _, n, _ in r['kernels']):.0f} launches; top {FLAGS.top}):")
       for name, n, us in r["kernels"][:FLAGS.top]:
-        print(f"  {us:9.1f} us {n:5.1f}x  {name}")
-  print(f"{'draft':>16} {'phase':>11} {'impl':>11} {'ctx':>6} {'us':>9} {'floor us':>9} "
+        print(f"  {us:9.1f} us {n:5.1f}x  {name}  {r.get('kernel_ops', {}).get(name, '')}")
+  print(f"{'draft':>16} {'phase':>11} {'variant':>17} {'ctx':>6} {'us':>9} {'floor us':>9} "
         f"{'x floor':>8} {'TB/s':>6} timer")
   for r in rows:
     if "error" in r:
-      print(f"{r['draft']:>16} {r['phase']:>11} {r.get('ctx_impl', ''):>11} {r['ctx']:>6} "
+      print(f"{r['draft']:>16} {r['phase']:>11} {variant_of(r):>17} {r['ctx']:>6} "
             f"error: {r['error']}")
     elif "floor_us" in r:
-      print(f"{r['draft']:>16} {r['phase']:>11} {r.get('ctx_impl', ''):>11} {r['ctx']:>6} "
+      print(f"{r['draft']:>16} {r['phase']:>11} {variant_of(r):>17} {r['ctx']:>6} "
             f"{r['us']:9.1f} {r['floor_us']:9.1f} {r['x_floor']:8.2f} {r['tbps']:6.2f} "
             f"{r['timer']}" + (f"  logits rel L2 vs {rows_first_impl()}: "
                                f"{r['logits_rel_l2_vs_first']:.1e}"

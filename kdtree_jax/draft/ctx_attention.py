@@ -37,13 +37,14 @@ class Tuning:
 
 def default_tuning(batch: int, kv_heads: int, rows_m: int, capacity: int,
                    chunk: int | None = None) -> Tuning:
-  """`chunk` rows per program, or the largest of 1024 / 512 / 256 (dividing the capacity) that
-  still gives at least 128 programs (the H200 has 132 SMs; each partial costs M*Y*2 bytes
-  written and read again, M/chunk of the chunk's K/V bytes); 8 warps for M > 64 query rows (the
-  f32 accumulator's registers)."""
-  fits = [c for c in (1024, 512, 256) if capacity % c == 0] or [capacity]
-  if chunk is None:
-    chunk = next((c for c in fits if batch * kv_heads * (capacity // c) >= 128), fits[-1])
+  """`chunk` rows per program, or 512 (else 1024, then 256) when it divides the capacity: the
+  H200 timed 512 fastest for both bench drafts at 46k (bench_k26_full's, 1 kv head: 132.5 us
+  for 6 layers vs 140.2 at 256 and 220.4 at 1024; bench_k26's, 8 kv heads: 185.6 us for 3
+  layers vs 213.1 at 1024; results/h200/2026-12-01/s3_draft.log); 8 warps for M > 64 query
+  rows (the f32 accumulator's registers)."""
+  del batch, kv_heads  # the measured choice did not depend on the number of programs
+  fits = [c for c in (512, 1024, 256) if capacity % c == 0] or [capacity]
+  chunk = fits[0] if chunk is None else chunk
   return Tuning(chunk=chunk, block_k=min(64, chunk), num_warps=8 if rows_m > 64 else 4)
 
 

@@ -28,6 +28,8 @@ one fused kernel instead (ctx_attention.py: no f32 scores in HBM, rows < ctx_len
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -136,9 +138,40 @@ def _kv(lp, cfg, x_btd, pos_bt):
   return k, v
 
 
+KV_DOTS = ("xla", "separate")
+
+
+def pack_ctx_kv(params):
+  """params + "ctx_kv" [D, layers * 2 * G*Y]: every layer's k_proj and v_proj side by side (k0 v0
+  k1 v1 ...), built once (at load) so materialize_context runs ONE dot for all layers' ctx K/V.
+  Without it XLA:GPU's DotMerger builds the same concatenation of the weights itself, inside the
+  decode loop, on every commit (the H200 showed a 53 us `wrapped_concatenate` per commit for
+  bench_k26_full's draft). The per-layer k_proj / v_proj stay (the block forward reads them)."""
+  kv = [w for lp in params["layers"] for w in (lp["k_proj"], lp["v_proj"])]
+  return params | {"ctx_kv": jnp.concatenate(kv, axis=1)}
+
+
+def _ctx_kv_all(params, cfg, c_btd, kv_dots):
+  """[(k, v) [B, T, G, Y] before k_norm / rope] of every layer, from the ctx feature c: one dot
+  over params["ctx_kv"] if packed, else two dots per layer (kv_dots 'separate': each behind an
+  optimization barrier, so XLA cannot merge them through a concatenation of the weights)."""
+  B, T, _ = c_btd.shape
+  shape = (B, T, cfg.num_key_value_heads, cfg.head_dim)
+  if "ctx_kv" in params:
+    kv = (c_btd @ params["ctx_kv"]).reshape(B, T, -1, *shape[2:])
+    return [(kv[:, :, 2 * i], kv[:, :, 2 * i + 1]) for i in range(cfg.num_hidden_layers)]
+  if kv_dots not in KV_DOTS:
+    raise ValueError(f"{kv_dots=} must be one of {KV_DOTS}")
+  dot = lambda w: (c_btd @ w).reshape(shape)
+  if kv_dots == "separate":
+    dot = lambda w: jnp.matmul(*jax.lax.optimization_barrier((c_btd, w))).reshape(shape)
+  return [(dot(lp["k_proj"]), dot(lp["v_proj"])) for lp in params["layers"]]
+
+
 def materialize_context(params, cfg: DraftConfig, cache: DraftCache, taps_btz, positions_bt,
-                        num_valid_b) -> DraftCache:
-  """Append ctx K/V of T new committed tokens at rows [ctx_len, ctx_len+T); ctx_len += num_valid."""
+                        num_valid_b, kv_dots="xla") -> DraftCache:
+  """Append ctx K/V of T new committed tokens at rows [ctx_len, ctx_len+T); ctx_len += num_valid.
+  K/V projections: see _ctx_kv_all (pack_ctx_kv'd params: one dot for every layer)."""
   c = context_feature(params, cfg, taps_btz)
 
   def put(dst_gly, src_tgy, at):
@@ -147,8 +180,9 @@ def materialize_context(params, cfg: DraftConfig, cache: DraftCache, taps_btz, p
 
   put_b = jax.vmap(put)
   ks, vs = [], []
-  for lp, k_cache, v_cache in zip(params["layers"], cache.k, cache.v):
-    k, v = _kv(lp, cfg, c, positions_bt)
+  kv_all = _ctx_kv_all(params, cfg, c, kv_dots)
+  for lp, (k, v), k_cache, v_cache in zip(params["layers"], kv_all, cache.k, cache.v):
+    k = rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions_bt, cfg.rope_theta)
     ks.append(put_b(k_cache, k, cache.ctx_len))
     vs.append(put_b(v_cache, v, cache.ctx_len))
   pos = jax.vmap(lambda p, s, at: jax.lax.dynamic_update_slice(p, s, (at,)))(
@@ -301,18 +335,29 @@ def make_block(cfg: DraftConfig, bonus_b):
   return jnp.concatenate([bonus_b.astype(jnp.int32)[:, None], mask], axis=1)
 
 
-CTX_IMPLS = ("xla", "pallas", "interpret")
+CTX_IMPLS = ("auto", "xla", "pallas", "interpret")
 
 
-def _ctx_part(cfg, cache, i, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_chunk):
-  """Layer i's ctx key set: the fused kernel (ctx_impl 'pallas', or 'interpret' = its CPU
-  interpret mode) for full-attention layers whose shapes it supports, else XLA in chunks."""
-  k, v, window = cache.k[i], cache.v[i], cfg.window(i)
+def resolve_ctx_impl(ctx_impl: str) -> str:
+  """'auto': the fused kernel ('pallas') on a single GPU, else 'xla' (the Triton kernel has no
+  CPU lowering; under a multi-device mesh the kernel's operands would be gathered, so sharded
+  decodes keep the XLA form). Other names are returned as given."""
   if ctx_impl not in CTX_IMPLS:
     raise ValueError(f"{ctx_impl=} must be one of {CTX_IMPLS}")
+  if ctx_impl != "auto":
+    return ctx_impl
+  return "pallas" if jax.default_backend() == "gpu" and jax.device_count() == 1 else "xla"
+
+
+def _ctx_part(cfg, cache, i, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_chunk, kernel_tuning):
+  """Layer i's ctx key set: the fused kernel (ctx_impl 'pallas', or 'interpret' = its CPU
+  interpret mode) for full-attention layers whose shapes it supports, else XLA in chunks.
+  kernel_tuning: (field, value) pairs replacing those of ctx_attention.default_tuning."""
+  k, v, window = cache.k[i], cache.v[i], cfg.window(i)
   B, G, L, Y = k.shape
   M = cfg.num_attention_heads // G * q_pos_bs.shape[1]
   tuning = ctx_attention.default_tuning(B, G, M, L, kernel_chunk)
+  tuning = dataclasses.replace(tuning, **dict(kernel_tuning))
   q_like = jax.ShapeDtypeStruct((B, G, M, Y), k.dtype)
   if ctx_impl != "xla" and window is None and (
       ctx_impl == "interpret" or ctx_attention.supports(q_like, k, tuning)):
@@ -322,14 +367,18 @@ def _ctx_part(cfg, cache, i, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_chunk):
 
 
 def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, start_b, embed_vd,
-                head_dv, ctx_chunk=CTX_CHUNK, ctx_impl="xla", kernel_chunk=None):
+                head_dv, ctx_chunk=CTX_CHUNK, ctx_impl="auto", kernel_chunk=None,
+                kernel_tuning=()):
   """One non-causal block [bonus, MASK...] at positions start.. over the ctx cache -> [B, S, V] f32.
 
   Ctx keys are the cache rows < ctx_len, in chunks of ctx_chunk rows when that divides the
   capacity (init_draft_cache makes it so). ctx_impl 'xla' reads every row of the capacity
   (masked); 'pallas' (the fused kernel, full-attention layers) reads only rows < ctx_len, in
-  programs of kernel_chunk rows (None: ctx_attention.default_tuning's choice).
+  programs of kernel_chunk rows (None: ctx_attention.default_tuning's choice; kernel_tuning:
+  (field, value) pairs overriding its other fields); 'auto' (the decode default): see
+  resolve_ctx_impl.
   """
+  ctx_impl = resolve_ctx_impl(ctx_impl)
   B, S = block_tokens_bs.shape
   x = _embed(params, cfg, block_tokens_bs, embed_vd)
   q_pos = start_b.astype(jnp.int32)[:, None] + jnp.arange(S, dtype=jnp.int32)
@@ -337,7 +386,7 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   chunk = ctx_chunk if L % ctx_chunk == 0 else None
   live = (jnp.arange(L)[None, :] < cache.ctx_len[:, None])[:, None, :]  # [B, 1, L]
   for i, lp in enumerate(params["layers"]):
-    ctx = _ctx_part(cfg, cache, i, q_pos, live, ctx_impl, chunk, kernel_chunk)
+    ctx = _ctx_part(cfg, cache, i, q_pos, live, ctx_impl, chunk, kernel_chunk, kernel_tuning)
     x = _layer(lp, cfg, x, q_pos, [ctx], _block_mask(cfg, i, q_pos))
   return _logits(params, cfg, x, head_dv)
 

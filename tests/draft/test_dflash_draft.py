@@ -326,7 +326,7 @@ def test_ctx_kernel_lowers_for_h200():
   from jax._src import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   M, E, C = 128, 128, 46080
   tuning = ctx_attention.default_tuning(1, 1, M, C)
-  assert tuning.chunk == 256 and C % tuning.chunk == 0
+  assert tuning.chunk == 512 and C % tuning.chunk == 0
   spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
   assert ctx_attention.supports(spec(1, 1, M, E), spec(1, 1, C, E), tuning)
   f32 = jax.ShapeDtypeStruct((1, 1, C, E), jnp.float32)
@@ -463,9 +463,62 @@ def test_bench_draft_script_cpu(tmp_path):
   proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = [json.loads(line) for line in (tmp_path / "bench_draft.jsonl").read_text().splitlines()]
-  assert [r["phase"] for r in rows] == ["draft_ctx", "draft_block"]
+  assert [(r["phase"], r.get("ctx_kv")) for r in rows] == [
+      ("draft_ctx", "xla"), ("draft_ctx", "separate"), ("draft_ctx", "packed"), ("draft_block", None)]
   for r in rows:
     floor = max(r["bytes"] / (r["copy_tbps"] * 1e12), r["flops"] / (r["mm_tflops"] * 1e12)) * 1e6
     assert r["bytes"] > 0 and r["flops"] > 0 and np.isclose(r["floor_us"], floor)
     assert r["timer"] == "wall" and np.isfinite(r["us"])
-  assert isinstance(rows[1]["cache_sized_outputs"], list)
+  assert isinstance(rows[-1]["cache_sized_outputs"], list)
+
+
+def test_ctx_kv_packed_and_separate_match():
+  """materialize_context's K/V projections: pack_ctx_kv'd params (one dot for every layer) and
+  kv_dots='separate' write the same cache as the per-layer dots (f32: summation order only)."""
+  cfg = draft.DraftConfig.tiny(num_hidden_layers=3, layer_types=("full_attention",) * 3)
+  params = rand_params(cfg)
+  packed = model.pack_ctx_kv(params)
+  G, Y = cfg.num_key_value_heads, cfg.head_dim
+  assert packed["ctx_kv"].shape == (cfg.hidden_size, 3 * 2 * G * Y)
+  np.testing.assert_array_equal(packed["ctx_kv"][:, 2 * G * Y:3 * G * Y], params["layers"][1]["k_proj"])
+  np.testing.assert_array_equal(packed["ctx_kv"][:, 5 * G * Y:], params["layers"][2]["v_proj"])
+  rng = np.random.default_rng(3)
+  taps = jnp.asarray(rng.normal(size=(2, 4, cfg.n_taps * cfg.hidden_size)).astype(np.float32))
+  cache = model.init_draft_cache(cfg, 2, 16, jnp.float32)
+  cache = cache.replace(ctx_len=jnp.array([3, 5], jnp.int32))
+  pos = cache.ctx_len[:, None] + jnp.arange(4)
+  count = jnp.array([4, 2], jnp.int32)
+  mat = jax.jit(model.materialize_context, static_argnums=(1, 6))
+  want = mat(params, cfg, cache, taps, pos, count, "xla")
+  assert np.abs(np.asarray(want.k[2])).max() > 0.1
+  for got in (mat(packed, cfg, cache, taps, pos, count, "xla"),
+              mat(params, cfg, cache, taps, pos, count, "separate")):
+    for a, b in zip(got.k + got.v, want.k + want.v):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got.ctx_len, want.ctx_len)
+  with pytest.raises(ValueError, match="kv_dots"):
+    model.materialize_context(params, cfg, cache, taps, pos, count, "fused")
+
+
+def test_ctx_impl_auto_and_tuning_overrides():
+  """ctx_impl 'auto' is the XLA form off the GPU (the Triton kernel has no CPU lowering); the
+  kernel with tuning overrides (interpret mode, block_k 16, chunk 32) equals the XLA form."""
+  if jax.default_backend() != "gpu":
+    assert model.resolve_ctx_impl("auto") == "xla"
+  with pytest.raises(ValueError, match="ctx_impl"):
+    model.resolve_ctx_impl("triton")
+  cfg = draft.DraftConfig.tiny(block_size=16, num_attention_heads=2, num_key_value_heads=1)
+  params = rand_params(cfg)
+  rng = np.random.default_rng(4)
+  cache = model.init_draft_cache(cfg, 1, 64, jnp.float32)
+  taps = jnp.asarray(rng.normal(size=(1, 40, cfg.n_taps * cfg.hidden_size)).astype(np.float32))
+  cache = model.materialize_context(params, cfg, cache, taps, jnp.arange(40)[None],
+                                    jnp.array([37]))
+  embed = jnp.asarray(rng.normal(size=(cfg.vocab_size, cfg.hidden_size)).astype(np.float32))
+  head = jnp.asarray(rng.normal(size=(cfg.hidden_size, cfg.vocab_size)).astype(np.float32))
+  block = model.make_block(cfg, jnp.array([5]))
+  run = lambda **kw: model.draft_block(params, cfg, cache, block, cache.ctx_len, embed, head, **kw)
+  want = run(ctx_impl="xla")
+  got = run(ctx_impl="interpret", kernel_chunk=32, kernel_tuning=(("block_k", 16),))
+  close(got, np.asarray(want, np.float64), rel=1e-5)
+  np.testing.assert_array_equal(run(), want)  # auto = xla here
