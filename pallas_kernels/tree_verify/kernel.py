@@ -35,11 +35,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.tree_verify import masks
-from pallas_kernels.tree_verify.tuning import BLOCK_M, Tuning
+from pallas_kernels.tree_verify.tuning import BLOCK_M, SMEM_BYTES, Tuning
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 _BF16_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+# Q, KV ring and P at block_kv = 32: a wgmma's K (the PV's keys) must be a multiple of its
+# operands' swizzle in elements, and A and B share one swizzle, so all three take a 64-byte one.
+_OPERAND_TRANSFORMS = {64: _BF16_TRANSFORMS,
+                       32: (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))}
 _F32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 
@@ -312,11 +316,12 @@ def _make_body(t: Tuning, n, l, r, window, scale_log2, dtype, interpret):
 
 def _scratch(t: Tuning, c, r, dtype, interpret):
   """SMEM: a union of (Q, KV ring, P) with the output staging, plus stats and barriers."""
-  q = plgpu.SMEM((BLOCK_M, c), dtype, transforms=_BF16_TRANSFORMS)
-  kv = plgpu.SMEM((t.stages, t.block_kv, c), dtype, transforms=_BF16_TRANSFORMS)
+  operands = _OPERAND_TRANSFORMS[t.block_kv]
+  q = plgpu.SMEM((BLOCK_M, c), dtype, transforms=operands)
+  kv = plgpu.SMEM((t.stages, t.block_kv, c), dtype, transforms=operands)
   n_p = 2 if interpret else int(t.shared_p)
   p_shape = (n_p, BLOCK_M, t.block_kv) if interpret else (BLOCK_M, t.block_kv)
-  p = plgpu.SMEM(p_shape, dtype, transforms=_BF16_TRANSFORMS) if n_p else None
+  p = plgpu.SMEM(p_shape, dtype, transforms=operands) if n_p else None
   o_dtype = dtype if t.num_splits == 1 else t.partials_dtype
   transforms = _F32_TRANSFORMS if o_dtype == jnp.float32 else _BF16_TRANSFORMS
   o = plgpu.SMEM((2, BLOCK_M, r // 2), o_dtype, transforms=transforms)
@@ -331,6 +336,17 @@ def _scratch(t: Tuning, c, r, dtype, interpret):
       plgpu.Barrier(num_arrivals=1),
       plgpu.Barrier(num_arrivals=1),
   ]
+
+
+def smem_bytes(t: Tuning, c, r, itemsize=2):
+  """SMEM of one CTA (GPU layout): the union max(Q + KV ring + P, O staging), each buffer rounded
+  up to 1 KiB (swizzle alignment), plus statistics and barriers. Must be <= SMEM_BYTES."""
+  kib = lambda x: -(-x // 1024) * 1024
+  p = BLOCK_M * t.block_kv * itemsize if t.shared_p else 0
+  o_item = itemsize if t.num_splits == 1 else jnp.dtype(t.partials_dtype).itemsize
+  union = max(kib(BLOCK_M * c * itemsize) + kib(t.stages * t.block_kv * c * itemsize) + kib(p),
+              kib(2 * BLOCK_M * (r // 2) * o_item))
+  return union + kib(3 * BLOCK_M * 4) + 8 * (2 * t.stages + 4)
 
 
 def out_types(b, m, r, t: Tuning, dtype):
@@ -355,6 +371,8 @@ def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning,
     raise ValueError(f"unsupported shapes {q_rows.shape=} {cache.shape=} {value_dim=}")
   if t.block_kv > 64:
     raise ValueError(f"{t.block_kv=}: a tile reads 3 mask words, enough for 64 keys only")
+  if smem_bytes(t, c, r) > SMEM_BYTES:
+    raise ValueError(f"{t}: {smem_bytes(t, c, r)} bytes of SMEM at C={c}, over {SMEM_BYTES}")
   tiles = -(-m // BLOCK_M)
   window = min(m, BLOCK_M)
   _check_windows(m, window, tiles, f"q rows {q_rows.shape}")

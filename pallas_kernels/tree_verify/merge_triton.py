@@ -1,7 +1,7 @@
 """Split merge as one Pallas Triton kernel (opt-in: Tuning(merge="triton"); not yet timed on a GPU).
 
-Letters: B batch, S splits (a power of 2: Triton blocks are), M rows, R value width, BC columns
-per program.
+Letters: B batch, S splits (any count: loaded as power-of-2 pieces, Triton's blocks are), M rows,
+R value width, BC columns per program.
 
 The XLA merge (`combine.merge_splits`) is 3 kernels (LSE reduction, weights, weighted sum; ~5.5 us
 at N=1, H=8, S=132 on the H200, mostly launches). Here one program per (batch row, row, BC
@@ -9,6 +9,7 @@ columns) loads the row's S LSEs, forms the weights 2^(lse_s - LSE) itself and su
 [S, BC] block of partials: one launch, the partials read once.
 """
 
+import functools
 import math
 
 import jax
@@ -21,19 +22,33 @@ BLOCK_COLS = 64
 
 
 def supports(num_splits, value_dim):
-  """Whether this merge handles the split count and value width."""
-  return num_splits & (num_splits - 1) == 0 and value_dim % BLOCK_COLS == 0
+  """Whether this merge handles the split count (any) and value width."""
+  return num_splits >= 1 and value_dim % BLOCK_COLS == 0
+
+
+def split_pieces(s):
+  """[(start, size)]: the S splits as power-of-2 pieces, largest first (Triton's loads are
+  power-of-2 blocks): 132 -> [(0, 128), (128, 4)]."""
+  pieces, start = [], 0
+  for bit in reversed(range(s.bit_length())):
+    if s >> bit & 1:
+      pieces.append((start, 1 << bit))
+      start += 1 << bit
+  return pieces
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref):
   """o_ref [S, BC] partials of one row, lse_ref [S] their base-2 LSEs -> out [BC], natural LSE."""
-  lse = lse_ref[...]
-  m = jnp.max(lse)
+  pieces = split_pieces(lse_ref.shape[0])
+  lses = [lse_ref[pl.ds(start, size)] for start, size in pieces]
+  m = functools.reduce(jnp.maximum, [jnp.max(x) for x in lses])
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-  e = jnp.exp2(lse - m_safe)                                # empty splits (-inf): 0
-  den = jnp.sum(e)
-  w = e / jnp.where(den > 0, den, 1.0)
-  out_ref[...] = jnp.sum(w[:, None] * o_ref[...].astype(jnp.float32), axis=0).astype(out_ref.dtype)
+  es = [jnp.exp2(x - m_safe) for x in lses]                 # empty splits (-inf): 0
+  den = functools.reduce(jnp.add, [jnp.sum(e) for e in es])
+  acc = functools.reduce(jnp.add, [
+      jnp.sum(e[:, None] * o_ref[pl.ds(start, size), :].astype(jnp.float32), axis=0)
+      for e, (start, size) in zip(es, pieces)])
+  out_ref[...] = (acc / jnp.where(den > 0, den, 1.0)).astype(out_ref.dtype)
 
   @pl.when(pl.program_id(2) == 0)
   def _():
@@ -46,8 +61,7 @@ def merge_splits_triton(o_p, lse_p, rows, dtype, interpret=False):
   [B, rows, R] in dtype, natural LSE [B, rows]); reads only the first `rows` rows."""
   b, s, _, r = o_p.shape
   if not supports(s, r):
-    raise ValueError(f"triton merge needs a power-of-2 split count and R % {BLOCK_COLS} == 0: "
-                     f"{o_p.shape=}")
+    raise ValueError(f"triton merge needs R % {BLOCK_COLS} == 0: {o_p.shape=}")
   return pl.pallas_call(
       _merge_kernel,
       grid=(b, rows, r // BLOCK_COLS),

@@ -6,37 +6,36 @@ import jax.numpy as jnp
 
 NUM_SMS = 132  # H200 SXM
 BLOCK_M = 64   # rows = (node, head) pairs per tile; one wgmma M
+SMEM_BYTES = 232448  # sm90 dynamic shared memory per CTA (227 KiB)
 MIN_TILES_PER_SPLIT = 2  # a split below this pays its Q load and epilogue for too little streaming
 KERNELS = ("v2", "v1")  # v2: kernel.py (tree block in the kernel); v1: kernel_v1.py (tree in XLA)
-MERGES = ("xla", "triton")  # v2's split merge: combine.py (3 XLA kernels) or merge_triton.py (one)
+MERGES = ("xla", "triton")  # v2's split merge: combine.py (2-3 XLA kernels) or merge_triton.py (one)
 
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
   """Static kernel configuration."""
-  block_kv: int = 64      # cache rows per streamed tile
+  block_kv: int = 64      # cache rows per streamed tile: 64, or 32 (finer tiles, deeper ring)
   num_splits: int = 1     # split-KV factor (grid axis); 1: the kernel writes the final output
-  stages: int = 2         # KV tiles in flight (SMEM ring depth)
+  stages: int = 2         # KV tiles in flight (SMEM ring depth; kernel.smem_bytes <= SMEM_BYTES)
   shared_p: bool = True   # wg0 scores and shares P via SMEM (no redundant QK^T); else both wgs score
   bf16_partials: bool = True  # split partials O in bf16 (half the write + merge read) or f32
   kernel: str = "v2"      # which kernel (KERNELS); v1 ignores bf16_partials and merge
-  merge: str = "xla"      # v2's split merge (MERGES); "triton" needs a power-of-2 num_splits
+  merge: str = "xla"      # v2's split merge (MERGES)
 
   @property
   def partials_dtype(self):
     return jnp.bfloat16 if self.bf16_partials else jnp.float32
 
   def __post_init__(self):
-    if self.block_kv % 64 or self.block_kv <= 0:
-      raise ValueError(f"{self.block_kv=} must be a positive multiple of 64")
-    if self.shared_p and self.block_kv != 64:
-      raise ValueError("shared_p needs block_kv == 64 (SMEM budget)")
+    if self.block_kv != 32 and (self.block_kv % 64 or self.block_kv <= 0):
+      raise ValueError(f"{self.block_kv=} must be 32 or a positive multiple of 64")
+    if self.shared_p and self.block_kv > 64:
+      raise ValueError("shared_p needs block_kv <= 64 (SMEM budget)")
     if self.num_splits < 1 or self.stages < 2:
       raise ValueError(f"need num_splits >= 1 and stages >= 2, got {self}")
     if self.kernel not in KERNELS or self.merge not in MERGES:
       raise ValueError(f"{self.kernel=} must be in {KERNELS}, {self.merge=} in {MERGES}")
-    if self.merge == "triton" and self.num_splits & (self.num_splits - 1):
-      raise ValueError(f"merge='triton' needs a power-of-2 num_splits, got {self.num_splits}")
 
 
 def num_row_tiles(n, h):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.tree_verify import api, combine, kernel, masks, merge_triton, reference
-from pallas_kernels.tree_verify.tuning import Tuning, default_tuning
+from pallas_kernels.tree_verify.tuning import SMEM_BYTES, Tuning, default_tuning
 
 ON_GPU = jax.default_backend() == "gpu"
 BACKEND = "pallas" if ON_GPU else "interpret"
@@ -115,12 +115,12 @@ class TestMasksAndMerge:
       want = row < n * h and k < n and mask[bb, row // h, k]
       assert bool((words[bb, k // 32, row] >> (k % 32)) & 1) == want, (bb, row, k)
 
-  @pytest.mark.parametrize("how", ["xla", "triton"])
-  def test_merge_splits_matches_f64(self, how):
+  @pytest.mark.parametrize("how,s", [("xla", 4), ("triton", 4), ("triton", 7), ("triton", 132)])
+  def test_merge_splits_matches_f64(self, how, s):
     """Empty splits (lse -inf, O 0), a row with no visible key at all, padding rows past `rows`
-    (NaN: must not be read)."""
+    (NaN: must not be read); the Triton merge at power-of-2 and other split counts (its pieces)."""
     rng = np.random.default_rng(5)
-    b, s, m, r, rows = 2, 4, 16, 64, 13
+    b, m, r, rows = 2, 16, 64, 13
     o_p = rng.normal(size=(b, s, m, r)).astype(np.float32)
     lse_p = (rng.normal(size=(b, s, m)) * 3).astype(np.float32)
     lse_p[0, 1], o_p[0, 1] = -np.inf, 0.0
@@ -136,6 +136,12 @@ class TestMasksAndMerge:
     want = (w[..., None] * o_p[:, :, :rows]).sum(axis=1) / np.where(tot > 0, tot, 1)[..., None]
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(lse), np.log(tot), rtol=1e-5, atol=1e-6)
+
+  def test_split_pieces(self):
+    for s in (1, 4, 7, 66, 132, 264):
+      pieces = merge_triton.split_pieces(s)
+      assert [a for a, _ in pieces] == list(np.cumsum([0] + [k for _, k in pieces])[:-1])
+      assert sum(k for _, k in pieces) == s and all(k & (k - 1) == 0 for _, k in pieces)
 
 
 class TestRowWindows:
@@ -181,6 +187,12 @@ SMALL = [
     GPU((2, 3, 1, 40, [10, 30], Tuning(num_splits=1))),            # N*H % 8 != 0, L < block_kv
     (3, 5, 8, 200, [130, 64, 195], Tuning(num_splits=2, kernel="v1")),  # v1 (A/B)
     GPU((2, 9, 8, 300, [290, 0], Tuning(num_splits=4, merge="triton"))),  # one-kernel merge
+    GPU((2, 9, 8, 300, [290, 0], Tuning(num_splits=3, merge="triton"))),  # its 2 + 1 pieces
+    # 32-key tiles (64-byte swizzle) and a deeper ring; tree over tiles, ragged, empty split
+    (1, 40, 2, 192, [140], Tuning(block_kv=32, stages=4, num_splits=2)),
+    GPU((3, 5, 8, 200, [130, 0, 195], Tuning(block_kv=32, stages=3, num_splits=2,
+                                             shared_p=False, bf16_partials=False))),
+    (2, 4, 8, 150, [148, 151], Tuning(block_kv=32, stages=4, num_splits=1)),  # past L, len > L
 ]
 
 
@@ -262,17 +274,27 @@ class TestLowersForGpu:
   @pytest.mark.parametrize("b,n,h,l,tuning", [
       (1, 1, 8, 46000, Tuning(num_splits=132)), (1, 64, 64, 46000, Tuning(num_splits=1)),
       (2, 15, 8, 4096, Tuning(num_splits=3, shared_p=False)), (4, 63, 8, 4100, Tuning(num_splits=2)),
-      (1, 3, 1, 100, Tuning(num_splits=1)), (2, 9, 8, 4096, Tuning(kernel="v1", num_splits=4))])
+      (1, 3, 1, 100, Tuning(num_splits=1)), (2, 9, 8, 4096, Tuning(kernel="v1", num_splits=4)),
+      (1, 1, 8, 46000, Tuning(block_kv=32, stages=4, num_splits=132)),
+      (1, 16, 8, 46000, Tuning(block_kv=32, stages=4, num_splits=66, shared_p=False))])
   def test_lowers(self, b, n, h, l, tuning):
     assert "mosaic_gpu" in self.lower_text(b, n, h, l, tuning)
+
+  def test_smem_budget(self):
+    """Today's default fits; a ring that cannot is refused before Mosaic sees it."""
+    assert kernel.smem_bytes(Tuning(), C, R) <= SMEM_BYTES
+    assert kernel.smem_bytes(Tuning(block_kv=32, stages=4), C, R) <= SMEM_BYTES
+    with pytest.raises(ValueError, match="SMEM"):
+      self.lower_text(1, 1, 8, 4096, Tuning(stages=3, num_splits=2))
 
   def test_triton_merge_lowers(self):
     """The Pallas Triton merge needs a GPU kind to lower on a CPU host: an abstract H200."""
     h200 = jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
                                                                   abstract_device=h200)):
-      text = self.lower_text(1, 1, 8, 46000, Tuning(num_splits=128, merge="triton"))
-    assert "mosaic_gpu" in text and "triton" in text.lower()
+      for splits in (128, 132):
+        text = self.lower_text(1, 1, 8, 46000, Tuning(num_splits=splits, merge="triton"))
+        assert "mosaic_gpu" in text and "triton" in text.lower()
 
   @pytest.mark.slow
   @pytest.mark.parametrize("b,n,h", list(itertools.product([1, 4], [1, 8, 16, 32, 64], [8, 64])))
