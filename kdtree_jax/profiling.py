@@ -4,8 +4,17 @@ Phases: draft_ctx (materialise context K/V), draft_block (block forward), tree, 
 into attention / moe / rest), accept, commit; and `step` (the fused program). Every phase is
 the step's own function (`decoding.step`), jitted once per (config, spec) with the state as an
 argument (contexts are data), and donates what the fused step donates: the caches and the state,
-so no phase pays a cache copy the step does not. Time = GPU kernel time (CUPTI) on a GPU, wall
-time elsewhere; each row also carries the wall time.
+so no phase pays a cache copy the step does not. Time = GPU kernel time (CUPTI, one trace per
+program: the first trace of an executable is the one that sees its graph-launched kernels, see
+`timing`) on a GPU, wall time elsewhere; each row also carries the wall time and its slowest
+kernels.
+
+Verify's parts, each compiled alone: `attention` (the tree-verify kernel of every layer on random
+queries: its cost does not depend on the values), `moe` (every MoE layer on the inputs the step's
+own verify gives it, captured from a forward of the same state and tree: the same routing, so the
+same experts touched, as the step), `rest` = verify - attention - moe. `step_nograph`: the fused
+step compiled without command buffers (every kernel launched by the host, so CUPTI sees all of
+them): its kernel time is the device time a loop step needs, whatever graphs do to tracing.
 """
 
 import dataclasses
@@ -13,15 +22,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
-from kdtree_jax import roofline, timing
+from kdtree_jax import profiling_hlo, roofline, timing
 from kdtree_jax.decoding import loop, step
 from kdtree_jax.decoding.state import DecodeState
 from kdtree_jax.pair import Pair
 from kdtree_jax.target.moe import moe
 from kdtree_jax.bench_state import at_context, bench_state, clone  # noqa: F401 (re-exported)
-from kdtree_jax.phase_costs import INT4_BYTES, phase_costs  # noqa: F401
+from kdtree_jax.phase_costs import INT4_BYTES, independent_routing, phase_costs  # noqa: F401
 from kdtree_jax.throughput import time_contexts, while_steps_fn  # noqa: F401
 
 
@@ -77,6 +87,26 @@ def _step(tparams, dparams, state, *, tcfg, dcfg, spec):
   return step.speculative_step(Pair(tcfg, tparams, dcfg, dparams), spec, state)
 
 
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _moe_inputs(tparams, cache, rest, tree, *, tcfg, dcfg, spec):
+  """(each MoE layer's input, its expert ids [T, K]) in the verify `_verify` runs on these
+  arguments (nothing donated)."""
+  del dcfg
+  xs, routes = [], []
+  step.verify_phase(tcfg, tparams, spec, rest.replace(cache=cache), tree, (), routes=routes,
+                    moe_inputs=xs)
+  return xs, routes
+
+
+def counted_routing(tcfg, routes):
+  """(local experts touched, local (token, expert) pairs) per MoE layer, mean over layers, of
+  the router's expert ids [T, K] per layer."""
+  local = tcfg.num_local_experts or tcfg.n_routed_experts
+  ids = [np.asarray(i) for i in jax.device_get(routes)]
+  return (float(np.mean([len(np.unique(i[i < local])) for i in ids])),
+          float(np.mean([(i < local).sum() for i in ids])))
+
+
 def _split(state):
   return _rest(state), state.cache, state.draft_cache
 
@@ -125,11 +155,9 @@ def _structs(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
-def compile_phase_programs(pair: Pair, spec, state, extra=None) -> dict:
-  """{name: Compiled} of every phase program, from their abstract inputs (one trace of
-  `phase_programs` under eval_shape), and of `extra` ({name: (partial of a jitted fn, args,
-  feed)}), lowered one by one and compiled all at once (one thread each: XLA compiles release
-  the GIL). Programs that fail to compile are left out (their first call compiles them)."""
+def phase_structs(pair: Pair, spec, state) -> dict:
+  """{phase name: ShapeDtypeStructs of its args} (one trace of `phase_programs` under
+  eval_shape; nothing runs)."""
   kw = dict(tcfg=pair.tcfg, dcfg=pair.dcfg, spec=spec)
   seen = {}
 
@@ -144,11 +172,24 @@ def compile_phase_programs(pair: Pair, spec, state, extra=None) -> dict:
       seen.setdefault(name, _structs(args))
 
   jax.eval_shape(trace, _structs(state), pair)
-  lowered = {name: _PHASES[name].lower(*args, **kw) for name, args in seen.items()}
+  return seen
+
+
+def compile_phase_programs(pair: Pair, spec, state, extra=None, nograph=(), seen=None) -> dict:
+  """{name: Compiled} of every phase program, from their abstract inputs (`phase_structs`, or
+  `seen`), of `extra` ({name: (partial of a jitted fn, args, feed)}), and of the phases in
+  `nograph` again without command buffers (as '<name>_nograph'), lowered one by one and
+  compiled all at once (one thread each: XLA compiles release the GIL). Programs that fail to
+  compile are left out (their first call compiles them)."""
+  kw = dict(tcfg=pair.tcfg, dcfg=pair.dcfg, spec=spec)
+  seen = seen or phase_structs(pair, spec, state)
+  lowered = {name: (_PHASES[name].lower(*args, **kw), None) for name, args in seen.items()}
   for name, (fn, args, _) in (extra or {}).items():
-    lowered[name] = fn.func.lower(*args, **fn.keywords)
-  outs = timing.Deadline(float("inf")).box_all([lambda lo=lo: lo.compile()
-                                                for lo in lowered.values()])
+    lowered[name] = (fn.func.lower(*args, **fn.keywords), None)
+  for name in nograph:
+    lowered[f"{name}_nograph"] = (lowered[name][0], timing.NO_COMMAND_BUFFERS)
+  outs = timing.Deadline(float("inf")).box_all(
+      [lambda lo=lo, opt=opt: lo.compile(compiler_options=opt) for lo, opt in lowered.values()])
   return {name: exe for name, (exe, _, status) in zip(lowered, outs) if status == "ok"}
 
 
@@ -160,12 +201,13 @@ def _attention_part(q, latent, lengths, mask, *, tcfg, backend):
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg",))
-def _moe_part(moe_params, x, *, tcfg):
-  return [moe(p, tcfg, x) for p in moe_params]
+def _moe_part(moe_params, xs, *, tcfg):
+  return [moe(p, tcfg, x) for p, x in zip(moe_params, xs)]
 
 
-def _verify_parts(tcfg, tparams, spec, state):
-  """Verify's attention alone (all layers) and MoE alone (all MoE layers), on random inputs."""
+def _verify_parts(tcfg, tparams, spec, state, moe_xs):
+  """Verify's attention alone (all layers, random queries) and MoE alone (all MoE layers, layer
+  i on moe_xs[i]: the step's own MoE inputs, or their ShapeDtypeStructs to compile)."""
   b, n, c = state.bonus.shape[0], spec.verify_width, tcfg
   dtype = state.cache.dtype
   q = jax.random.normal(jax.random.key(1), (b, n, c.num_attention_heads, c.cache_dim), dtype)
@@ -173,10 +215,10 @@ def _verify_parts(tcfg, tparams, spec, state):
   attn = functools.partial(_attention_part, tcfg=tcfg, backend=spec.attn_backend)
   parts = {"attention": (attn, (q, state.cache.latent, state.cache.lengths, mask),
                          timing.same_args)}
-  x = jax.random.normal(jax.random.key(2), (b * n, c.hidden_size), dtype)
   moe_layers = [lp["moe"] for lp in tparams["layers"] if "moe" in lp]
   if moe_layers:
-    parts["moe"] = (functools.partial(_moe_part, tcfg=tcfg), (moe_layers, x), timing.same_args)
+    parts["moe"] = (functools.partial(_moe_part, tcfg=tcfg), (moe_layers, moe_xs),
+                    timing.same_args)
   return parts
 
 
@@ -192,6 +234,9 @@ class PhaseRow:
   floor_ms: float
   wall_ms: float = 0.0
   timer: str = "wall"
+  kernels: list = dataclasses.field(default_factory=list)  # [(name, calls, us)] per call, top
+  note: str = ""
+  launches: float = 0.0  # kernel launches per call (CUPTI)
 
   @property
   def pct_roofline(self) -> float:
@@ -205,11 +250,17 @@ def expert_bytes_per_weight(tparams, default: float) -> float:
   return INT4_BYTES if any(isinstance(x, Int4Weight) for x in leaves) else default
 
 
+TOP_KERNELS = 15
+
+
 def time_program(fn, args, feed, reps):
-  """(ms, wall ms, timer name): CUPTI kernel time per call on a GPU, wall time elsewhere."""
+  """(ms, wall ms, timer name, top kernels, launches per call): CUPTI kernel time per call (one
+  trace, after the wall times) and its slowest kernels on a GPU, wall time, [] and 0 elsewhere."""
   wall, args = timing.wall_ms(fn, args, feed, reps=reps)
-  kern, _ = timing.kernel_ms(fn, args, feed, iters=reps)
-  return (wall, wall, "wall") if kern is None else (kern, wall, "cupti")
+  kern, top, _ = timing.kernel_trace(fn, args, feed, iters=reps)
+  if kern is None:
+    return wall, wall, "wall", [], 0.0
+  return kern, wall, "cupti", top[:TOP_KERNELS], sum(n for _, n, _ in top)
 
 
 def profile_step(pair: Pair, spec, state, ceil, reps=20, parts=True) -> list[PhaseRow]:
@@ -218,23 +269,74 @@ def profile_step(pair: Pair, spec, state, ceil, reps=20, parts=True) -> list[Pha
   tcfg, tparams, dcfg = pair.tcfg, pair.tparams, pair.dcfg
   batch, ctx = state.bonus.shape[0], int(state.cache.lengths[0])
   wb = state.cache.dtype.itemsize
-  costs = phase_costs(tcfg, dcfg, spec, batch, ctx, wb, expert_bytes_per_weight(tparams, wb))
-  progs = _verify_parts(tcfg, tparams, spec, state) if parts else {}
-  compiled = compile_phase_programs(pair, spec, state, progs)
-  progs = {name: (compiled.get(name, fn), args, feed) for name, (fn, args, feed) in progs.items()}
   kw = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
-  progs.update(phase_programs(pair, spec, state, lambda name, f: (
-      compiled[name] if name in compiled else functools.partial(f, **kw))))
+  seen = phase_structs(pair, spec, state)
+  extra, routing = {}, None
+  if parts:
+    xs, _ = jax.eval_shape(functools.partial(_moe_inputs, **kw), *seen["verify"])
+    extra = _verify_parts(tcfg, tparams, spec, state, xs)
+    extra["moe_inputs"] = (functools.partial(_moe_inputs, **kw), seen["verify"], None)
+  compiled = compile_phase_programs(pair, spec, state, extra, ("step",) if parts else (), seen)
+  jitted = lambda name, f: compiled[name] if name in compiled else functools.partial(f, **kw)
+  nograph = clone(state) if "step_nograph" in compiled else None
+  phases = phase_programs(pair, spec, state, jitted)
+  progs = {}  # the parts first: attention reads `state`'s cache, which the step donates
+  if parts:
+    xs, routes = jitted("moe_inputs", _moe_inputs)(*phases["verify"][1])
+    routing = counted_routing(tcfg, routes) if routes else None
+    progs.update(_parts_on_step_inputs(extra, xs, compiled))
+  progs.update(phases)
+  costs = phase_costs(tcfg, dcfg, spec, batch, ctx, wb, expert_bytes_per_weight(tparams, wb),
+                      routing)
+  if nograph is not None:
+    progs["step_nograph"] = (compiled["step_nograph"], (tparams, pair.dparams, nograph),
+                             progs["step"][2])
   rows = []
   for name, (fn, args, feed) in progs.items():
-    ms, wall, timer = time_program(fn, args, feed, reps)
-    nb, fl = costs.get(name, (0, 0))
-    rows.append(PhaseRow(name, ms, nb, fl, 1e3 * roofline.floor_s(nb, fl, ceil), wall, timer))
+    ms, wall, timer, top, launches = time_program(fn, args, feed, reps)
+    nb, fl = costs.get(name.removesuffix("_nograph"), (0, 0))
+    rows.append(PhaseRow(name, ms, nb, fl, 1e3 * roofline.floor_s(nb, fl, ceil), wall, timer,
+                         top, launches=launches))
   if parts:
     rows.append(_rest_row(rows, costs, ceil))
-  order = ("draft_ctx", "draft_block", "tree", "verify", "attention", "moe", "rest", "accept",
-           "commit", "step")
-  return sorted(rows, key=lambda r: order.index(r.phase))
+    _note_structure(rows, compiled.get("verify"), tcfg.num_hidden_layers)
+    if routing:
+      model = independent_routing(tcfg, batch * spec.verify_width)
+      next(r for r in rows if r.phase == "moe").note = (
+          f"moe (and verify, step floors) on the step's own routing: {routing[0]:.1f} local "
+          f"experts touched, {routing[1]:.1f} local pairs per layer (independent-routing model: "
+          f"{model[0]:.1f}, {model[1]:.1f})")
+  return sorted(rows, key=lambda r: ORDER.index(r.phase))
+
+
+def _note_structure(rows, verify_exe, layers):
+  """The verify row's note: its launch structure (kernels, matmuls, matmuls sharing an input)
+  from the compiled program's HLO, or nothing when the program or its text is missing."""
+  try:
+    text = verify_exe.as_text() if verify_exe is not None else None
+  except Exception:  # pylint: disable=broad-except  (a backend without HLO text: no note)
+    text = None
+  if text:
+    structure = profiling_hlo.launch_structure(text)
+    next(r for r in rows if r.phase == "verify").note = profiling_hlo.format_structure(
+        structure, layers, "verify program (optimised HLO)")
+
+
+ORDER = ("draft_ctx", "draft_block", "tree", "verify", "attention", "moe", "rest", "accept",
+         "commit", "step", "step_nograph")
+
+
+def _parts_on_step_inputs(extra, moe_xs, compiled):
+  """Verify's parts ready to time: compiled where they compiled, the MoE part on `moe_xs` (the
+  inputs the step's verify gives each MoE layer)."""
+  out = {}
+  for name, (fn, args, feed) in extra.items():
+    if name == "moe_inputs":
+      continue
+    if name == "moe":
+      args = (args[0], moe_xs)
+    out[name] = (compiled.get(name, fn), args, feed)
+  return out
 
 
 def _rest_row(rows, costs, ceil) -> PhaseRow:
@@ -254,12 +356,24 @@ def format_table(rows: list[PhaseRow]) -> str:
   lines = [f"{'phase':<12}{rows[0].timer + ' ms':>10}{'wall ms':>9}{'% step':>8}{'MB':>10}"
            f"{'GFLOP':>10}{'floor ms':>10}{'% floor':>8}"]
   for r in rows:
-    indent = "  " if r.phase in ("attention", "moe", "rest") else ""
+    indent = "  " if r.phase in ("attention", "moe", "rest", "step_nograph") else ""
     lines.append(f"{indent + r.phase:<12}{r.ms:10.3f}{r.wall_ms:9.3f}"
                  f"{100 * r.ms / step_ms:8.1f}{r.bytes / 1e6:10.1f}{r.flops / 1e9:10.2f}"
                  f"{r.floor_ms:10.3f}{r.pct_roofline:8.1f}")
   lines.append(f"sum of phases {total:.3f} ms vs fused step {step_ms:.3f} ms "
                f"({100 * (total - step_ms) / step_ms:+.1f}%)")
+  lines += [r.note for r in rows if r.note]
+  return "\n".join(lines)
+
+
+def format_kernels(rows: list[PhaseRow], phase: str) -> str:
+  """The slowest kernels of one phase's program (CUPTI, per call), or '' without them."""
+  row = next((r for r in rows if r.phase == phase and r.kernels), None)
+  if row is None:
+    return ""
+  lines = [f"slowest kernels of {phase} ({row.ms:.3f} ms of kernels, {row.launches:.0f} "
+           f"launches per call): us/call launches/call name"]
+  lines += [f"  {us:9.1f} {n:6.1f}  {name[:100]}" for name, n, us in row.kernels]
   return "\n".join(lines)
 
 

@@ -1,9 +1,15 @@
 """Decode throughput vs context: the program `generate` and `Stream` run (`loop.steps_device`,
 state donated), compiled once per (config, spec); contexts are data.
 
-Per context: ms per step = slope of loop wall time over two chunk lengths (the per-dispatch cost
-cancels), tokens per step measured from the loop, GPU kernel time per step (CUPTI over a chunk)
-and the host gap = wall - kernel per step (time the GPU idles inside the loop).
+Per context: ms per step = slope of loop wall time over two chunk lengths (2 and 2 + gen steps:
+the per-dispatch cost cancels), tokens per step measured from the loop. Then, once every
+context's wall time is taken (a trace may slow an executable's later runs, see `timing`), a
+jax.profiler trace of one gen-step chunk per context: `kernel_us` = device-busy time per step
+(the union of the kernels' [start, end) intervals, so overlapping graph nodes count once),
+`kernel_sum_us` (durations summed), `kernels_per_step`, and the host gap
+`host_gap_us` = ms per step - device-busy per step: the time per step the GPU idles inside the
+device loop (`gap_method` says so in every row). A trace that misses kernels (device-busy under
+half the step) is flagged `gap_suspect`.
 """
 
 import time
@@ -39,8 +45,13 @@ def _run(run, pair, st, n):
   return st, time.perf_counter() - t0
 
 
-def measure_context(run, pair, st, gen):
-  """{ms_per_step, timing, accepted_per_step, kernel_us, host_gap_us} from `st` (consumed)."""
+GAP_METHOD = ("loop wall slope per step (command buffers as compiled) - device-busy per step "
+              "(union of kernel intervals, jax.profiler trace of a gen-step chunk)")
+
+
+def measure_wall(run, pair, st, gen):
+  """(state after the timed chunks, {ms_per_step, timing, accepted_per_step}) from `st`
+  (consumed). No trace: wall time only."""
   st, _ = _run(run, pair, st, 2)                        # warm: compile, record command buffers
   first = int(st.steps)
   st, t_short = _run(run, pair, st, 2)
@@ -49,32 +60,55 @@ def measure_context(run, pair, st, gen):
   if ms <= 0:  # timing noise swamped the slope (tiny CPU runs): whole chunk per step
     ms, how = 1e3 * t_long / (2 + gen), "total"
   acc = np.asarray(jax.device_get(st.accepted))[first:int(st.steps)]
+  return st, dict(ms_per_step=ms, timing=how, accepted_per_step=float(acc.mean()))
+
+
+def measure_device(run, pair, st, gen, ms_per_step):
+  """{kernel_us, kernel_sum_us, kernels_per_step, device_span_us, host_gap_us, gap_method,
+  gap_suspect} of a gen-step chunk from `st` (consumed); None values off-GPU."""
   chunk = lambda a, out: (a[0], out, int(out.steps) + gen)
-  kern, _ = timing.kernel_ms(run, (pair, st, int(st.steps) + gen), chunk, iters=1)
-  kernel_us = None if kern is None else 1e3 * kern / gen
-  return dict(ms_per_step=ms, timing=how, accepted_per_step=float(acc.mean()),
-              kernel_us=kernel_us, host_gap_us=None if kern is None else 1e3 * ms - kernel_us)
+  tr, _ = timing.device_trace(run, (pair, st, int(st.steps) + gen), chunk, iters=1)
+  if tr is None:
+    return dict(kernel_us=None, kernel_sum_us=None, kernels_per_step=None, device_span_us=None,
+                host_gap_us=None, gap_method=None, gap_suspect=None)
+  busy = 1e3 * tr["busy_ms"] / gen
+  return dict(kernel_us=busy, kernel_sum_us=1e3 * tr["kernel_sum_ms"] / gen,
+              kernels_per_step=tr["kernels"] / gen, device_span_us=1e3 * tr["span_ms"] / gen,
+              host_gap_us=1e3 * ms_per_step - busy, gap_method=GAP_METHOD,
+              gap_suspect=busy < 0.5e3 * ms_per_step)
+
+
+def measure_context(run, pair, st, gen):
+  """measure_wall then measure_device of one context from `st` (consumed)."""
+  st, m = measure_wall(run, pair, st, gen)
+  return dict(m, **measure_device(run, pair, st, gen, m["ms_per_step"]))
 
 
 def loop_state_steps(gen: int) -> int:
-  """Committed-row room a throughput state needs: warm-up, two timed chunks, a CUPTI chunk."""
+  """Committed-row room a throughput state needs: warm-up and two timed chunks (wall pass), or
+  a warm-up chunk and a traced chunk (trace pass; a fresh state)."""
   return 4 * gen + 16
 
 
 def time_contexts(pair, spec, ctxs, dtype, batch=1, gen=16, run=None):
   """One compiled device loop for `spec` (`run`, e.g. a compiled `loop_program`, or jitted
-  here); one row per context (see the module docstring)."""
+  here); one row per context (see the module docstring): every context's wall time first,
+  then every context's trace (a fresh state each pass)."""
   tcfg, dcfg = pair.tcfg, pair.dcfg
   run = run or loop_program(spec)
-  rows = []
+  state = lambda ctx: at_context(bench_state(tcfg, dcfg, spec, batch, max(ctxs), dtype,
+                                             steps=loop_state_steps(gen)), spec, ctx)
+  walls = []
   for ctx in ctxs:  # one state shape (sized for the longest context): one compiled loop
-    big = bench_state(tcfg, dcfg, spec, batch, max(ctxs), dtype, steps=loop_state_steps(gen))
-    m = measure_context(run, pair, at_context(big, spec, ctx), gen)
-    del big
+    walls.append(measure_wall(run, pair, state(ctx), gen)[1])
+  rows = []
+  for ctx, m in zip(ctxs, walls):
+    m = dict(m, **measure_device(run, pair, state(ctx), gen, m["ms_per_step"]))
     rows.append(dict(mode=spec.mode, budget=spec.budget if spec.mode == "ddtree" else None,
                      block_size=spec.block_size if spec.mode != "ar" else None, ctx=ctx,
                      batch=batch, attn_backend=spec.attn_backend,
-                     forced_accept=forced_accept.forced_count(spec), verify_width=spec.verify_width, **m,
+                     forced_accept=forced_accept.forced_count(spec),
+                     verify_width=spec.verify_width, **m,
                      tokens_per_s=1e3 * m["accepted_per_step"] * batch / m["ms_per_step"],
                      layers=tcfg.num_hidden_layers, device=jax.devices()[0].device_kind))
   return rows

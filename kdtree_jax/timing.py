@@ -7,14 +7,32 @@ kernel of `iters` back-to-back calls, summed and divided by `iters`. No check th
 the same kernels in the same order (under XLA command buffers the first call records a graph and
 CUPTI then reports the graph's kernels, so per-call kernel lists differ; Mosaic's
 `profiler.measure(iterations=n)` raises "Kernel names are not consistent across iterations").
+
+What Mosaic's CUPTI extension (jax 0.11.2) records: only CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL
+records, as (name, end - start) with no timestamps, and its V1 path detaches CUPTI
+(`cuptiFinalize`) at the end of every trace (`_cupti_get_timings(True)`). Measured on the H200
+under command buffers (2026-12-01, calibrate_step_cost): the FIRST trace of an executable saw the
+kernels its CUDA graphs launched (ar 4096: 7.34 ms of kernels vs a 6.68 ms loop step); every
+later trace of it saw only ~0.001-0.5 ms (the kernels launched outside graphs), and the
+executable's loop ran slower afterwards (6.68 -> 12.93 ms per step). So: (1) take a program's
+wall times before any CUPTI trace of it; (2) trust a CUPTI sum of a graph-launched program only
+from its first trace, or measure it compiled without command buffers (`NO_COMMAND_BUFFERS`, every
+kernel launched by the host and recorded); (3) a sum of kernel durations is not device-busy time
+when graph nodes overlap: `device_trace` (a jax.profiler trace: kernels with timestamps) gives
+the union of the kernels' intervals.
 """
 
 import concurrent.futures
+import glob
+import os
 import statistics
+import tempfile
 import threading
 import time
 
 import jax
+
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}  # compiler_options: no CUDA graphs
 
 
 def same_args(args, out):
@@ -79,18 +97,91 @@ def kernel_ms(fn, args, feed=same_args, iters=10):
   return sum(t for _, t in timings) / iters, args
 
 
+def kernel_trace(fn, args, feed=same_args, iters=10):
+  """(GPU kernel ms per call, [(kernel name, calls per call, us per call)] slowest first, the
+  args after the last call) from ONE CUPTI trace, or (None, [], args) off-GPU."""
+  if not cupti_available():
+    return None, [], args
+  timings, args = _cupti_kernels(fn, args, feed, iters)
+  return sum(t for _, t in timings) / iters, breakdown(timings, iters), args
+
+
 def kernel_breakdown(fn, args, feed=same_args, iters=10):
   """[(kernel name, calls per program call, us per program call)], slowest first, summed over
   `iters` calls (CUPTI), or [] off-GPU. Says where a program's time goes kernel by kernel."""
   if not cupti_available():
     return []
   timings, _ = _cupti_kernels(fn, args, feed, iters)
+  return breakdown(timings, iters)
+
+
+def breakdown(timings, iters):
+  """[(kernel name, calls per program call, us per program call)] of CUPTI (name, ms) records
+  of `iters` calls, slowest first."""
   by_name = {}
   for name, ms in timings:
     n, total = by_name.get(name, (0, 0.0))
     by_name[name] = (n + 1, total + ms)
   rows = [(name, n / iters, 1e3 * total / iters) for name, (n, total) in by_name.items()]
   return sorted(rows, key=lambda r: -r[2])
+
+
+def busy_union_ns(intervals) -> int:
+  """Length of the union of [start, end) intervals (ns): time at least one kernel ran."""
+  total, end = 0, None
+  for s, e in sorted(intervals):
+    if end is None or s > end:
+      total += e - s
+      end = e
+    elif e > end:
+      total += e - end
+      end = e
+  return total
+
+
+def device_intervals(profile_data):
+  """[(start_ns, end_ns)] of every activity on the GPU planes' stream lines of a jax.profiler
+  trace (kernels and copies, graph-launched ones included when the tracer records them)."""
+  out = []
+  for plane in profile_data.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if line.name.startswith("Stream"):
+        out += [(ev.start_ns, ev.end_ns) for ev in line.events if ev.end_ns > ev.start_ns]
+  return out
+
+
+def trace_summary(intervals, calls: int) -> dict | None:
+  """{busy_ms, span_ms, kernel_sum_ms, kernels} per call from device intervals, or None."""
+  if not intervals:
+    return None
+  span = max(e for _, e in intervals) - min(s for s, _ in intervals)
+  return dict(busy_ms=busy_union_ns(intervals) / 1e6 / calls, span_ms=span / 1e6 / calls,
+              kernel_sum_ms=sum(e - s for s, e in intervals) / 1e6 / calls,
+              kernels=len(intervals) / calls)
+
+
+def device_trace(fn, args, feed=same_args, iters=1):
+  """(trace_summary of `iters` calls after one warm-up call, args after the last call) from a
+  jax.profiler trace (XLA's own CUPTI tracer: kernels with start and end timestamps), or
+  (None, args) off-GPU or when the trace has no device activity."""
+  if jax.default_backend() != "gpu":
+    return None, args
+  from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
+  out, args = _call(fn, args, feed)
+  jax.block_until_ready(out)
+  with tempfile.TemporaryDirectory() as logdir:
+    jax.profiler.start_trace(logdir)
+    try:
+      for _ in range(iters):
+        out, args = _call(fn, args, feed)
+      jax.block_until_ready(out)
+    finally:
+      jax.profiler.stop_trace()
+    files = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+    data = ProfileData.from_file(files[0]) if files else None
+  return (trace_summary(device_intervals(data), iters) if data else None), args
 
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"

@@ -8,9 +8,16 @@ Parts, in order (each compile counted and time-boxed; the run stops cleanly at -
   1. compile, per mode (ddtree at bench.budget): the prefill program and the device loop
      (`loop.prefill_device`, `loop.steps_device`: the programs `Stream` runs), lowered one by
      one, then compiled all at once (one thread each); seconds and XLA compile counts each;
-  2. throughput vs context (bench.ctxs) per mode with the compiled loops, kernel time and host
-     gap per step (cheap once compiled, so before the tables);
-  3. phase tables at bench.profile_ctx: `ar`, then ddtree at bench.profile_budgets[0];
+  2. throughput vs context (bench.ctxs) per mode with the compiled loops (every context's wall
+     time first), then a jax.profiler trace per context: device-busy time per step (union of
+     kernel intervals) and the host gap = loop ms per step - device-busy (cheap once compiled,
+     so before the tables);
+  3. phase tables at bench.profile_ctx: `ar`, then ddtree at bench.profile_budgets[0], with
+     verify's attention / moe (on the step's own MoE inputs, so its routing) / rest, the fused
+     step again without command buffers (`step_nograph`: every kernel launched by the host and
+     seen by CUPTI) and the host gap from it (loop ms per step at profile_ctx - its kernel
+     time), the slowest kernels of verify and step_nograph, and (ar) the verify program's
+     matmuls that share an input (launches that could merge);
   4. phase tables for the other budgets (no attention / moe split).
 The printed summary puts compile times and the ar / first-budget tables first.
 The config's `bench` section chooses the sizes (configs/bench_tiny.py runs it on a CPU).
@@ -144,7 +151,33 @@ def phase_table(m, c, spec, ceil, deadline, rec, parts=True):
   print(f"\n== {title} ({status}, {secs:.1f} s, {counts})", flush=True)
   if rows:
     print(profiling.format_table(rows), flush=True)
+    for phase in ("verify", "step_nograph") if parts else ():
+      print(profiling.format_kernels(rows, phase), flush=True)
+    gap = host_gap_row(rec.rows, spec, rows, c.bench.profile_ctx)
+    if gap:
+      rec.add("host_gap", **gap)
+      print(f"host gap {spec.mode} budget={_budget(spec)} ctx={gap['ctx']}: loop "
+            f"{gap['loop_ms']:.3f} ms/step - step kernels without command buffers "
+            f"{gap['kernel_ms']:.3f} ms = {gap['host_gap_us']:.1f} us/step ({gap['method']})",
+            flush=True)
   return status != "timeout"
+
+
+GAP_METHOD = ("loop wall slope per step (command buffers on) - CUPTI kernel sum of the same step "
+              "compiled without command buffers (step_nograph)")
+
+
+def host_gap_row(rows, spec, phase_rows, ctx):
+  """{mode, budget, ctx, loop_ms, kernel_ms, host_gap_us, method} from the throughput row of
+  this spec at `ctx` and the table's step_nograph, or None when either is missing."""
+  loop_row = next((r for r in rows if r["kind"] == "throughput" and r.get("ctx") == ctx
+                   and r["mode"] == spec.mode and r["budget"] == _budget(spec)), None)
+  step = next((r for r in phase_rows if r.phase == "step_nograph" and r.timer == "cupti"), None)
+  if loop_row is None or step is None:
+    return None
+  return dict(mode=spec.mode, budget=_budget(spec), ctx=ctx, loop_ms=loop_row["ms_per_step"],
+              kernel_ms=step.ms, host_gap_us=1e3 * (loop_row["ms_per_step"] - step.ms),
+              method=GAP_METHOD)
 
 
 def throughput_rows(m, c, spec, compiled_loop, deadline, rec):
@@ -157,7 +190,12 @@ def throughput_rows(m, c, spec, compiled_loop, deadline, rec):
     rec.add("throughput", **r)
     print(f"ctx={r['ctx']:>7} {spec.mode:>6}: {r['ms_per_step']:8.3f} ms/step "
           f"{r['accepted_per_step']:5.2f} tok/step {r['tokens_per_s']:9.1f} tok/s "
-          f"kernels {r['kernel_us']} us, gap {r['host_gap_us']} us/step", flush=True)
+          f"device-busy {_num(r['kernel_us'])} us, kernels summed {_num(r['kernel_sum_us'])} us, "
+          f"{_num(r['kernels_per_step'])} kernels, gap {_num(r['host_gap_us'])} us/step"
+          f"{' (SUSPECT: trace saw under half the step)' if r['gap_suspect'] else ''}",
+          flush=True)
+  if out and out[0]["gap_method"]:
+    print(f"  gap = {out[0]['gap_method']}", flush=True)
   if status != "ok":
     rec.add("throughput", mode=spec.mode, budget=_budget(spec), status=status, seconds=secs)
     print(f"throughput {spec.mode}: {status}", flush=True)
@@ -176,11 +214,16 @@ def summary(rows) -> str:
     out.append(f"phases {t['mode']} budget={t['budget']} ctx={t['ctx']}: phase ms floor %floor")
     for p in t["rows"]:
       out.append(f"  {p['phase']:<12}{p['ms']:9.3f}{p['floor_ms']:9.3f}{p['pct_roofline']:7.1f}")
-  out.append("throughput: ctx mode budget ms/step tok/step tok/s kernel_us gap_us")
+  out.append("throughput: ctx mode budget ms/step tok/step tok/s busy_us gap_us "
+             "(gap = loop ms/step - device-busy per step, jax.profiler trace)")
   for r in (r for r in rows if r["kind"] == "throughput" and "ctx" in r):
     out.append(f"  {r['ctx']:>7} {r['mode']:>6} {str(r['budget']):>4} {r['ms_per_step']:9.3f} "
                f"{r['accepted_per_step']:5.2f} {r['tokens_per_s']:9.1f} {_num(r['kernel_us'])} "
-               f"{_num(r['host_gap_us'])}")
+               f"{_num(r['host_gap_us'])}{' SUSPECT' if r.get('gap_suspect') else ''}")
+  out.append("host gap from the no-command-buffer step: mode budget ctx loop_ms kernel_ms gap_us")
+  for r in (r for r in rows if r["kind"] == "host_gap"):
+    out.append(f"  {r['mode']:>6} {str(r['budget']):>4} {r['ctx']:>7} {r['loop_ms']:9.3f} "
+               f"{r['kernel_ms']:9.3f} {r['host_gap_us']:9.1f}")
   out.append("fused step per table: mode budget step_ms floor_ms %floor")
   for t in tables:
     step = next(p for p in t["rows"] if p["phase"] == "step")

@@ -50,3 +50,42 @@ def test_commit_phase_bytes_only_where_rows_move():
                                 1, 100)
   width = 2 * tcfg.num_hidden_layers * spec.commit_width * tcfg.cache_dim * 2
   assert ddtree["commit"][0] == width and chain["commit"][0] == 0
+
+
+def test_moe_part_sees_the_routing_of_the_step():
+  """The MoE inputs the profiler captures route, layer by layer, to the experts the step's own
+  verify routes to (the router's ids recorded during the step's forward), and capturing them
+  leaves the verify's logits unchanged."""
+  from kdtree_jax.decoding import step  # pylint: disable=import-outside-toplevel
+  from kdtree_jax.target.moe import route  # pylint: disable=import-outside-toplevel
+  pair, spec = _setup("ddtree")
+  tcfg, tp = pair.tcfg, pair.tparams
+  state = profiling.bench_state(tcfg, pair.dcfg, spec, 1, 40, jnp.float32)
+  _, logits = step.draft_phase(pair.dcfg, pair.dparams, tp, spec, state)
+  tree = step.tree_phase(spec, logits, 1)
+  routes, xs = [], []
+  ref, _, _ = step.verify_phase(tcfg, tp, spec, state, tree, (), routes=routes)
+  got, _, _ = step.verify_phase(tcfg, tp, spec, state, tree, (), moe_inputs=xs)
+  assert jnp.array_equal(ref, got)
+  moe_layers = [lp["moe"] for lp in tp["layers"] if "moe" in lp]
+  assert len(xs) == len(moe_layers) == len(routes) == tcfg.num_moe_layers > 0
+  for p, x, ids in zip(moe_layers, xs, routes):
+    idx, _ = route(p, tcfg, x.reshape(-1, x.shape[-1]))
+    assert jnp.array_equal(jnp.sort(idx, -1), jnp.sort(ids, -1))
+
+
+def test_counted_routing_counts_local_experts_and_pairs():
+  tcfg = C.tiny()
+  local = tcfg.num_local_experts or tcfg.n_routed_experts
+  ids = jnp.array([[0, 1], [1, local], [0, local]])  # 2 local experts, 4 local pairs
+  assert profiling.counted_routing(tcfg, [ids, ids[:1]]) == (2.0, 3.0)
+
+
+def test_table_has_parts_on_step_routing_and_a_step_without_command_buffers():
+  pair, spec = _setup("ar")
+  state = profiling.bench_state(pair.tcfg, pair.dcfg, spec, 1, 48, jnp.float32)
+  rows = profiling.profile_step(pair, spec, state, CEIL, reps=1)
+  by = {r.phase: r for r in rows}
+  assert {"attention", "moe", "rest", "step", "step_nograph"} <= set(by)
+  assert "on the step's own routing" in by["moe"].note
+  assert "matmuls" in by["verify"].note

@@ -69,14 +69,16 @@ def tree_phase(spec: SpecConfig, draft_logits_bjv, batch: int) -> Tree:
 
 
 def verify_phase(tcfg, tparams, spec: SpecConfig, state: DecodeState, tree: Tree, tap_layers,
-                 routes=None):
+                 routes=None, moe_inputs=None):
   """One target forward over [bonus, tree nodes] at positions len + depth, under the tree mask.
-  routes: a list receiving each MoE layer's expert ids (the step-cost router probe), or None."""
+  routes: a list receiving each MoE layer's expert ids (the step-cost router probe), or None;
+  moe_inputs: a list receiving each MoE layer's input (the phase profiler), or None."""
   tokens = jnp.concatenate([state.bonus[:, None], tree.node_tokens], axis=1)
   depth = jnp.concatenate([jnp.zeros_like(state.bonus)[:, None], tree.depths], axis=1)
   positions = state.cache.lengths[:, None] + depth
   return transformer.decode(tcfg, tparams, state.cache, tokens, positions, tree.vis, tap_layers,
-                            attn_backend=spec.attn_backend, routes=routes)
+                            attn_backend=spec.attn_backend, routes=routes,
+                            moe_inputs=moe_inputs)
 
 
 def accept_phase(spec: SpecConfig, tree: Tree, logits_bnv, key, room_b):

@@ -63,12 +63,14 @@ def prefill(cfg: TargetConfig, params, cache: LatentCache | None, tokens_bs,
 
 
 def decode(cfg: TargetConfig, params, cache: LatentCache, tokens_bn, positions_bn, tree_mask_bnn,
-           tap_layers: Sequence[int] = (), *, attn_backend="auto", routes: list | None = None):
+           tap_layers: Sequence[int] = (), *, attn_backend="auto", routes: list | None = None,
+           moe_inputs: list | None = None):
   """N new tokens against the cache (absorbed MLA). Returns (logits [B,N,V] f32, cache, taps).
 
   The tokens' latent rows are written at [len, len + N); `cache.lengths` is NOT advanced:
   the caller commits (see `cache.compact_rows`) or simply advances lengths for a chain.
-  routes: as in `prefill`.
+  routes: as in `prefill`. moe_inputs: a list receiving each MoE layer's input [B, N, D] (the
+  phase profiler times the MoE layers alone on the step's own routing), or None.
   """
   x = params["embed"][tokens_bn]
   taps = {}
@@ -78,7 +80,10 @@ def decode(cfg: TargetConfig, params, cache: LatentCache, tokens_bn, positions_b
         lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions_bn, latent[i],
         cache.lengths, tree_mask_bnn, backend=attn_backend)
     x = x + h
-    x = x + _ffn(lp, cfg, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), routes)
+    y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    if moe_inputs is not None and "moe" in lp:
+      moe_inputs.append(y)
+    x = x + _ffn(lp, cfg, y, routes)
     if i in tap_layers:
       taps[i] = x
   return _head(params, cfg, x), cache.replace(latent=tuple(latent)), _concat_taps(taps, tap_layers)

@@ -1,0 +1,126 @@
+"""Launch structure of a compiled program, read from its optimised HLO text: which instructions
+become kernels, which of them are matmuls, and which matmuls read the same input (launches that
+one wider matmul could replace, e.g. MLA's q_a and kv_a projections of the same normed x).
+
+Kernel-like instructions = `fusion` and `custom-call` instructions of the computations that are
+not fusion bodies (a fusion body runs inside its fusion's kernel). A matmul = a fusion whose body
+holds a `dot`, or a custom call whose target names a GEMM (cuBLAS).
+"""
+
+import collections
+import dataclasses
+import re
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_OPERAND = re.compile(r"%([\w.\-]+)")
+
+
+@dataclasses.dataclass
+class Instr:
+  name: str
+  type: str
+  opcode: str
+  operands: list
+  attrs: str
+
+
+def _split_rhs(rhs: str):
+  """(type, opcode, operands text, attrs) of an instruction's right-hand side."""
+  if rhs.startswith("("):  # tuple type: up to its matching parenthesis
+    depth = 0
+    for i, ch in enumerate(rhs):
+      depth += (ch == "(") - (ch == ")")
+      if depth == 0:
+        break
+    typ, rest = rhs[:i + 1], rhs[i + 1:].lstrip()
+  else:
+    typ, _, rest = rhs.partition(" ")
+  opcode, _, rest = rest.partition("(")
+  depth, i = 1, 0
+  for i, ch in enumerate(rest):
+    depth += (ch == "(") - (ch == ")")
+    if depth == 0:
+      break
+  return typ, opcode.strip(), rest[:i], rest[i + 1:]
+
+
+def parse(hlo_text: str) -> dict:
+  """{computation name: [Instr]} of an HLO module's text."""
+  comps, current = {}, None
+  for line in hlo_text.splitlines():
+    head = _HEADER.match(line)
+    if head and " = " not in line.split("{")[0]:
+      current = comps.setdefault(head.group(2), [])
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    m = _INSTR.match(line)
+    if m and current is not None:
+      typ, opcode, ops, attrs = _split_rhs(m.group(2))
+      current.append(Instr(m.group(1), re.sub(r"\{[^}]*\}", "", typ), opcode,
+                           _OPERAND.findall(ops), attrs))
+  return comps
+
+
+def _fusion_bodies(comps) -> set:
+  return {c for instrs in comps.values() for i in instrs if i.opcode == "fusion"
+          for c in _CALLS.findall(i.attrs)}
+
+
+def _is_matmul(instr: Instr, comps) -> bool:
+  if instr.opcode == "custom-call":
+    target = _TARGET.search(instr.attrs)
+    return bool(target) and any(k in target.group(1).lower() for k in ("gemm", "matmul"))
+  if instr.opcode == "fusion":
+    return any(j.opcode in ("dot", "convolution") or _is_matmul(j, comps)
+               for c in _CALLS.findall(instr.attrs) for j in comps.get(c, ()))
+  return False
+
+
+def launch_structure(hlo_text: str) -> dict:
+  """{kernels: count of kernel-like instructions, by_kind: {fusion kind / custom-call target:
+  count}, matmuls: count, shared: [(count, member result types, input)] of matmul groups that
+  read one input, most frequent signature first}."""
+  comps = parse(hlo_text)
+  bodies = _fusion_bodies(comps)
+  launches = [i for c, instrs in comps.items() if c not in bodies for i in instrs
+              if i.opcode in ("fusion", "custom-call")]
+  kinds = collections.Counter(_kind(i) for i in launches)
+  matmuls = [i for i in launches if _is_matmul(i, comps)]
+  readers = collections.defaultdict(list)
+  for m in matmuls:
+    for op in dict.fromkeys(m.operands):
+      readers[op].append(m)
+  groups = collections.Counter()
+  for op, members in readers.items():
+    if len(members) > 1:
+      groups[tuple(sorted(m.type for m in members))] += 1
+  shared = [(n, list(sig)) for sig, n in groups.most_common()]
+  return dict(kernels=len(launches), by_kind=dict(kinds.most_common()), matmuls=len(matmuls),
+              shared=shared)
+
+
+def _kind(instr: Instr) -> str:
+  if instr.opcode == "custom-call":
+    target = _TARGET.search(instr.attrs)
+    return f"custom-call {target.group(1) if target else '?'}"
+  kind = re.search(r"kind=(\w+)", instr.attrs)
+  return f"fusion {kind.group(1) if kind else '?'}"
+
+
+def format_structure(s: dict, layers: int, title: str) -> str:
+  """A few lines: kernels and matmuls per program and per layer, the matmul groups that share
+  an input (candidates for one wider matmul)."""
+  lines = [f"{title}: {s['kernels']} kernel-like instructions ({s['kernels'] / layers:.1f} per "
+           f"layer), {s['matmuls']} matmuls ({s['matmuls'] / layers:.1f} per layer); by kind: "
+           + ", ".join(f"{k} {n}" for k, n in list(s["by_kind"].items())[:8])]
+  for n, types in s["shared"][:8]:
+    lines.append(f"  {n} x matmuls reading one input, results {' + '.join(types)}: one wider "
+                 f"matmul each would save {n * (len(types) - 1)} launches")
+  if not s["shared"]:
+    lines.append("  no matmuls share an input")
+  return "\n".join(lines)

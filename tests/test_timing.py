@@ -1,0 +1,25 @@
+"""Device-busy time from kernel intervals: overlapping kernels (concurrent graph nodes) count
+once, gaps between kernels do not count."""
+
+from kdtree_jax import timing
+
+
+def test_busy_union_merges_overlaps_and_skips_gaps():
+  assert timing.busy_union_ns([]) == 0
+  assert timing.busy_union_ns([(0, 10), (5, 12), (20, 25), (21, 22)]) == 12 + 5
+  assert timing.busy_union_ns([(30, 40), (0, 10)]) == 20
+
+
+def test_trace_summary_per_call():
+  s = timing.trace_summary([(0, 1_000_000), (500_000, 1_500_000), (3_000_000, 4_000_000)], 2)
+  assert s == dict(busy_ms=1.25, span_ms=2.0, kernel_sum_ms=1.5, kernels=1.5)
+  assert timing.trace_summary([], 1) is None
+
+
+def test_device_trace_is_none_off_gpu():
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  if jax.default_backend() == "gpu":
+    return
+  out, args = timing.device_trace(jax.jit(jnp.sin), (jnp.ones(3),))
+  assert out is None and len(args) == 1
