@@ -2,15 +2,20 @@
 
 draft_ctx: materialize_context of one commit (W = block_size new rows: fc + k/v of every layer,
 written into the cache in place; timed inside a fori_loop that carries the cache, as the decode
-loop does). draft_block: draft_block over `ctx` committed rows (every layer's weights, the ctx
-K/V, the target lm_head), once per ctx attention implementation (--ctx_impls: xla = chunked XLA
-dots over the whole capacity; pallas = the fused Triton kernel, rows < ctx_len only). Both are
+loop does), once per K/V projection form (--ctx_kv: xla = two dots per layer, which XLA:GPU's
+DotMerger turns into one dot over a concatenation of the weights built on every commit;
+separate = dots kept apart; packed = model.pack_ctx_kv's weights, concatenated once before the
+program, as a load would). draft_block: draft_block over `ctx` committed rows (every layer's
+weights, the ctx K/V, the target lm_head), once per ctx attention implementation (--ctx_impls:
+xla = chunked XLA dots over the whole capacity; pallas[:chunk:block_k:warps:stages] = the fused
+Triton kernel, rows < ctx_len only, default_tuning's fields where left out; +block = the
+block's own keys as one more program of that kernel instead of an XLA part). Both are
 the decode path's own functions (kdtree_jax/draft/model.py). Drafts (--drafts): k26_dflash_share
 = bench_k26_full's draft (published K2.6 DFlash shape sliced 1/8: 6 layers, 8 q / 1 kv heads,
 F 2304, 6 taps), bench_k26 = a Qwen3-8B-DFlash-sized draft (3 layers, 32/8 heads, F 12288,
 3 taps); both at K2.6 width with the V/8 head, at 46k. On a GPU each phase also prints its
 kernels per call (CUPTI, aggregated by name; draft_ctx per commit, the loop's fixed costs
-dropped as in its time).
+dropped as in its time), each with its optimized-HLO instruction's shapes and op name.
 
   python scripts/bench_draft.py --out_dir results/bench_draft            # GPU: CUPTI times
   python scripts/bench_draft.py --small --out_dir /tmp/bd               # CPU smoke (wall times)
@@ -41,10 +46,13 @@ flags.DEFINE_string("cache_dir", "/tmp/jax_cache", "persistent compilation cache
 flags.DEFINE_bool("small", False, "tiny draft and ceilings (CPU smoke run)")
 flags.DEFINE_bool("probe_cudnn", False, "GPU: also time one layer's ctx attention, XLA vs cuDNN")
 flags.DEFINE_list("drafts", ["k26_dflash_share", "bench_k26"], "draft shapes (see the docstring)")
-flags.DEFINE_list("ctx_impls", ["xla", "pallas", "pallas:512:128", "pallas:512:32",
-                                "pallas:512:64:4", "pallas:512:64:8:3", "pallas:256"],
+flags.DEFINE_list("ctx_impls", ["xla", "pallas", "pallas+block", "pallas:512:128",
+                                "pallas:512:128+block", "pallas:512:32", "pallas:512:64:4",
+                                "pallas:512:64:8:3", "pallas:256"],
                   "draft_block ctx attention: xla, or pallas[:chunk[:block_k[:num_warps"
-                  "[:num_stages]]]] (GPU only; fields left out: ctx_attention.default_tuning's)")
+                  "[:num_stages]]]][+block] (GPU only; fields left out: "
+                  "ctx_attention.default_tuning's; +block: the block's own keys as one more "
+                  "program of the kernel, model.draft_block(block_in_kernel=True))")
 flags.DEFINE_list("ctx_kv", ["xla", "separate", "packed"],
                   "draft_ctx K/V projections: xla (two dots per layer; XLA may merge them), "
                   "separate (kept apart), packed (model.pack_ctx_kv: one dot for all layers)")
@@ -201,13 +209,14 @@ def cache_sized_outputs(hlo_text, cache_shape):
 
 
 def parse_ctx_impl(name):
-  """'pallas:512:64:8:3' -> ('pallas', 512, (('block_k', 64), ('num_warps', 8), ('num_stages', 3)));
-  fields left out keep ctx_attention.default_tuning's values."""
+  """'pallas:512:64:8:3+block' -> ('pallas', 512, (('block_k', 64), ('num_warps', 8),
+  ('num_stages', 3)), True); fields left out keep ctx_attention.default_tuning's values."""
+  name, _, block = name.partition("+")
   impl, *fields = name.split(":")
   fields = [int(f) for f in fields]
   chunk = fields[0] if fields else None
   tuning = tuple(zip(("block_k", "num_warps", "num_stages"), fields[1:]))
-  return impl, chunk, tuning
+  return impl, chunk, tuning, block == "block"
 
 
 def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
@@ -219,9 +228,10 @@ def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
   cache = filled_cache(cfg, b, ctx + cfg.block_size, ctx)
   block = model.make_block(cfg, jnp.ones((b,), jnp.int32))
   start = jnp.full((b,), ctx, jnp.int32)
-  impl, chunk, tuning = parse_ctx_impl(ctx_impl)
+  impl, chunk, tuning, in_kernel = parse_ctx_impl(ctx_impl)
   prog = jax.jit(lambda p, c, t, s, e, h: model.draft_block(
-      p, cfg, c, t, s, e, h, ctx_impl=impl, kernel_chunk=chunk, kernel_tuning=tuning))
+      p, cfg, c, t, s, e, h, ctx_impl=impl, kernel_chunk=chunk, kernel_tuning=tuning,
+      block_in_kernel=in_kernel))
   args = (params, cache, block, start, embed, head)
   compiled = prog.lower(*args).compile()  # timed as is: one compile per impl
   text = compiled.as_text()
@@ -367,12 +377,14 @@ def main(_):
   print(f"device={dev.device_kind} jax={jax.__version__} copy={ceil['copy_tbps']:.2f} TB/s "
         f"matmul={ceil['mm_tflops']:.0f} TFLOP/s ({time.time() - t0:.0f} s)", flush=True)
   drafts = ["tiny"] if FLAGS.small else FLAGS.drafts
-  rows = [r for name in drafts for r in bench_draft(name, ceil, t0)]
   path = os.path.join(FLAGS.out_dir, "bench_draft.jsonl")
   with open(path, "w") as f:
-    for r in rows:
-      f.write(json.dumps(r) + "\n")
-  report(rows)
+    for name in drafts:  # each draft's rows written and reported as soon as it is done
+      rows = bench_draft(name, ceil, t0)
+      for r in rows:
+        f.write(json.dumps(r) + "\n")
+      f.flush()
+      report(rows)
   print(f"wrote {path}")
 
 

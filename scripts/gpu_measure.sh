@@ -17,7 +17,9 @@
 #               whole bench table (with probes and XLA) until half the time box is spent
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
 #   draft       the draft ctx kernel's GPU tests, then scripts/bench_draft.py: the two draft phases of
-#               both drafts, draft_block per ctx attention impl (not yet timed; estimated ~2 min)
+#               both drafts (k26_dflash_share first; each draft's rows written when it is done),
+#               draft_ctx per K/V projection form (--ctx_kv), draft_block per ctx attention impl /
+#               kernel tuning (--ctx_impls); 48 s with 4 impls + 1 ctx form, ~2.5 min now: draft:240
 #   calibrate   scripts/calibrate_step_cost.py on configs/bench_k26_full.py
 #   pair        the trained pair (k2tiny): the step cost of every candidate program calibrated
 #               here (switch widths, fixed widths, chain, ar; <= 140 s), then measured tok/s of

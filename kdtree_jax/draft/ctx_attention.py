@@ -58,57 +58,84 @@ def supports(q_bgmy, k_bgly, tuning: Tuning = Tuning()) -> bool:
           and pow2(bk) and pow2(c) and L % c == 0 and c % bk == 0)
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_k):
-  """One (batch row, kv head, chunk): online softmax over the chunk's rows below ctx_len."""
+def supports_block(kb_bgsy) -> bool:
+  """Block K/V the kernel can take as its extra program: bf16, S a power of two >= 16 rows."""
+  S = kb_bgsy.shape[2]
+  return kb_bgsy.dtype == jnp.bfloat16 and S >= 16 and S & (S - 1) == 0
+
+
+def _online_step(q, k, v, live, carry, scale):
+  """One tile of the online softmax: (o, m, l) updated with keys k / values v (live: [rows]
+  mask, None = all); m stays finite once any tile had a live key."""
+  o, m, l = carry
+  s = pltriton.dot(q, k, trans_b=True) * scale
+  if live is not None:
+    s = jnp.where(live[None, :], s, -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(s, axis=1))
+  corr = jnp.exp(m - m_new)
+  p = jnp.exp(s - m_new[:, None])
+  o = o * corr[:, None] + pltriton.dot(p.astype(v.dtype), v)
+  return o, m_new, l * corr + jnp.sum(p, axis=1)
+
+
+def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, n_chunks):
+  """One (batch row, kv head, program j): j < n_chunks: online softmax over chunk j's rows below
+  ctx_len; j == n_chunks (only with block K/V refs): every row of the block's own K/V."""
+  *blk_refs, o_ref, lse_ref = refs
   chunk = k_ref.shape[0]
-  valid = jnp.clip(len_ref[0] - pl.program_id(2) * chunk, 0, chunk)
+  j = pl.program_id(2)
+  valid = jnp.where(j < n_chunks, jnp.clip(len_ref[0] - j * chunk, 0, chunk), 0)
   q = q_ref[...]
   M, Y = q.shape
 
   def tile(t, carry):
-    o, m, l = carry
     rows = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
-    s = pltriton.dot(q, k_ref[rows, :], trans_b=True) * scale
-    live = (t * block_k + jnp.arange(block_k)) < valid
-    s = jnp.where(live[None, :], s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))  # finite: every tile has a live row
-    corr = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new[:, None])
-    o = o * corr[:, None] + pltriton.dot(p.astype(k_ref.dtype), v_ref[rows, :])
-    return o, m_new, l * corr + jnp.sum(p, axis=1)
+    live = (t * block_k + jnp.arange(block_k)) < valid  # every tile has a live row
+    return _online_step(q, k_ref[rows, :], v_ref[rows, :], live, carry, scale)
 
   init = (jnp.zeros((M, Y), jnp.float32), jnp.full((M,), -jnp.inf, jnp.float32),
           jnp.zeros((M,), jnp.float32))
   o, m, l = jax.lax.fori_loop(0, pl.cdiv(valid, block_k), tile, init)
+  if blk_refs:
+    kb_ref, vb_ref = blk_refs
+    block = lambda c: _online_step(q, kb_ref[...], vb_ref[...], None, c, scale)
+    o, m, l = jax.lax.cond(j == n_chunks, block, lambda c: c, (o, m, l))
   seen = l > 0  # False only for a chunk wholly past ctx_len (then m = -inf, o = 0)
   o_ref[...] = (o / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tuning", "interpret"))
-def ctx_partials(q_bgmy, k_bgly, v_bgly, ctx_len_b, *, scale, tuning: Tuning = Tuning(),
-                 interpret=False):
+def ctx_partials(q_bgmy, k_bgly, v_bgly, ctx_len_b, kb_bgsy=None, vb_bgsy=None, *, scale,
+                 tuning: Tuning = Tuning(), interpret=False):
   """Per-chunk partials over cache rows < ctx_len: o [B, G, N, M, Y] = softmax(s) v over the
   chunk's rows, in the cache dtype (0 for a chunk wholly past ctx_len), and lse [B, G, N, M] =
-  log sum exp(s) in f32 (-inf for such a chunk)."""
+  log sum exp(s) in f32 (-inf for such a chunk). With the block's own K/V kb, vb [B, G, S, Y]
+  (every block key visible to every query: non-causal, full attention), one more partial
+  N + 1 over them (a program of its own, so the caller merges one set of partials)."""
   B, G, M, Y = q_bgmy.shape
   L = k_bgly.shape[2]
   n, c = L // tuning.chunk, tuning.chunk
   k = k_bgly.reshape(B, G, n, c, Y)
   v = v_bgly.reshape(B, G, n, c, Y)
-  kv_spec = pl.BlockSpec((None, None, None, c, Y), lambda b, g, j: (b, g, j, 0, 0))
+  kv_spec = pl.BlockSpec((None, None, None, c, Y),
+                         lambda b, g, j: (b, g, jnp.minimum(j, n - 1), 0, 0))
   row_spec = pl.BlockSpec((None, None, None, M), lambda b, g, j: (b, g, j, 0))
+  blk = () if kb_bgsy is None else (kb_bgsy.astype(k.dtype), vb_bgsy.astype(k.dtype))
+  blk_specs = [pl.BlockSpec((None, None, *x.shape[2:]), lambda b, g, j: (b, g, 0, 0))
+               for x in blk]
+  programs = n + (1 if blk else 0)
   return pl.pallas_call(
-      functools.partial(_kernel, scale=scale, block_k=tuning.block_k),
-      grid=(B, G, n),
+      functools.partial(_kernel, scale=scale, block_k=tuning.block_k, n_chunks=n),
+      grid=(B, G, programs),
       in_specs=[pl.BlockSpec((1,), lambda b, g, j: (b,)),
                 pl.BlockSpec((None, None, M, Y), lambda b, g, j: (b, g, 0, 0)),
-                kv_spec, kv_spec],
+                kv_spec, kv_spec, *blk_specs],
       out_specs=[pl.BlockSpec((None, None, None, M, Y), lambda b, g, j: (b, g, j, 0, 0)),
                  row_spec],
-      out_shape=[jax.ShapeDtypeStruct((B, G, n, M, Y), k_bgly.dtype),
-                 jax.ShapeDtypeStruct((B, G, n, M), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct((B, G, programs, M, Y), k_bgly.dtype),
+                 jax.ShapeDtypeStruct((B, G, programs, M), jnp.float32)],
       compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps,
                                               num_stages=tuning.num_stages),
       interpret=interpret, name="draft_ctx_attention",
-  )(ctx_len_b.astype(jnp.int32), q_bgmy.astype(k_bgly.dtype), k, v)
+  )(ctx_len_b.astype(jnp.int32), q_bgmy.astype(k_bgly.dtype), k, v, *blk)

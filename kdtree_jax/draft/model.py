@@ -7,7 +7,9 @@ positions of one attention call, W block size, Z tapped features (the package gl
 Params (HF Linear [out, in] stored as [in, out]): fc [n_tap*D, D], hidden_norm [D], norm [D],
 layers: a list of dicts (one per layer, so no step slices a stacked weight): q_proj
 [D, H*Y], k_proj / v_proj [D, G*Y], o_proj [H*Y, D], q_norm / k_norm [Y], input_layernorm /
-post_attention_layernorm [D], gate_proj / up_proj [D, F], down_proj [F, D].
+post_attention_layernorm [D], gate_proj / up_proj [D, F], down_proj [F, D]. Optional, for
+inference only (pack_ctx_kv, built once at load): ctx_kv [D, layers*2*G*Y], every layer's
+k_proj / v_proj side by side, so the context write runs one dot for all layers.
 
 Attention rule: z-lab's reference (github.com/z-lab/dflash dflash/model.py, run by its
 dflash_generate on transformers 4.57.1's flash-attention path; notes/dflash_reference.md). A
@@ -23,7 +25,9 @@ through their log-sum-exps): a PV dot contracting over all L rows lets XLA:GPU's
 pad both operands (p and the V cache) to a multiple of split_k * 8 rows, a cache-sized copy per
 layer per step (the H200 showed one ~57 us `loop_pad_fusion` per layer at L = 46016 = 64 * 719).
 init_draft_cache rounds the capacity up to whole chunks. ctx_impl='pallas' runs the ctx part as
-one fused kernel instead (ctx_attention.py: no f32 scores in HBM, rows < ctx_len only).
+one fused kernel instead (ctx_attention.py: no f32 scores in HBM, rows < ctx_len only), and
+with block_in_kernel the block's own keys as one more program of it; 'auto' (the default, so
+the decode's) is the kernel on a single GPU and the XLA form elsewhere (resolve_ctx_impl).
 """
 
 from __future__ import annotations
@@ -151,21 +155,29 @@ def pack_ctx_kv(params):
   return params | {"ctx_kv": jnp.concatenate(kv, axis=1)}
 
 
-def _ctx_kv_all(params, cfg, c_btd, kv_dots):
-  """[(k, v) [B, T, G, Y] before k_norm / rope] of every layer, from the ctx feature c: one dot
-  over params["ctx_kv"] if packed, else two dots per layer (kv_dots 'separate': each behind an
-  optimization barrier, so XLA cannot merge them through a concatenation of the weights)."""
+def _ctx_kv_all(params, cfg, c_btd, positions_bt, kv_dots):
+  """[(k (k_norm + rope), v) [B, T, G, Y]] of every layer from the ctx feature c: one dot over
+  params["ctx_kv"] if packed (k_norm and rope then applied to every layer's k at once), else
+  two dots per layer (kv_dots 'separate': each behind an optimization barrier, so XLA cannot
+  merge them through a concatenation of the weights)."""
   B, T, _ = c_btd.shape
-  shape = (B, T, cfg.num_key_value_heads, cfg.head_dim)
+  n, G, Y, eps = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
   if "ctx_kv" in params:
-    kv = (c_btd @ params["ctx_kv"]).reshape(B, T, -1, *shape[2:])
-    return [(kv[:, :, 2 * i], kv[:, :, 2 * i + 1]) for i in range(cfg.num_hidden_layers)]
+    kv = (c_btd @ params["ctx_kv"]).reshape(B, T, n, 2, G, Y)
+    k_norm = jnp.stack([lp["k_norm"] for lp in params["layers"]])[:, None]  # [n, 1, Y]
+    k = rms_norm(kv[:, :, :, 0], k_norm, eps).reshape(B, T, n * G, Y)
+    k = rope(k, positions_bt, cfg.rope_theta).reshape(B, T, n, G, Y)
+    return [(k[:, :, i], kv[:, :, i, 1]) for i in range(n)]
   if kv_dots not in KV_DOTS:
     raise ValueError(f"{kv_dots=} must be one of {KV_DOTS}")
-  dot = lambda w: (c_btd @ w).reshape(shape)
+  dot = lambda w: (c_btd @ w).reshape(B, T, G, Y)
   if kv_dots == "separate":
-    dot = lambda w: jnp.matmul(*jax.lax.optimization_barrier((c_btd, w))).reshape(shape)
-  return [(dot(lp["k_proj"]), dot(lp["v_proj"])) for lp in params["layers"]]
+    dot = lambda w: jnp.matmul(*jax.lax.optimization_barrier((c_btd, w))).reshape(B, T, G, Y)
+  out = []
+  for lp in params["layers"]:
+    k = rope(rms_norm(dot(lp["k_proj"]), lp["k_norm"], eps), positions_bt, cfg.rope_theta)
+    out.append((k, dot(lp["v_proj"])))
+  return out
 
 
 def materialize_context(params, cfg: DraftConfig, cache: DraftCache, taps_btz, positions_bt,
@@ -180,9 +192,8 @@ def materialize_context(params, cfg: DraftConfig, cache: DraftCache, taps_btz, p
 
   put_b = jax.vmap(put)
   ks, vs = [], []
-  kv_all = _ctx_kv_all(params, cfg, c, kv_dots)
-  for lp, (k, v), k_cache, v_cache in zip(params["layers"], kv_all, cache.k, cache.v):
-    k = rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions_bt, cfg.rope_theta)
+  kv_all = _ctx_kv_all(params, cfg, c, positions_bt, kv_dots)
+  for (k, v), k_cache, v_cache in zip(kv_all, cache.k, cache.v):
     ks.append(put_b(k_cache, k, cache.ctx_len))
     vs.append(put_b(v_cache, v, cache.ctx_len))
   pos = jax.vmap(lambda p, s, at: jax.lax.dynamic_update_slice(p, s, (at,)))(
@@ -262,13 +273,14 @@ def xla_part(k_bgxy, v_bgxy, ok_bsx, chunk=None):
   return part
 
 
-def kernel_part(k_bgly, v_bgly, ctx_len_b, tuning, interpret):
-  """The ctx rows < ctx_len as a key set through the fused kernel (ctx_attention.py)."""
+def kernel_part(k_bgly, v_bgly, ctx_len_b, tuning, interpret, kb_bgsy=None, vb_bgsy=None):
+  """The ctx rows < ctx_len as a key set through the fused kernel (ctx_attention.py); with the
+  block's own K/V kb, vb [B, G, S, Y] (all visible), those keys too, in the same kernel."""
   def part(q_bgusy, scale):
     B, G, U, S, Y = q_bgusy.shape
     o, lse = ctx_attention.ctx_partials(q_bgusy.reshape(B, G, U * S, Y), k_bgly, v_bgly,
-                                        ctx_len_b, scale=scale, tuning=tuning,
-                                        interpret=interpret)
+                                        ctx_len_b, kb_bgsy, vb_bgsy, scale=scale,
+                                        tuning=tuning, interpret=interpret)
     # a normalised partial is (o, m, l) = (o, lse, 1); a chunk past ctx_len has lse = -inf
     l = jnp.where(jnp.isneginf(lse), 0.0, 1.0)
     o, m, l = _merge_partials(*(jnp.moveaxis(x, 2, 0) for x in (o.astype(jnp.float32), lse, l)))
@@ -289,15 +301,16 @@ def _merged_attention(q_bshy, parts, scale, kv_heads):
   return o.astype(q_bshy.dtype)
 
 
-def _layer(lp, cfg, x_bsd, q_pos_bs, ctx_parts, blk_ok_bss):
-  """One draft decoder layer: block queries over the ctx key sets and the block's own keys."""
+def _layer(lp, cfg, x_bsd, q_pos_bs, key_sets):
+  """One draft decoder layer: block queries over key_sets(kb, vb), the key sets (see xla_part)
+  of the ctx and of the block's own K/V kb, vb [B, G, S, Y]."""
   B, S, _ = x_bsd.shape
   h = rms_norm(x_bsd, lp["input_layernorm"], cfg.rms_norm_eps)
   q = (h @ lp["q_proj"]).reshape(B, S, cfg.num_attention_heads, cfg.head_dim)
   q = rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), q_pos_bs, cfg.rope_theta)
   kb, vb = _kv(lp, cfg, h, q_pos_bs)
-  blk = xla_part(jnp.swapaxes(kb, 1, 2), jnp.swapaxes(vb, 1, 2), blk_ok_bss)
-  o = _merged_attention(q, [*ctx_parts, blk], cfg.head_dim ** -0.5, cfg.num_key_value_heads)
+  parts = key_sets(jnp.swapaxes(kb, 1, 2), jnp.swapaxes(vb, 1, 2))
+  o = _merged_attention(q, parts, cfg.head_dim ** -0.5, cfg.num_key_value_heads)
   x_bsd = x_bsd + o @ lp["o_proj"]
   h = rms_norm(x_bsd, lp["post_attention_layernorm"], cfg.rms_norm_eps)
   return x_bsd + (jax.nn.silu(h @ lp["gate_proj"]) * (h @ lp["up_proj"])) @ lp["down_proj"]
@@ -349,26 +362,37 @@ def resolve_ctx_impl(ctx_impl: str) -> str:
   return "pallas" if jax.default_backend() == "gpu" and jax.device_count() == 1 else "xla"
 
 
-def _ctx_part(cfg, cache, i, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_chunk, kernel_tuning):
-  """Layer i's ctx key set: the fused kernel (ctx_impl 'pallas', or 'interpret' = its CPU
-  interpret mode) for full-attention layers whose shapes it supports, else XLA in chunks.
-  kernel_tuning: (field, value) pairs replacing those of ctx_attention.default_tuning."""
+def _key_sets(cfg, cache, i, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_chunk, kernel_tuning,
+              block_in_kernel):
+  """Layer i's key_sets(kb, vb) for _layer: the ctx part through the fused kernel (ctx_impl
+  'pallas', or 'interpret' = its CPU interpret mode) for full-attention layers whose shapes it
+  supports, else XLA in chunks; the block part by XLA, or as one more program of the kernel
+  (block_in_kernel, where every block key is visible: non-causal, no window, and the kernel
+  takes the block's rows). kernel_tuning: (field, value) pairs replacing default_tuning's."""
   k, v, window = cache.k[i], cache.v[i], cfg.window(i)
   B, G, L, Y = k.shape
-  M = cfg.num_attention_heads // G * q_pos_bs.shape[1]
+  S = q_pos_bs.shape[1]
+  M = cfg.num_attention_heads // G * S
   tuning = ctx_attention.default_tuning(B, G, M, L, kernel_chunk)
   tuning = dataclasses.replace(tuning, **dict(kernel_tuning))
+  blk_ok = _block_mask(cfg, i, q_pos_bs)
   q_like = jax.ShapeDtypeStruct((B, G, M, Y), k.dtype)
   if ctx_impl != "xla" and window is None and (
       ctx_impl == "interpret" or ctx_attention.supports(q_like, k, tuning)):
-    return kernel_part(k, v, cache.ctx_len, tuning, ctx_impl == "interpret")
-  ok = _both(live_b1c, _window_ok(q_pos_bs[:, :, None], cache.pos[:, None, :], window))
-  return xla_part(k, v, ok, chunk)
+    interpret = ctx_impl == "interpret"
+    kb_like = jax.ShapeDtypeStruct((B, G, S, Y), k.dtype)
+    if block_in_kernel and blk_ok is None and (interpret or ctx_attention.supports_block(kb_like)):
+      return lambda kb, vb: [kernel_part(k, v, cache.ctx_len, tuning, interpret, kb, vb)]
+    ctx = kernel_part(k, v, cache.ctx_len, tuning, interpret)
+  else:
+    ok = _both(live_b1c, _window_ok(q_pos_bs[:, :, None], cache.pos[:, None, :], window))
+    ctx = xla_part(k, v, ok, chunk)
+  return lambda kb, vb: [ctx, xla_part(kb, vb, blk_ok)]
 
 
 def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, start_b, embed_vd,
                 head_dv, ctx_chunk=CTX_CHUNK, ctx_impl="auto", kernel_chunk=None,
-                kernel_tuning=()):
+                kernel_tuning=(), block_in_kernel=False):
   """One non-causal block [bonus, MASK...] at positions start.. over the ctx cache -> [B, S, V] f32.
 
   Ctx keys are the cache rows < ctx_len, in chunks of ctx_chunk rows when that divides the
@@ -376,7 +400,8 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   (masked); 'pallas' (the fused kernel, full-attention layers) reads only rows < ctx_len, in
   programs of kernel_chunk rows (None: ctx_attention.default_tuning's choice; kernel_tuning:
   (field, value) pairs overriding its other fields); 'auto' (the decode default): see
-  resolve_ctx_impl.
+  resolve_ctx_impl. block_in_kernel: the block's own keys as one more program of the kernel
+  (where every block key is visible) instead of an XLA part merged after it.
   """
   ctx_impl = resolve_ctx_impl(ctx_impl)
   B, S = block_tokens_bs.shape
@@ -386,8 +411,9 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   chunk = ctx_chunk if L % ctx_chunk == 0 else None
   live = (jnp.arange(L)[None, :] < cache.ctx_len[:, None])[:, None, :]  # [B, 1, L]
   for i, lp in enumerate(params["layers"]):
-    ctx = _ctx_part(cfg, cache, i, q_pos, live, ctx_impl, chunk, kernel_chunk, kernel_tuning)
-    x = _layer(lp, cfg, x, q_pos, [ctx], _block_mask(cfg, i, q_pos))
+    key_sets = _key_sets(cfg, cache, i, q_pos, live, ctx_impl, chunk, kernel_chunk,
+                         kernel_tuning, block_in_kernel)
+    x = _layer(lp, cfg, x, q_pos, key_sets)
   return _logits(params, cfg, x, head_dv)
 
 
@@ -413,5 +439,6 @@ def draft_train_forward(params, cfg: DraftConfig, ctx_taps_bsz, anchors_ba, bloc
     ctx_k, ctx_v = _kv(lp, cfg, c, ctx_pos)
     ctx_ok = _both(before, _window_ok(q_pos[:, :, None], ctx_pos[:, None, :], cfg.window(i)))
     ctx = xla_part(jnp.swapaxes(ctx_k, 1, 2), jnp.swapaxes(ctx_v, 1, 2), ctx_ok)
-    x = _layer(lp, cfg, x, q_pos, [ctx], _block_mask(cfg, i, q_pos, same))
+    blk_ok = _block_mask(cfg, i, q_pos, same)
+    x = _layer(lp, cfg, x, q_pos, lambda kb, vb, ctx=ctx, ok=blk_ok: [ctx, xla_part(kb, vb, ok)])
   return _logits(params, cfg, x, head_dv).reshape(B, A, W, -1)

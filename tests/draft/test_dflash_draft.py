@@ -336,10 +336,15 @@ def test_ctx_kernel_lowers_for_h200():
   assert not ctx_attention.supports(spec(1, 1, 8, E), spec(1, 1, C, E), tuning)  # M < 16
   fn = jax.jit(functools.partial(ctx_attention.ctx_partials, scale=E ** -0.5, tuning=tuning))
   dev = mesh_lib.AbstractDevice("NVIDIA H200", 132, "gpu")
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
-    text = fn.trace(spec(1, 1, M, E), spec(1, 1, C, E), spec(1, 1, C, E),
-                    jax.ShapeDtypeStruct((1,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-  assert "draft_ctx_attention" in text
+  assert ctx_attention.supports_block(spec(1, 1, 16, E))
+  assert not ctx_attention.supports_block(spec(1, 1, 8, E))  # below a Triton dot tile
+  for blk in ((), (spec(1, 1, 16, E), spec(1, 1, 16, E))):  # without / with the block's K/V
+    with jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
+      text = fn.trace(spec(1, 1, M, E), spec(1, 1, C, E), spec(1, 1, C, E),
+                      jax.ShapeDtypeStruct((1,), jnp.int32), *blk).lower(
+                          lowering_platforms=("cuda",)).as_text()
+    assert "draft_ctx_attention" in text
 
 
 @pytest.mark.gpu
@@ -366,6 +371,33 @@ def test_ctx_kernel_compiled_matches_float64(kv_heads, q_heads, ctx):
     s = np.einsum("gme,gke->gmk", q64[b], k64[b, :, :n]) * E ** -0.5
     p = np.exp(s - s.max(-1, keepdims=True))
     want = np.einsum("gmk,gke->gme", p / p.sum(-1, keepdims=True), v64[b, :, :n])
+    assert np.linalg.norm(got[b] - want) <= 1e-2 * np.linalg.norm(want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernel: GPU only")
+def test_ctx_kernel_with_block_compiled_matches_float64():
+  """The compiled kernel with the block's own 16 K/V rows as its extra program (bench_k26_full's
+  draft heads: 1 kv head, 128 query rows): attention over rows < ctx_len plus every block row
+  equals a float64 softmax of the same bf16 inputs (rel L2 <= 1e-2)."""
+  B, G, M, E, S = 2, 1, 128, 128, 16
+  C = model.cache_rows(3000 + S)
+  ks = jax.random.split(jax.random.key(9), 5)
+  rnd = lambda kk, *s: jax.random.normal(kk, s, jnp.float32).astype(jnp.bfloat16)
+  q, k, v, kb, vb = (rnd(ks[0], B, G, M, E), rnd(ks[1], B, G, C, E), rnd(ks[2], B, G, C, E),
+                     rnd(ks[3], B, G, S, E), rnd(ks[4], B, G, S, E))
+  lens = jnp.array([3000, 0], jnp.int32)  # row 1: block keys only
+  tuning = ctx_attention.default_tuning(B, G, M, C)
+  o, _, l = model.kernel_part(k, v, lens, tuning, False, kb, vb)(q.reshape(B, G, 1, M, E),
+                                                                 E ** -0.5)
+  got = np.asarray(o / l[..., None], np.float64).reshape(B, G, M, E)
+  q64, k64, v64, kb64, vb64 = (np.asarray(x, np.float64) for x in (q, k, v, kb, vb))
+  for b, n in enumerate(np.asarray(lens)):
+    keys = np.concatenate([k64[b, :, :n], kb64[b]], axis=1)
+    vals = np.concatenate([v64[b, :, :n], vb64[b]], axis=1)
+    s = np.einsum("gme,gke->gmk", q64[b], keys) * E ** -0.5
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("gmk,gke->gme", p / p.sum(-1, keepdims=True), vals)
     assert np.linalg.norm(got[b] - want) <= 1e-2 * np.linalg.norm(want)
 
 
@@ -521,4 +553,6 @@ def test_ctx_impl_auto_and_tuning_overrides():
   want = run(ctx_impl="xla")
   got = run(ctx_impl="interpret", kernel_chunk=32, kernel_tuning=(("block_k", 16),))
   close(got, np.asarray(want, np.float64), rel=1e-5)
+  fused = run(ctx_impl="interpret", kernel_chunk=32, block_in_kernel=True)  # block keys in-kernel
+  close(fused, np.asarray(want, np.float64), rel=1e-5)
   np.testing.assert_array_equal(run(), want)  # auto = xla here
