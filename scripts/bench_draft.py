@@ -9,7 +9,8 @@ program, as a load would). draft_block: draft_block over `ctx` committed rows (e
 weights, the ctx K/V, the target lm_head), once per ctx attention implementation (--ctx_impls:
 xla = chunked XLA dots over the whole capacity; pallas[:chunk:block_k:warps:stages] = the fused
 Triton kernel, rows < ctx_len only, default_tuning's fields where left out; +block = the
-block's own keys as one more program of that kernel instead of an XLA part). Both are
+block's own keys as one more program of that kernel instead of an XLA part; +packed = params
+through model.pack_for_decode, q|k|v and gate|up weights side by side: one dot each). Both are
 the decode path's own functions (kdtree_jax/draft/model.py). Drafts (--drafts): k26_dflash_share
 = bench_k26_full's draft (published K2.6 DFlash shape sliced 1/8: 6 layers, 8 q / 1 kv heads,
 F 2304, 6 taps), bench_k26 = a Qwen3-8B-DFlash-sized draft (3 layers, 32/8 heads, F 12288,
@@ -46,13 +47,15 @@ flags.DEFINE_string("cache_dir", "/tmp/jax_cache", "persistent compilation cache
 flags.DEFINE_bool("small", False, "tiny draft and ceilings (CPU smoke run)")
 flags.DEFINE_bool("probe_cudnn", False, "GPU: also time one layer's ctx attention, XLA vs cuDNN")
 flags.DEFINE_list("drafts", ["k26_dflash_share", "bench_k26"], "draft shapes (see the docstring)")
-flags.DEFINE_list("ctx_impls", ["xla", "pallas", "pallas+block", "pallas:512:128",
-                                "pallas:512:128+block", "pallas:512:32", "pallas:512:64:4",
-                                "pallas:512:64:8:3", "pallas:256"],
+flags.DEFINE_list("ctx_impls", ["xla", "pallas", "pallas+block", "pallas+packed",
+                                "pallas+block+packed", "pallas:512:128", "pallas:512:128+block",
+                                "pallas:512:32", "pallas:512:64:4", "pallas:512:64:8:3",
+                                "pallas:256"],
                   "draft_block ctx attention: xla, or pallas[:chunk[:block_k[:num_warps"
                   "[:num_stages]]]][+block] (GPU only; fields left out: "
                   "ctx_attention.default_tuning's; +block: the block's own keys as one more "
-                  "program of the kernel, model.draft_block(block_in_kernel=True))")
+                  "program of the kernel, model.draft_block(block_in_kernel=True); +packed: "
+                  "params through model.pack_for_decode: q|k|v and gate|up in one dot each)")
 flags.DEFINE_list("ctx_kv", ["xla", "separate", "packed"],
                   "draft_ctx K/V projections: xla (two dots per layer; XLA may merge them), "
                   "separate (kept apart), packed (model.pack_ctx_kv: one dot for all layers)")
@@ -209,14 +212,16 @@ def cache_sized_outputs(hlo_text, cache_shape):
 
 
 def parse_ctx_impl(name):
-  """'pallas:512:64:8:3+block' -> ('pallas', 512, (('block_k', 64), ('num_warps', 8),
-  ('num_stages', 3)), True); fields left out keep ctx_attention.default_tuning's values."""
-  name, _, block = name.partition("+")
+  """'pallas:512:64:8:3+block+packed' -> ('pallas', 512, (('block_k', 64), ('num_warps', 8),
+  ('num_stages', 3)), {'block', 'packed'}); fields left out keep default_tuning's values."""
+  name, *extras = name.split("+")
+  if set(extras) - {"block", "packed"}:
+    raise ValueError(f"unknown ctx_impl suffix in {name!r}: +block and +packed only")
   impl, *fields = name.split(":")
   fields = [int(f) for f in fields]
   chunk = fields[0] if fields else None
   tuning = tuple(zip(("block_k", "num_warps", "num_stages"), fields[1:]))
-  return impl, chunk, tuning, block == "block"
+  return impl, chunk, tuning, set(extras)
 
 
 def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
@@ -228,10 +233,11 @@ def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
   cache = filled_cache(cfg, b, ctx + cfg.block_size, ctx)
   block = model.make_block(cfg, jnp.ones((b,), jnp.int32))
   start = jnp.full((b,), ctx, jnp.int32)
-  impl, chunk, tuning, in_kernel = parse_ctx_impl(ctx_impl)
+  impl, chunk, tuning, extras = parse_ctx_impl(ctx_impl)
+  params = model.pack_for_decode(params) if "packed" in extras else params
   prog = jax.jit(lambda p, c, t, s, e, h: model.draft_block(
       p, cfg, c, t, s, e, h, ctx_impl=impl, kernel_chunk=chunk, kernel_tuning=tuning,
-      block_in_kernel=in_kernel))
+      block_in_kernel="block" in extras))
   args = (params, cache, block, start, embed, head)
   compiled = prog.lower(*args).compile()  # timed as is: one compile per impl
   text = compiled.as_text()
@@ -307,7 +313,7 @@ def bench_draft(name, ceil, t0):
                   | dict(ctx_kv=variant, kernel_ops=ops))
     first = None  # the first impl's logits: the others' rel L2 is against them
     for impl in FLAGS.ctx_impls:
-      if impl != "xla" and not on_gpu:
+      if parse_ctx_impl(impl)[0] != "xla" and not on_gpu:
         continue
       try:
         us, timer, kernels, rewrites, logits, ops = bench_block(cfg, params, embed, head, b, ctx,

@@ -155,6 +155,21 @@ def pack_ctx_kv(params):
   return params | {"ctx_kv": jnp.concatenate(kv, axis=1)}
 
 
+def pack_for_decode(params):
+  """Inference layout (not for training, checkpoints or tensor-parallel sharding): pack_ctx_kv,
+  and in every layer qkv_proj [D, (H + 2G)*Y] (q | k | v) replacing q_proj / k_proj / v_proj and
+  gate_up_proj [D, 2F] (gate | up) replacing gate_proj / up_proj, so the block forward reads each
+  layer's attention input weights in one dot and its gate and up weights in another, with no
+  concatenation at run time."""
+  packed = pack_ctx_kv(params)
+  cat = lambda lp, names: jnp.concatenate([lp[n] for n in names], axis=1)
+  drop = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+  layers = [{k: w for k, w in lp.items() if k not in drop}
+            | dict(qkv_proj=cat(lp, drop[:3]), gate_up_proj=cat(lp, drop[3:]))
+            for lp in params["layers"]]
+  return packed | {"layers": layers}
+
+
 def _ctx_kv_all(params, cfg, c_btd, positions_bt, kv_dots):
   """[(k (k_norm + rope), v) [B, T, G, Y]] of every layer from the ctx feature c: one dot over
   params["ctx_kv"] if packed (k_norm and rope then applied to every layer's k at once), else
@@ -301,19 +316,43 @@ def _merged_attention(q_bshy, parts, scale, kv_heads):
   return o.astype(q_bshy.dtype)
 
 
+def _qkv(lp, cfg, h_bsd, pos_bs):
+  """q (q_norm + rope) [B, S, H, Y] and the block's k (k_norm + rope), v [B, S, G, Y]: one dot
+  over lp["qkv_proj"] when the layer is packed (pack_for_decode), else three."""
+  B, S, _ = h_bsd.shape
+  H, Y = cfg.num_attention_heads, cfg.head_dim
+  if "qkv_proj" in lp:
+    qkv = h_bsd @ lp["qkv_proj"]
+    q = qkv[..., :H * Y].reshape(B, S, H, Y)
+    G = cfg.num_key_value_heads
+    k = qkv[..., H * Y:(H + G) * Y].reshape(B, S, G, Y)
+    v = qkv[..., (H + G) * Y:].reshape(B, S, G, Y)
+    k = rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), pos_bs, cfg.rope_theta)
+  else:
+    q = (h_bsd @ lp["q_proj"]).reshape(B, S, H, Y)
+    k, v = _kv(lp, cfg, h_bsd, pos_bs)
+  return rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), pos_bs, cfg.rope_theta), k, v
+
+
+def _mlp(lp, h_bsd):
+  """SwiGLU: one dot over lp["gate_up_proj"] for gate and up when packed, else two."""
+  if "gate_up_proj" in lp:
+    gate, up = jnp.split(h_bsd @ lp["gate_up_proj"], 2, axis=-1)
+  else:
+    gate, up = h_bsd @ lp["gate_proj"], h_bsd @ lp["up_proj"]
+  return (jax.nn.silu(gate) * up) @ lp["down_proj"]
+
+
 def _layer(lp, cfg, x_bsd, q_pos_bs, key_sets):
   """One draft decoder layer: block queries over key_sets(kb, vb), the key sets (see xla_part)
   of the ctx and of the block's own K/V kb, vb [B, G, S, Y]."""
-  B, S, _ = x_bsd.shape
   h = rms_norm(x_bsd, lp["input_layernorm"], cfg.rms_norm_eps)
-  q = (h @ lp["q_proj"]).reshape(B, S, cfg.num_attention_heads, cfg.head_dim)
-  q = rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), q_pos_bs, cfg.rope_theta)
-  kb, vb = _kv(lp, cfg, h, q_pos_bs)
+  q, kb, vb = _qkv(lp, cfg, h, q_pos_bs)
   parts = key_sets(jnp.swapaxes(kb, 1, 2), jnp.swapaxes(vb, 1, 2))
   o = _merged_attention(q, parts, cfg.head_dim ** -0.5, cfg.num_key_value_heads)
   x_bsd = x_bsd + o @ lp["o_proj"]
   h = rms_norm(x_bsd, lp["post_attention_layernorm"], cfg.rms_norm_eps)
-  return x_bsd + (jax.nn.silu(h @ lp["gate_proj"]) * (h @ lp["up_proj"])) @ lp["down_proj"]
+  return x_bsd + _mlp(lp, h)
 
 
 def _logits(params, cfg, x_bsd, head_dv):

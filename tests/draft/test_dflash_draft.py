@@ -556,3 +556,30 @@ def test_ctx_impl_auto_and_tuning_overrides():
   fused = run(ctx_impl="interpret", kernel_chunk=32, block_in_kernel=True)  # block keys in-kernel
   close(fused, np.asarray(want, np.float64), rel=1e-5)
   np.testing.assert_array_equal(run(), want)  # auto = xla here
+
+
+def test_pack_for_decode_matches():
+  """pack_for_decode'd params (q|k|v and gate|up in one dot each, ctx K/V in one dot) give the
+  same context write and block logits as the per-layer weights (f32), on full and sliding
+  layers; the packed layers hold no separate q/k/v/gate/up weights."""
+  for overrides in ({}, SLIDING_CFG):
+    cfg = draft.DraftConfig.tiny(**overrides)
+    params = rand_params(cfg)
+    packed = model.pack_for_decode(params)
+    assert set(packed["layers"][0]) == {"qkv_proj", "gate_up_proj", "o_proj", "down_proj",
+                                        "q_norm", "k_norm", "input_layernorm",
+                                        "post_attention_layernorm"}
+    rng = np.random.default_rng(5)
+    taps = jnp.asarray(rng.normal(size=(2, 6, cfg.n_taps * cfg.hidden_size)).astype(np.float32))
+    embed = jnp.asarray(rng.normal(size=(cfg.vocab_size, cfg.hidden_size)).astype(np.float32))
+    head = jnp.asarray(rng.normal(size=(cfg.hidden_size, cfg.vocab_size)).astype(np.float32))
+    block = model.make_block(cfg, jnp.array([5, 7]))
+
+    def logits(p):
+      cache = model.init_draft_cache(cfg, 2, 16, jnp.float32)
+      cache = model.materialize_context(p, cfg, cache, taps, jnp.broadcast_to(jnp.arange(6), (2, 6)),
+                                        jnp.array([6, 4]))
+      return model.draft_block(p, cfg, cache, block, cache.ctx_len, embed, head)
+
+    want = np.asarray(logits(params), np.float64)
+    close(logits(packed), want, rel=1e-5)
