@@ -4,10 +4,10 @@ state donated), compiled once per (config, spec); contexts are data.
 Per context: ms per step = slope of loop wall time over two chunk lengths (2 and 2 + gen steps:
 the per-dispatch cost cancels), tokens per step measured from the loop. Then, once every
 context's wall time is taken (a trace may slow an executable's later runs, see `timing`), a
-jax.profiler trace of one gen-step chunk per context: `kernel_us` = device-busy time per step
-(the union of the kernels' [start, end) intervals, so overlapping graph nodes count once),
-`kernel_sum_us` (durations summed), `kernels_per_step`, and the host gap
-`host_gap_us` = ms per step - device-busy per step: the time per step the GPU idles inside the
+jax.profiler trace of one chunk of min(gen, TRACE_STEPS) steps per context: `kernel_us` =
+device-busy time per step (the union of the kernels' [start, end) intervals, so overlapping
+graph nodes count once), `kernel_sum_us` (durations summed), `kernels_per_step`, and the host
+gap `host_gap_us` = ms per step - device-busy per step: the time per step the GPU idles inside the
 device loop (`gap_method` says so in every row). A trace that misses kernels (device-busy under
 half the step) is flagged `gap_suspect`.
 """
@@ -45,8 +45,9 @@ def _run(run, pair, st, n):
   return st, time.perf_counter() - t0
 
 
+TRACE_STEPS = 8  # steps per traced chunk: per-step busy time is stable; fewer events to parse
 GAP_METHOD = ("loop wall slope per step (command buffers as compiled) - device-busy per step "
-              "(union of kernel intervals, jax.profiler trace of a gen-step chunk)")
+              f"(union of kernel intervals, jax.profiler trace of a {TRACE_STEPS}-step chunk)")
 
 
 def measure_wall(run, pair, st, gen):
@@ -65,7 +66,9 @@ def measure_wall(run, pair, st, gen):
 
 def measure_device(run, pair, st, gen, ms_per_step):
   """{kernel_us, kernel_sum_us, kernels_per_step, device_span_us, host_gap_us, gap_method,
-  gap_suspect} of a gen-step chunk from `st` (consumed); None values off-GPU."""
+  gap_suspect} of a traced chunk of min(gen, TRACE_STEPS) steps from `st` (consumed); None
+  values off-GPU."""
+  gen = min(gen, TRACE_STEPS)
   chunk = lambda a, out: (a[0], out, int(out.steps) + gen)
   tr, _ = timing.device_trace(run, (pair, st, int(st.steps) + gen), chunk, iters=1)
   if tr is None:

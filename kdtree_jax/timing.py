@@ -25,6 +25,7 @@ the union of the kernels' intervals.
 import concurrent.futures
 import glob
 import os
+import re
 import statistics
 import tempfile
 import threading
@@ -98,12 +99,21 @@ def kernel_ms(fn, args, feed=same_args, iters=10):
 
 
 def kernel_trace(fn, args, feed=same_args, iters=10):
-  """(GPU kernel ms per call, [(kernel name, calls per call, us per call)] slowest first, the
-  args after the last call) from ONE CUPTI trace, or (None, [], args) off-GPU."""
+  """(GPU kernel ms per call, [(kernel family, calls per call, us per call)] slowest first, the
+  args after the last call) from ONE CUPTI trace, or (None, [], args) off-GPU. A family = the
+  kernel name without its trailing instance number (`family`), so the 61 layers' copies of one
+  fusion add up."""
   if not cupti_available():
     return None, [], args
   timings, args = _cupti_kernels(fn, args, feed, iters)
-  return sum(t for _, t in timings) / iters, breakdown(timings, iters), args
+  grouped = [(family(name), ms) for name, ms in timings]
+  return sum(t for _, t in timings) / iters, breakdown(grouped, iters), args
+
+
+def family(kernel_name: str) -> str:
+  """A kernel name without trailing instance numbers ('loop_add_fusion_12' -> 'loop_add_fusion',
+  'gemm_fusion_dot.3' -> 'gemm_fusion_dot'): XLA numbers each fusion instance."""
+  return re.sub(r"([._]\d+)+$", "", kernel_name)
 
 
 def kernel_breakdown(fn, args, feed=same_args, iters=10):

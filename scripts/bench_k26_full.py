@@ -151,7 +151,7 @@ def phase_table(m, c, spec, ceil, deadline, rec, parts=True):
   print(f"\n== {title} ({status}, {secs:.1f} s, {counts})", flush=True)
   if rows:
     print(profiling.format_table(rows), flush=True)
-    for phase in ("verify", "step_nograph") if parts else ():
+    for phase in ("rest", "verify", "step_nograph") if parts else ():
       print(profiling.format_kernels(rows, phase), flush=True)
     gap = host_gap_row(rec.rows, spec, rows, c.bench.profile_ctx)
     if gap:

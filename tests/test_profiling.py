@@ -89,3 +89,9 @@ def test_table_has_parts_on_step_routing_and_a_step_without_command_buffers():
   assert {"attention", "moe", "rest", "step", "step_nograph"} <= set(by)
   assert "on the step's own routing" in by["moe"].note
   assert "matmuls" in by["verify"].note
+
+
+def test_rest_kernels_subtract_the_parts_families():
+  verify = [("gemm", 4, 40.0), ("tree_verify", 2, 30.0), ("glue", 3, 9.0)]
+  parts = [[("tree_verify", 2, 30.0)], [("gemm", 1, 10.0), ("router", 1, 2.0)]]
+  assert profiling.rest_kernels(verify, parts) == [("gemm", 3, 30.0), ("glue", 3, 9.0)]

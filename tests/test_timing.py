@@ -23,3 +23,15 @@ def test_device_trace_is_none_off_gpu():
     return
   out, args = timing.device_trace(jax.jit(jnp.sin), (jnp.ones(3),))
   assert out is None and len(args) == 1
+
+
+def test_family_strips_instance_numbers_only():
+  assert timing.family("loop_add_fusion_12") == "loop_add_fusion"
+  assert timing.family("gemm_fusion_dot.3") == "gemm_fusion_dot"
+  assert timing.family("input_reduce_fusion") == "input_reduce_fusion"
+  assert timing.family("tree_verify_v1") == "tree_verify_v1"
+
+
+def test_breakdown_sums_calls_and_us_per_program_call():
+  rows = timing.breakdown([("a", 1.0), ("b", 0.5), ("a", 1.0), ("a", 2.0)], 2)
+  assert rows == [("a", 1.5, 2000.0), ("b", 0.5, 250.0)]
