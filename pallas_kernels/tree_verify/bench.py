@@ -2,7 +2,8 @@
 
 Time = CUPTI sum of every kernel of one whole call (the kernel, the mask words, the merge),
 median over --reps, input sets rotated. The issue's "must show" shapes run first, then the grid
-L x N x H x B until --budget_s is spent; one JSON line per (shape, impl); the short table last.
+L x N x H x B until --budget_s is spent; one JSON line per (shape, impl); at the end every pallas
+row again, then one line per shape: the default, the fastest variant and its % of copy.
 Default grid: B=1, L=46000, N in {1, 8, 16, 64}, H in {8, 64} (~2 min); --full_grid: the issue's
 table (L in {4096, 16384, 46000, 131072}, N in {1, 8, 16, 32, 64}, H in {8, 64}, B in {1, 4}).
 
@@ -34,9 +35,11 @@ flags.DEFINE_bool("full_grid", False, "the issue's table: replaces L, N, H, B by
 flags.DEFINE_bool("must_show_first", True,
                   "run the issue's must-show shapes and the PROBES shapes before the grid")
 flags.DEFINE_integer("reps", 20, "timed repetitions (median reported)")
-flags.DEFINE_float("budget_s", 300.0, "stop starting new shapes after this many seconds")
+flags.DEFINE_float("budget_s", 300.0, "stop starting new shapes, and variants other than the "
+                   "default, after this many seconds")
 flags.DEFINE_string("json_out", "", "JSON lines output")
-flags.DEFINE_string("tunings", "", "extra kernel variants for every shape: ';'-separated k=v,k=v")
+flags.DEFINE_string("tunings", "", "extra kernel variants for every shape: ';'-separated k=v,k=v "
+                    "(Tuning fields, and mask=packed)")
 flags.DEFINE_bool("probe_variants", True, "time the PROBES variants on their shapes (notes/kernel.md)")
 flags.DEFINE_bool("skip_xla", False, "do not time the XLA baseline")
 flags.DEFINE_string("cache_dir", "", "persistent compilation cache folder (default: the one jax "
@@ -48,17 +51,25 @@ MUST_SHOW = [(1, 1, 8, 46000), (1, 1, 8, 131072), (1, 8, 8, 46000), (1, 16, 8, 4
              (1, 64, 8, 46000), (1, 64, 64, 46000), (1, 8, 64, 46000), (1, 16, 64, 46000),
              (1, 32, 64, 46000)]
 FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64], B=[1, 4])
-# Knob variants timed beside the default on a few shapes (predictions in notes/kernel.md);
-# kernel=v1 is the v1 kernel with its own default splits (A/B).
-# merge=triton (one Pallas Triton merge kernel) needs power-of-2 splits: timed beside the XLA merge
-# at the same split count.
-PROBES = {(1, 1, 8, 46000): "kernel=v1;num_splits=128;num_splits=128,merge=triton",
-          (1, 8, 8, 46000): "kernel=v1;num_splits=128;num_splits=128,merge=triton",
-          (1, 16, 8, 46000): "kernel=v1;num_splits=64;num_splits=64,merge=triton;shared_p=0",
-          (1, 64, 8, 46000): "merge=triton;num_splits=8;shared_p=0",
-          (1, 64, 64, 46000): "num_splits=1;shared_p=0",
-          (4, 1, 8, 46000): "num_splits=66",
-          (4, 16, 8, 46000): "num_splits=32"}
+# Knob variants timed beside the default on a few shapes (predictions in notes/kernel.md, "Why the
+# kernel is at 68% of copy at N=1"), most informative first (past --budget_s the rest is skipped):
+# k=v Tuning fields, plus mask=packed (the tree mask packed once outside the call, as the model
+# does per step: the call is the kernel + the merge).
+# merge=triton: the split merge as one Pallas Triton kernel (any split count).
+# prefetch=P: the producer keeps P tiles of the split requested into L2 (HBM reads in flight
+# beyond the 2-stage SMEM ring). block_kv=32,stages=4: 32-key tiles, 4-deep ring (one SMEM
+# budget), 11 instead of 6 tiles per CTA at N=1 (less last-tile imbalance).
+_TRI, _PF = "merge=triton", "prefetch=3,merge=triton"
+_BK32 = "block_kv=32,stages=4,merge=triton"
+_BK32_PF = "block_kv=32,stages=4,prefetch=6,merge=triton"
+PROBES = {(1, 1, 8, 46000): f"{_TRI};{_PF};{_BK32};{_BK32_PF};{_BK32_PF},mask=packed",
+          (1, 8, 8, 46000): f"{_TRI};{_PF};{_BK32_PF};{_PF},mask=packed",
+          (1, 16, 8, 46000): f"{_TRI};{_PF};{_BK32_PF};{_PF},mask=packed",
+          (1, 64, 8, 46000): f"{_TRI};{_PF};num_splits=8;shared_p=0",
+          (1, 64, 64, 46000): "num_splits=1;shared_p=0;prefetch=3",
+          (4, 1, 8, 46000): f"num_splits=66;{_BK32_PF}",
+          (4, 16, 8, 46000): f"num_splits=32;{_PF}"}
+OPTIONS = ("mask",)  # variant keys that are call options, not Tuning fields
 
 
 def xla_baseline(q, cache, lengths, tree_mask, *, scale):
@@ -104,14 +115,26 @@ def make_set(b, n, h, l, seed):
 
 
 def parse_tunings(spec, b, n, h, l):
-  """[(name, Tuning)]: the default heuristic plus --tunings variants."""
-  out = [("default", default_tuning(b, n, h, l))]
+  """[(name, Tuning, packed mask)]: the default heuristic plus the ';'-separated variants."""
+  out = [("default", default_tuning(b, n, h, l), False)]
   for item in filter(None, spec.split(";")):
     kv = dict(x.split("=") for x in item.split(","))
+    packed = kv.pop("mask", "bool") == "packed"
     kv = {k: v if k in ("kernel", "merge") else int(v) for k, v in kv.items()}
     base = default_tuning(b, n, h, l, kv.get("kernel", "v2")).__dict__ | kv
-    out.append((item, Tuning(**base)))
+    out.append((item, Tuning(**base), packed))
   return out
+
+
+def variant_spec(shape):
+  """--tunings plus the shape's PROBES; a must-show shape without a packed-mask probe gets the
+  default with the mask packed (the model's per-layer call)."""
+  spec = FLAGS.tunings
+  if FLAGS.probe_variants:
+    spec += ";" + PROBES.get(shape, "")
+    if shape in MUST_SHOW and "mask=packed" not in spec:
+      spec += ";mask=packed"
+  return spec
 
 
 def shape_cost(b, n, h, l, lengths, ceil):
@@ -129,24 +152,27 @@ def check(out, ref):
   return err, bool(jnp.isfinite(o32).all())
 
 
-def bench_shape(b, n, h, l, ceil, scale=1.0 / math.sqrt(C)):
-  """Rows (one per kernel variant, plus XLA) for one shape."""
+def bench_shape(b, n, h, l, ceil, deadline, scale=1.0 / math.sqrt(C)):
+  """Rows (one per kernel variant, plus XLA) for one shape; past `deadline` (time.time()) only
+  the default runs."""
   nsets = max(1, min(6, math.ceil(3 * L2_BYTES / (1152 * l * b))))
   sets = [make_set(b, n, h, l, seed) for seed in range(nsets)]
   byts, flops, floor_us = shape_cost(b, n, h, l, sets[0][2], ceil)
   ref = jax.jit(lambda *a: reference.tree_verify_attention_reference(*a, scale=scale)[0])(*sets[0])
+  packed_sets = [(q, c, le, masks.pack_tree_mask(m, h)) for q, c, le, m in sets]
   rows = []
-  spec = FLAGS.tunings + (";" + PROBES.get((b, n, h, l), "") if FLAGS.probe_variants else "")
-  for name, t in parse_tunings(spec, b, n, h, l):
+  for name, t, packed in parse_tunings(variant_spec((b, n, h, l)), b, n, h, l):
+    if rows and time.time() > deadline:
+      print(f"budget spent: variant {name} of B={b} N={n} H={h} L={l} not run", flush=True)
+      continue
     fn = lambda q, c, le, m, t=t: api.tree_verify_attention(q, c, le, m, scale=scale,
                                                               backend="pallas", tuning=t)
-    err, finite = check(jax.jit(fn)(*sets[0]), ref)
+    args = packed_sets if packed else sets
+    err, finite = check(jax.jit(fn)(*args[0]), ref)
     ok = finite and err <= 1e-2
-    us = device_time_us(fn, sets, FLAGS.reps) if ok else float("nan")
-    rows.append(dict(impl="pallas", variant=name, tuning=t.__dict__, rel_err=err, finite=finite,
-                     us=us))
-  if FLAGS.probe_variants and (b, n, h, l) in MUST_SHOW:
-    rows.append(packed_mask_row(sets, h, scale, ref))
+    us = device_time_us(fn, args, FLAGS.reps) if ok else float("nan")
+    rows.append(dict(impl="pallas", variant=name, tuning=t.__dict__, packed_mask=packed,
+                     rel_err=err, finite=finite, us=us))
   del ref
   if not FLAGS.skip_xla:
     big = b * n * h * l * 4 > 4e9
@@ -154,21 +180,13 @@ def bench_shape(b, n, h, l, ceil, scale=1.0 / math.sqrt(C)):
     us = device_time_us(fx, sets[:1] if big else sets, max(3, FLAGS.reps // (5 if big else 1)))
     rows.append(dict(impl="xla", variant="einsum", tuning=None, rel_err=None, finite=None, us=us))
   xla_us = next((r["us"] for r in rows if r["impl"] == "xla"), float("nan"))
+  copy_us = byts / (ceil["copy_tbps"] * 1e6)
   for r in rows:
     r.update(B=b, N=n, H=h, L=l, bytes=byts, flops=flops, floor_us=floor_us, nsets=nsets,
              tbps=byts / r["us"] / 1e6, tflops=flops / r["us"] / 1e6,
-             pct_roofline=100 * floor_us / r["us"], x_xla=xla_us / r["us"])
+             pct_roofline=100 * floor_us / r["us"], pct_copy=100 * copy_us / r["us"],
+             x_xla=xla_us / r["us"])
   return rows
-
-
-def packed_mask_row(sets, h, scale, ref):
-  """The default kernel with the tree mask packed outside the call (once per tree in a model
-  running many layers): the call is the kernel (+ the merge)."""
-  packed = [(q, c, le, masks.pack_tree_mask(m, h)) for q, c, le, m in sets]
-  fn = lambda q, c, le, pm: api.tree_verify_attention(q, c, le, pm, scale=scale, backend="pallas")
-  err, finite = check(jax.jit(fn)(*packed[0]), ref)
-  us = device_time_us(fn, packed, FLAGS.reps) if finite and err <= 1e-2 else float("nan")
-  return dict(impl="pallas", variant="packed mask", tuning=None, rel_err=err, finite=finite, us=us)
 
 
 def ordered_shapes():
@@ -181,13 +199,34 @@ def ordered_shapes():
 
 def fmt_row(r):
   err = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
-  return (f"{r['B']:>2} {r['N']:>3} {r['H']:>3} {r['L']:>7} {r['impl']:>6} {r['variant'][:28]:>28} "
+  return (f"{r['B']:>2} {r['N']:>3} {r['H']:>3} {r['L']:>7} {r['impl']:>6} {r['variant'][:44]:>44} "
           f"{r['us']:>8.1f} {r['floor_us']:>7.1f} {r['tbps']:>5.2f} {r['tflops']:>6.1f} "
-          f"{r['pct_roofline']:>6.1f} {r['x_xla']:>5.2f} {err:>8}")
+          f"{r['pct_roofline']:>6.1f} {r['pct_copy']:>6.1f} {r['x_xla']:>5.2f} {err:>8}")
 
 
-HEADER = (" B   N   H       L   impl                      variant       us floor_us  TB/s TFLOP/s"
-          "  %roof  xXLA   relerr")
+HEADER = (" B   N   H       L   impl" + " " * 38 + "variant       us floor_us  TB/s TFLOP/s  %roof "
+          " %copy  xXLA   relerr")
+
+
+def best_table(rows):
+  """Per shape (sorted): the default, the fastest correct pallas variant with the bool mask (what
+  a default flip gives) and the fastest overall; % of copy = (bytes / copy rate) / time."""
+  lines = ["best per shape (bool mask: the library call; any: incl. mask=packed):",
+           f"{'B x N x H x L':>16} {'default us':>10} {'best (bool mask)':>44} {'us':>6} {'%copy':>6}"
+           f" {'%roof':>6} {'best (any)':>44} {'us':>6} {'%copy':>6}"]
+  by_shape = {}
+  for r in rows:
+    if r["impl"] == "pallas" and r["us"] == r["us"]:  # not NaN (failed the check)
+      by_shape.setdefault((r["B"], r["N"], r["H"], r["L"]), []).append(r)
+  for shape in sorted(by_shape):
+    rs = by_shape[shape]
+    default = next((r["us"] for r in rs if r["variant"] == "default"), float("nan"))
+    bool_rows = [r for r in rs if not r.get("packed_mask")] or rs
+    bb, ba = min(bool_rows, key=lambda r: r["us"]), min(rs, key=lambda r: r["us"])
+    lines.append(f"{'x'.join(map(str, shape)):>16} {default:>10.1f} {bb['variant'][:44]:>44} "
+                 f"{bb['us']:>6.1f} {bb['pct_copy']:>6.1f} {bb['pct_roofline']:>6.1f} "
+                 f"{ba['variant'][:44]:>44} {ba['us']:>6.1f} {ba['pct_copy']:>6.1f}")
+  return "\n".join(lines)
 
 
 def main(_):
@@ -209,7 +248,7 @@ def main(_):
       print(f"budget {FLAGS.budget_s:.0f} s spent: {len(shapes) - i} shapes not run", flush=True)
       break
     try:
-      new = bench_shape(b, n, h, l, ceil)
+      new = bench_shape(b, n, h, l, ceil, deadline=t0 + FLAGS.budget_s)
     except Exception as e:  # pylint: disable=broad-except
       print(f"FAILED B={b} N={n} H={h} L={l}: {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
@@ -224,6 +263,7 @@ def main(_):
   for r in rows:
     if r["impl"] == "pallas":
       print(fmt_row(r))
+  print("\n" + best_table(rows), flush=True)
 
 
 if __name__ == "__main__":

@@ -93,15 +93,40 @@ def _check_windows(rows, window, tiles, what):
     raise ValueError(f"{what}: {tiles} windows of {window} rows do not tile its {rows} rows")
 
 
+def _prefetch_tile(c, i):
+  """Ask L2 for the split's tile i (TMA prefetch: no SMEM, no barrier), in boxes of <= 256
+  columns (a TMA box's limit; Mosaic checks it for copies, not for prefetches). A hint only: the
+  GPU interpreter, where it means nothing, skips it."""
+  if c.interpret:
+    return
+  rows, width = pl.ds(_tile_start(c.lo + i, c.t), c.t.block_kv), c.kv_ref.shape[-1]
+  for col in range(0, width, 256):
+    plgpu.async_prefetch(c.kv_ref.at[c.b, rows, pl.ds(col, min(256, width - col))])
+
+
 def _memory_wg(c):
-  """TMA producer: the Q tile once, then the split's KV tiles through the SMEM ring."""
+  """TMA producer: the Q tile once, then the split's KV tiles through the SMEM ring; with
+  t.prefetch, tiles [stages, prefetch) requested into L2 up front and tile i + prefetch when tile i
+  is issued, so `prefetch` tiles of HBM reads stay in flight while the ring waits for compute."""
   t = c.t
+  n = c.hi - c.lo
   plgpu.copy_gmem_to_smem(c.q_ref.at[c.b, _row_window(c)], _smem_rows(c.q_smem, c.window),
                           c.q_bar)
+  if t.prefetch:
+    @pl.loop(0, jnp.minimum(n, t.prefetch))
+    def _ahead(i):
+      @pl.when(i >= t.stages)
+      def _():
+        _prefetch_tile(c, i)
 
-  @pl.loop(0, c.hi - c.lo)
+  @pl.loop(0, n)
   def _load(i):
     slot = lax.rem(i, t.stages)
+
+    if t.prefetch:
+      @pl.when(i + t.prefetch < n)
+      def _():
+        _prefetch_tile(c, i + t.prefetch)
 
     @pl.when(i >= t.stages)
     def _():

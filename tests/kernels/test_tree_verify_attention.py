@@ -193,6 +193,10 @@ SMALL = [
     GPU((3, 5, 8, 200, [130, 0, 195], Tuning(block_kv=32, stages=3, num_splits=2,
                                              shared_p=False, bf16_partials=False))),
     (2, 4, 8, 150, [148, 151], Tuning(block_kv=32, stages=4, num_splits=1)),  # past L, len > L
+    # L2 prefetch ahead of the ring (a no-op in interpret mode: the control flow around it runs)
+    (1, 1, 8, 700, [699], Tuning(num_splits=2, prefetch=3)),
+    GPU((3, 5, 8, 2000, [1995, 0, 700], Tuning(num_splits=3, prefetch=3, merge="triton"))),
+    GPU((1, 16, 8, 3000, [2984], Tuning(block_kv=32, stages=4, prefetch=6, num_splits=4))),
 ]
 
 
@@ -276,7 +280,8 @@ class TestLowersForGpu:
       (2, 15, 8, 4096, Tuning(num_splits=3, shared_p=False)), (4, 63, 8, 4100, Tuning(num_splits=2)),
       (1, 3, 1, 100, Tuning(num_splits=1)), (2, 9, 8, 4096, Tuning(kernel="v1", num_splits=4)),
       (1, 1, 8, 46000, Tuning(block_kv=32, stages=4, num_splits=132)),
-      (1, 16, 8, 46000, Tuning(block_kv=32, stages=4, num_splits=66, shared_p=False))])
+      (1, 16, 8, 46000, Tuning(block_kv=32, stages=4, num_splits=66, shared_p=False)),
+      (2, 15, 8, 4096, Tuning(block_kv=32, stages=4, prefetch=6, num_splits=3))])
   def test_lowers(self, b, n, h, l, tuning):
     assert "mosaic_gpu" in self.lower_text(b, n, h, l, tuning)
 
@@ -295,6 +300,19 @@ class TestLowersForGpu:
       for splits in (128, 132):
         text = self.lower_text(1, 1, 8, 46000, Tuning(num_splits=splits, merge="triton"))
         assert "mosaic_gpu" in text and "triton" in text.lower()
+
+  @pytest.mark.slow
+  def test_bench_probes_lower(self):
+    """Every variant the bench times (PROBES) lowers for its shape: the GPU run spends no time
+    on one that cannot compile."""
+    # pylint: disable-next=import-outside-toplevel
+    from pallas_kernels.tree_verify import bench
+    h200 = jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=h200)):
+      for (b, n, h, l), spec in bench.PROBES.items():
+        for name, tuning, _ in bench.parse_tunings(spec, b, n, h, l)[1:]:
+          assert "mosaic_gpu" in self.lower_text(b, n, h, l, tuning), (b, n, h, l, name)
 
   @pytest.mark.slow
   @pytest.mark.parametrize("b,n,h", list(itertools.product([1, 4], [1, 8, 16, 32, 64], [8, 64])))
