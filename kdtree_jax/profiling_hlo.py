@@ -2,9 +2,10 @@
 become kernels, which of them are matmuls, and which matmuls read the same input (launches that
 one wider matmul could replace, e.g. MLA's q_a and kv_a projections of the same normed x).
 
-Kernel-like instructions = `fusion` and `custom-call` instructions of the computations that are
-not fusion bodies (a fusion body runs inside its fusion's kernel). A matmul = a fusion whose body
-holds a `dot`, or a custom call whose target names a GEMM (cuBLAS).
+Kernel-like instructions = `fusion`, `custom-call` and unfused `dot` instructions of the
+computations that are not fusion bodies (a fusion body runs inside its fusion's kernel). A
+matmul = an unfused dot, a fusion whose body holds a `dot`, or a custom call whose target names
+a GEMM (cuBLAS).
 """
 
 import collections
@@ -72,6 +73,8 @@ def _fusion_bodies(comps) -> set:
 
 
 def _is_matmul(instr: Instr, comps) -> bool:
+  if instr.opcode in ("dot", "convolution"):
+    return True
   if instr.opcode == "custom-call":
     target = _TARGET.search(instr.attrs)
     return bool(target) and any(k in target.group(1).lower() for k in ("gemm", "matmul"))
@@ -88,7 +91,7 @@ def launch_structure(hlo_text: str) -> dict:
   comps = parse(hlo_text)
   bodies = _fusion_bodies(comps)
   launches = [i for c, instrs in comps.items() if c not in bodies for i in instrs
-              if i.opcode in ("fusion", "custom-call")]
+              if i.opcode in ("fusion", "custom-call", "dot", "convolution")]
   kinds = collections.Counter(_kind(i) for i in launches)
   matmuls = [i for i in launches if _is_matmul(i, comps)]
   readers = collections.defaultdict(list)
@@ -105,6 +108,8 @@ def launch_structure(hlo_text: str) -> dict:
 
 
 def _kind(instr: Instr) -> str:
+  if instr.opcode in ("dot", "convolution"):
+    return instr.opcode
   if instr.opcode == "custom-call":
     target = _TARGET.search(instr.attrs)
     return f"custom-call {target.group(1) if target else '?'}"

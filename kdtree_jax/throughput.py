@@ -70,10 +70,14 @@ def measure_device(run, pair, st, gen, ms_per_step):
   values off-GPU."""
   gen = min(gen, TRACE_STEPS)
   chunk = lambda a, out: (a[0], out, int(out.steps) + gen)
-  tr, _ = timing.device_trace(run, (pair, st, int(st.steps) + gen), chunk, iters=1)
+  error = None
+  try:
+    tr, _ = timing.device_trace(run, (pair, st, int(st.steps) + gen), chunk, iters=1)
+  except Exception as e:  # pylint: disable=broad-except  (the wall-time row stays)
+    tr, error = None, f"{type(e).__name__}: {e}"[:300]
   if tr is None:
     return dict(kernel_us=None, kernel_sum_us=None, kernels_per_step=None, device_span_us=None,
-                host_gap_us=None, gap_method=None, gap_suspect=None)
+                host_gap_us=None, gap_method=None, gap_suspect=None, trace_error=error)
   busy = 1e3 * tr["busy_ms"] / gen
   return dict(kernel_us=busy, kernel_sum_us=1e3 * tr["kernel_sum_ms"] / gen,
               kernels_per_step=tr["kernels"] / gen, device_span_us=1e3 * tr["span_ms"] / gen,
