@@ -12,7 +12,8 @@
 #   verify      tree-verify kernel: GPU tests (-m gpu, ~2 min), short bench (default L=46000 grid);
 #               verify:240 fits 4 minutes
 #   verify_probes  tree-verify bench at L=46000, B=1, H=8, N=1,8,16 with the PROBES variants
-#               (v1, power-of-2 splits, the Triton merge, ...): verify_probes:200
+#               (Triton merge, L2 prefetch, 32-key tiles, packed mask; 16 variants, ~7 s each with
+#               compiles): verify_probes:200; ends with the best variant per shape and its % of copy
 #   verify_full tree-verify kernel: every test + the full GPU grid, per-kernel profile, the issue's
 #               whole bench table (with probes and XLA) until half the time box is spent
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput

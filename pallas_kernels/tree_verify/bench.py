@@ -152,6 +152,21 @@ def check(out, ref):
   return err, bool(jnp.isfinite(o32).all())
 
 
+def time_variant(t, sets, ref, scale):
+  """{rel_err, finite, us}: checked against the reference first (us NaN if wrong); a variant that
+  fails to compile or run gives us NaN and its error, and the other variants still run."""
+  fn = lambda q, c, le, m: api.tree_verify_attention(q, c, le, m, scale=scale, backend="pallas",
+                                                     tuning=t)
+  try:
+    err, finite = check(jax.jit(fn)(*sets[0]), ref)
+    ok = finite and err <= 1e-2
+    return dict(rel_err=err, finite=finite,
+                us=device_time_us(fn, sets, FLAGS.reps) if ok else float("nan"))
+  except Exception as e:  # pylint: disable=broad-except
+    print(f"FAILED {t}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return dict(rel_err=None, finite=None, us=float("nan"), error=f"{type(e).__name__}: {e}"[:500])
+
+
 def bench_shape(b, n, h, l, ceil, deadline, scale=1.0 / math.sqrt(C)):
   """Rows (one per kernel variant, plus XLA) for one shape; past `deadline` (time.time()) only
   the default runs."""
@@ -165,14 +180,8 @@ def bench_shape(b, n, h, l, ceil, deadline, scale=1.0 / math.sqrt(C)):
     if rows and time.time() > deadline:
       print(f"budget spent: variant {name} of B={b} N={n} H={h} L={l} not run", flush=True)
       continue
-    fn = lambda q, c, le, m, t=t: api.tree_verify_attention(q, c, le, m, scale=scale,
-                                                              backend="pallas", tuning=t)
-    args = packed_sets if packed else sets
-    err, finite = check(jax.jit(fn)(*args[0]), ref)
-    ok = finite and err <= 1e-2
-    us = device_time_us(fn, args, FLAGS.reps) if ok else float("nan")
     rows.append(dict(impl="pallas", variant=name, tuning=t.__dict__, packed_mask=packed,
-                     rel_err=err, finite=finite, us=us))
+                     **time_variant(t, packed_sets if packed else sets, ref, scale)))
   del ref
   if not FLAGS.skip_xla:
     big = b * n * h * l * 4 > 4e9
@@ -199,12 +208,12 @@ def ordered_shapes():
 
 def fmt_row(r):
   err = f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "-"
-  return (f"{r['B']:>2} {r['N']:>3} {r['H']:>3} {r['L']:>7} {r['impl']:>6} {r['variant'][:44]:>44} "
+  return (f"{r['B']:>2} {r['N']:>3} {r['H']:>3} {r['L']:>7} {r['impl']:>6} {r['variant'][:56]:>56} "
           f"{r['us']:>8.1f} {r['floor_us']:>7.1f} {r['tbps']:>5.2f} {r['tflops']:>6.1f} "
           f"{r['pct_roofline']:>6.1f} {r['pct_copy']:>6.1f} {r['x_xla']:>5.2f} {err:>8}")
 
 
-HEADER = (" B   N   H       L   impl" + " " * 38 + "variant       us floor_us  TB/s TFLOP/s  %roof "
+HEADER = (" B   N   H       L   impl" + " " * 50 + "variant       us floor_us  TB/s TFLOP/s  %roof "
           " %copy  xXLA   relerr")
 
 
@@ -212,8 +221,8 @@ def best_table(rows):
   """Per shape (sorted): the default, the fastest correct pallas variant with the bool mask (what
   a default flip gives) and the fastest overall; % of copy = (bytes / copy rate) / time."""
   lines = ["best per shape (bool mask: the library call; any: incl. mask=packed):",
-           f"{'B x N x H x L':>16} {'default us':>10} {'best (bool mask)':>44} {'us':>6} {'%copy':>6}"
-           f" {'%roof':>6} {'best (any)':>44} {'us':>6} {'%copy':>6}"]
+           f"{'B x N x H x L':>16} {'default us':>10} {'best (bool mask)':>56} {'us':>6} {'%copy':>6}"
+           f" {'%roof':>6} {'best (any)':>56} {'us':>6} {'%copy':>6}"]
   by_shape = {}
   for r in rows:
     if r["impl"] == "pallas" and r["us"] == r["us"]:  # not NaN (failed the check)
@@ -223,9 +232,9 @@ def best_table(rows):
     default = next((r["us"] for r in rs if r["variant"] == "default"), float("nan"))
     bool_rows = [r for r in rs if not r.get("packed_mask")] or rs
     bb, ba = min(bool_rows, key=lambda r: r["us"]), min(rs, key=lambda r: r["us"])
-    lines.append(f"{'x'.join(map(str, shape)):>16} {default:>10.1f} {bb['variant'][:44]:>44} "
+    lines.append(f"{'x'.join(map(str, shape)):>16} {default:>10.1f} {bb['variant'][:56]:>56} "
                  f"{bb['us']:>6.1f} {bb['pct_copy']:>6.1f} {bb['pct_roofline']:>6.1f} "
-                 f"{ba['variant'][:44]:>44} {ba['us']:>6.1f} {ba['pct_copy']:>6.1f}")
+                 f"{ba['variant'][:56]:>56} {ba['us']:>6.1f} {ba['pct_copy']:>6.1f}")
   return "\n".join(lines)
 
 
