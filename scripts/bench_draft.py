@@ -4,13 +4,15 @@ draft_ctx: materialize_context of one commit (W = block_size new rows: fc + k/v 
 written into the cache in place; timed inside a fori_loop that carries the cache, as the decode
 loop does), once per K/V projection form (--ctx_kv: xla = two dots per layer, which XLA:GPU's
 DotMerger turns into one dot over a concatenation of the weights built on every commit;
-separate = dots kept apart; packed = model.pack_ctx_kv's weights, concatenated once before the
+separate = dots kept apart by optimization barriers; nomerge = compiled with the DotMerger off;
+packed = model.pack_ctx_kv's weights, concatenated once before the
 program, as a load would). draft_block: draft_block over `ctx` committed rows (every layer's
 weights, the ctx K/V, the target lm_head), once per ctx attention implementation (--ctx_impls:
 xla = chunked XLA dots over the whole capacity; pallas[:chunk:block_k:warps:stages] = the fused
 Triton kernel, rows < ctx_len only, default_tuning's fields where left out; +block = the
 block's own keys as one more program of that kernel instead of an XLA part; +packed = params
-through model.pack_for_decode, q|k|v and gate|up weights side by side: one dot each). Both are
+through model.pack_for_decode, q|k|v and gate|up weights side by side: one dot each; +cublas =
+compiled with XLA's Triton GEMMs off). Both are
 the decode path's own functions (kdtree_jax/draft/model.py). Drafts (--drafts): k26_dflash_share
 = bench_k26_full's draft (published K2.6 DFlash shape sliced 1/8: 6 layers, 8 q / 1 kv heads,
 F 2304, 6 taps), bench_k26 = a Qwen3-8B-DFlash-sized draft (3 layers, 32/8 heads, F 12288,
@@ -48,17 +50,20 @@ flags.DEFINE_bool("small", False, "tiny draft and ceilings (CPU smoke run)")
 flags.DEFINE_bool("probe_cudnn", False, "GPU: also time one layer's ctx attention, XLA vs cuDNN")
 flags.DEFINE_list("drafts", ["k26_dflash_share", "bench_k26"], "draft shapes (see the docstring)")
 flags.DEFINE_list("ctx_impls", ["xla", "pallas", "pallas+block", "pallas+packed",
-                                "pallas+block+packed", "pallas:512:128", "pallas:512:128+block",
+                                "pallas+block+packed", "pallas+block+packed+cublas", "pallas:512:128",
+                                "pallas:512:128+block",
                                 "pallas:512:32", "pallas:512:64:4", "pallas:512:64:8:3",
                                 "pallas:256"],
                   "draft_block ctx attention: xla, or pallas[:chunk[:block_k[:num_warps"
                   "[:num_stages]]]][+block] (GPU only; fields left out: "
                   "ctx_attention.default_tuning's; +block: the block's own keys as one more "
                   "program of the kernel, model.draft_block(block_in_kernel=True); +packed: "
-                  "params through model.pack_for_decode: q|k|v and gate|up in one dot each)")
-flags.DEFINE_list("ctx_kv", ["xla", "separate", "packed"],
+                  "params through model.pack_for_decode: q|k|v and gate|up in one dot each; "
+                  "+cublas: compiled with XLA's Triton GEMMs off, cuBLAS for every dot)")
+flags.DEFINE_list("ctx_kv", ["xla", "separate", "nomerge", "packed"],
                   "draft_ctx K/V projections: xla (two dots per layer; XLA may merge them), "
-                  "separate (kept apart), packed (model.pack_ctx_kv: one dot for all layers)")
+                  "separate (kept apart by optimization barriers), nomerge (compiled with XLA's "
+                  "DotMerger off), packed (model.pack_ctx_kv: one dot for all layers)")
 flags.DEFINE_integer("top", 12, "kernels listed per phase")
 
 
@@ -143,6 +148,11 @@ def filled_cache(cfg, b, capacity, ctx, seed=3):
                           ctx_len=jnp.full((b,), ctx, jnp.int32))
 
 
+# XLA options of two A/B rows (a program's own compile options, not the process's flags):
+NO_DOT_MERGER = {"xla_gpu_dot_merger_threshold_mb": 0}  # draft_ctx 'nomerge'
+CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}  # draft_block '+cublas'
+
+
 def ctx_program(cfg, steps, count, kv_dots="xla"):
   """`steps` commits in one program, the cache carried through a fori_loop (updated in place).
 
@@ -165,19 +175,23 @@ def ctx_program(cfg, steps, count, kv_dots="xla"):
 def bench_ctx(cfg, params, b, ctx, reps, steps, variant="xla"):
   """draft_ctx per commit: (T(steps) - T(steps // 4)) / (steps - steps // 4), which drops the
   program's fixed costs (the copy of the un-donated input cache into the loop, launches).
-  variant: a --ctx_kv name ('packed': params through model.pack_ctx_kv first, as a load would)."""
-  kv_dots = "xla" if variant == "packed" else variant
+  variant: a --ctx_kv name ('packed': params through model.pack_ctx_kv first, as a load would;
+  'nomerge': per-layer dots compiled with XLA's DotMerger off)."""
+  kv_dots = variant if variant in model.KV_DOTS else "xla"
   params = model.pack_ctx_kv(params) if variant == "packed" else params
+  options = NO_DOT_MERGER if variant == "nomerge" else None
   w, few = cfg.block_size, max(1, steps // 4)
   cache = filled_cache(cfg, b, ctx + w * (steps + 1), ctx)
   taps = jax.random.normal(jax.random.key(4), (steps, b, w, cfg.n_taps * cfg.hidden_size),
                            jnp.bfloat16)
   count = jnp.full((b,), w, jnp.int32)
-  prog = ctx_program(cfg, steps, count, kv_dots)
-  t_many, timer, k_many = timed_us(prog, (params, cache, taps), reps)
-  t_few, _, k_few = timed_us(ctx_program(cfg, few, count, kv_dots), (params, cache, taps), reps)
+  args = (params, cache, taps)
+  compile_ = lambda n: ctx_program(cfg, n, count, kv_dots).lower(*args).compile(options)
+  prog = compile_(steps)
+  t_many, timer, k_many = timed_us(prog, args, reps)
+  t_few, _, k_few = timed_us(compile_(few), args, reps)
   per_step = kernels_per_step(k_many, k_few, steps, few)
-  ops = kernel_ops(prog.lower(params, cache, taps).compile().as_text(), per_step, FLAGS.top)
+  ops = kernel_ops(prog.as_text(), per_step, FLAGS.top)
   return (t_many - t_few) / (steps - few), timer, per_step, ops
 
 
@@ -215,8 +229,8 @@ def parse_ctx_impl(name):
   """'pallas:512:64:8:3+block+packed' -> ('pallas', 512, (('block_k', 64), ('num_warps', 8),
   ('num_stages', 3)), {'block', 'packed'}); fields left out keep default_tuning's values."""
   name, *extras = name.split("+")
-  if set(extras) - {"block", "packed"}:
-    raise ValueError(f"unknown ctx_impl suffix in {name!r}: +block and +packed only")
+  if set(extras) - {"block", "packed", "cublas"}:
+    raise ValueError(f"unknown ctx_impl suffix in {name!r}: +block, +packed, +cublas only")
   impl, *fields = name.split(":")
   fields = [int(f) for f in fields]
   chunk = fields[0] if fields else None
@@ -235,11 +249,12 @@ def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
   start = jnp.full((b,), ctx, jnp.int32)
   impl, chunk, tuning, extras = parse_ctx_impl(ctx_impl)
   params = model.pack_for_decode(params) if "packed" in extras else params
+  options = CUBLAS_GEMMS if "cublas" in extras else None
   prog = jax.jit(lambda p, c, t, s, e, h: model.draft_block(
       p, cfg, c, t, s, e, h, ctx_impl=impl, kernel_chunk=chunk, kernel_tuning=tuning,
       block_in_kernel="block" in extras))
   args = (params, cache, block, start, embed, head)
-  compiled = prog.lower(*args).compile()  # timed as is: one compile per impl
+  compiled = prog.lower(*args).compile(options)  # timed as is: one compile per impl
   text = compiled.as_text()
   us, timer, kernels = timed_us(compiled, args, reps)
   return (us, timer, kernels, cache_sized_outputs(text, cache.k[0].shape), compiled(*args),

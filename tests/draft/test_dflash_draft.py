@@ -496,7 +496,8 @@ def test_bench_draft_script_cpu(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = [json.loads(line) for line in (tmp_path / "bench_draft.jsonl").read_text().splitlines()]
   assert [(r["phase"], r.get("ctx_kv")) for r in rows] == [
-      ("draft_ctx", "xla"), ("draft_ctx", "separate"), ("draft_ctx", "packed"), ("draft_block", None)]
+      ("draft_ctx", "xla"), ("draft_ctx", "separate"), ("draft_ctx", "nomerge"),
+      ("draft_ctx", "packed"), ("draft_block", None)]
   for r in rows:
     floor = max(r["bytes"] / (r["copy_tbps"] * 1e12), r["flops"] / (r["mm_tflops"] * 1e12)) * 1e6
     assert r["bytes"] > 0 and r["flops"] > 0 and np.isclose(r["floor_us"], floor)
