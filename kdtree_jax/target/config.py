@@ -81,6 +81,14 @@ class TargetConfig:
   # expert_backend: the grouped expert matmul: "auto" (our Mosaic kernel on a GPU where the shapes
   # suit it, else XLA), "pallas", "interpret" (the kernel on CPU), "xla".
   expert_backend: str = "auto"
+  # moe_glue: the routing-to-kernel glue of a single-device MoE layer: "sorted" (top-k ids, pairs
+  # sorted by comparisons, a gather-combine over K) or "dense" (one [T, E] selection mask; row
+  # positions, work list and combine from it in fewer dependent reductions; small T only, else
+  # "sorted" runs). Same routing decisions either way.
+  moe_glue: str = "sorted"
+  # expert_int4_wide_loads: INT4 experts on the kernel read weight tiles with 32-bit loads
+  # (grouped_matmul Tuning.int4_wide_loads).
+  expert_int4_wide_loads: bool = False
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
   shared_intermediate_size: int | None = None
@@ -100,6 +108,8 @@ class TargetConfig:
       raise ValueError(f"{self.num_local_experts=} must be in [1, {self.n_routed_experts=}] or None")
     if self.expert_backend not in ("auto", "pallas", "interpret", "xla"):
       raise ValueError(f"{self.expert_backend=} must be one of auto, pallas, interpret, xla")
+    if self.moe_glue not in ("sorted", "dense"):
+      raise ValueError(f"{self.moe_glue=} must be 'sorted' or 'dense'")
 
   # ---- derived shapes -------------------------------------------------------------------
   @property

@@ -3,13 +3,15 @@
 import jax.numpy as jnp
 
 from kdtree_jax.target.grouped_matmul import expert_mlp
+from pallas_kernels.grouped_matmul import work
 
 # Up to this many (token, slot) pairs their expert order comes from comparisons ([M, M], a few
 # fused reductions on a GPU) instead of a sort kernel (~6 us for any size on an H200).
 COMPARE_SORT_MAX_PAIRS = 2048
 
 
-def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto"):
+def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto",
+               int4_wide_loads=False):
   """Experts [e0, e0 + E_l) on the (token, slot) pairs routed to them, dropless -> [T, D] f32.
 
   Pairs are sorted by expert (pairs for other experts go last and contribute 0), run through
@@ -18,7 +20,8 @@ def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto"
   """
   order, rank, sizes, mine = sort_pairs(idx_tk, gate_edf.shape[0], e0)
   y = expert_mlp(x_td[order // idx_tk.shape[1]], gate_edf, up_edf, down_efd, sizes, impl,
-                 group_ends=group_ends(idx_tk, gate_edf.shape[0], e0))
+                 group_ends=group_ends(idx_tk, gate_edf.shape[0], e0),
+                 int4_wide_loads=int4_wide_loads)
   return combine_pairs(y, rank, mine, w_tk)
 
 
@@ -61,3 +64,69 @@ def combine_pairs(y_smd, rank, mine, w_tk):
   keep = mine.reshape(1, t, k, 1)
   weighted = jnp.where(keep, rows * w_tk.astype(jnp.float32)[None, :, :, None], 0.0)
   return jnp.sum(weighted, axis=(0, 2))
+
+
+# The dense glue compares every local (token, expert) slot with every other: up to this many.
+DENSE_GLUE_MAX_COMPARES = 1 << 24
+
+
+def dense_glue_fits(t: int, e_l: int) -> bool:
+  return (t * e_l) ** 2 <= DENSE_GLUE_MAX_COMPARES
+
+
+def expert_ffn_dense(x_td, sel_te, w_te, gate_edf, up_edf, down_efd, k: int, impl="auto",
+                     int4_wide_loads=False):
+  """`expert_ffn` from a dense selection: sel_te [T, E] bool, whether token t routed to expert e
+  (at most k per row), w_te [T, E] f32 its routing weight there; experts [0, E_l) are held here.
+
+  Rows are the selected local slots in (expert, token) order, M = T*k (dropless bound). Each
+  level is one masked reduction over the T x E_l local slots, all from the selection mask:
+  1. each slot's sorted row, its rank among its token's local slots, rows per expert so far;
+  2. each row's token and expert, each (token, k) pair's row and weight;
+  then the x gather, the work list (element-wise at T = 1), the two kernel calls and a gather-
+  combine over k as in `expert_ffn`.
+  """
+  t = x_td.shape[0]
+  e_l = gate_edf.shape[0]
+  m = t * k
+  sel = sel_te[:, :e_l]
+  pos, nth, ends = _slot_rows(sel)
+  tok_row, exp_row, pos_tk, w_tk, ok_tk = _row_lookup(sel, w_te[:, :e_l], pos, nth, m, k)
+  sizes = ends - jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+  items = None
+  if t == 1:
+    items = lambda rows: work.single_row_items(exp_row, ends[-1], rows)
+  y = expert_mlp(x_td[tok_row], gate_edf, up_edf, down_efd, sizes, impl, group_ends=ends,
+                 items=items, int4_wide_loads=int4_wide_loads)
+  return combine_pairs(y, pos_tk.reshape(-1), ok_tk.reshape(-1), w_tk)
+
+
+def _slot_rows(sel_te):
+  """From the selection [T, E_l]: (each slot's row in (expert, token) order [T, E_l], its rank
+  among its token's selected slots [T, E_l], rows of experts <= e [E_l]); int32."""
+  t, e_l = sel_te.shape
+  tok = jnp.arange(t, dtype=jnp.int32)[:, None]
+  exp = jnp.arange(e_l, dtype=jnp.int32)[None, :]
+  code = (exp * t + tok).reshape(-1)  # a slot's place in (expert, token) order
+  flat = sel_te.reshape(-1)
+  pos = jnp.sum(flat[None, :] & (code[None, :] < code[:, None]), axis=1, dtype=jnp.int32)
+  nth = jnp.sum(sel_te[:, None, :] & (exp[:, :, None] < exp[:, None, :]), axis=2,
+                dtype=jnp.int32)
+  ends = jnp.sum(flat[None, :] & ((code // t)[None, :] <= jnp.arange(e_l)[:, None]), axis=1,
+                 dtype=jnp.int32)
+  return pos.reshape(t, e_l), nth, ends
+
+
+def _row_lookup(sel_te, w_te, pos_te, nth_te, m: int, k: int):
+  """(token [M] and expert [M] of each sorted row (0 past the live rows), and per (token, j < k):
+  the row of its j-th local slot, its weight, whether it exists [T, k]). One term per sum."""
+  t, e_l = sel_te.shape
+  tok = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None], (t, e_l)).reshape(-1)
+  exp = jnp.broadcast_to(jnp.arange(e_l, dtype=jnp.int32)[None, :], (t, e_l)).reshape(-1)
+  at_row = sel_te.reshape(1, -1) & (pos_te.reshape(1, -1) == jnp.arange(m)[:, None])  # [M, T*E_l]
+  tok_row = jnp.sum(jnp.where(at_row, tok, 0), axis=1, dtype=jnp.int32)
+  exp_row = jnp.sum(jnp.where(at_row, exp, 0), axis=1, dtype=jnp.int32)
+  is_nth = sel_te[:, None, :] & (nth_te[:, None, :] == jnp.arange(k)[None, :, None])  # [T, k, E_l]
+  pos_tk = jnp.sum(jnp.where(is_nth, pos_te[:, None, :], 0), axis=2, dtype=jnp.int32)
+  w_tk = jnp.sum(jnp.where(is_nth, w_te[:, None, :], 0), axis=2)
+  return tok_row, exp_row, pos_tk, w_tk, jnp.any(is_nth, axis=2)

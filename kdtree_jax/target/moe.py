@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from kdtree_jax import sharding
 from kdtree_jax.target.config import TargetConfig
-from kdtree_jax.target.experts import expert_ffn
+from kdtree_jax.target.experts import dense_glue_fits, expert_ffn, expert_ffn_dense
 from kdtree_jax.target.mlp import swiglu
 from kdtree_jax.target.moe_parallel import experts_ep, route_local
 
@@ -44,12 +44,34 @@ def top_k_select(choice_te, values_te, k):
     _, idx = jax.lax.top_k(choice_te, k)
     return idx.astype(jnp.int32), jnp.take_along_axis(values_te, idx, axis=-1)
   ids = jnp.arange(e, dtype=jnp.int32)
-  mine, other = choice_te[:, :, None], choice_te[:, None, :]
-  beaten_by = (other > mine) | ((other == mine) & (ids[None, None, :] < ids[None, :, None]))
-  rank = jnp.sum(beaten_by, axis=2, dtype=jnp.int32)  # [T, E]: 0 for the largest
+  rank = compare_rank(choice_te)
   hit = rank[:, None, :] == jnp.arange(k, dtype=jnp.int32)[None, :, None]  # [T, k, E]
   idx = jnp.sum(jnp.where(hit, ids, 0), axis=2, dtype=jnp.int32)
   return idx, jnp.sum(jnp.where(hit, values_te[:, None, :], 0), axis=2)  # one term each: exact
+
+
+def compare_rank(choice_te):
+  """[T, E] int32: how many experts beat each (larger choice, or equal at a lower index), so the
+  top k are rank < k, in lax.top_k's order (one fused reduction of T x E x E comparisons)."""
+  ids = jnp.arange(choice_te.shape[1], dtype=jnp.int32)
+  mine, other = choice_te[:, :, None], choice_te[:, None, :]
+  beaten_by = (other > mine) | ((other == mine) & (ids[None, None, :] < ids[None, :, None]))
+  return jnp.sum(beaten_by, axis=2, dtype=jnp.int32)
+
+
+def route_dense(p, cfg: TargetConfig, x_td):
+  """`route` as a [T, E] selection: (selected [T, E] bool, weight [T, E] f32, 0 where not
+  selected). The same choices as `route` (the same comparison rank); the normalising sum runs
+  over the selected experts in expert order (route: in top-k order; equal up to f32 rounding)."""
+  scores = jax.nn.sigmoid(_router_logits(x_td, p["router"]))
+  choice = scores + p["bias"].astype(jnp.float32)
+  if cfg.n_group > 1:
+    choice = _limit_groups(choice, cfg.n_group, cfg.topk_group)
+  sel = compare_rank(choice) < cfg.num_experts_per_tok
+  w = jnp.where(sel, scores, 0.0)
+  if cfg.norm_topk_prob:
+    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+  return sel, w * cfg.routed_scaling_factor
 
 
 def _router_logits(x_td, router_de):
@@ -75,7 +97,8 @@ def _limit_groups(choice_te, n_group, topk_group):
 
 def routed_experts(p, cfg: TargetConfig, x_td, idx_tk, w_tk):
   """The routed experts this device holds (all, or cfg.num_local_experts of them)."""
-  return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], impl=cfg.expert_backend)
+  return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], impl=cfg.expert_backend,
+                    int4_wide_loads=cfg.expert_int4_wide_loads)
 
 
 def moe(p, cfg: TargetConfig, x, routes: list | None = None):
@@ -90,12 +113,26 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
     idx, w = route_local(lambda rp, x: route(rp, cfg, x), p, x_td, mesh)
     _record(routes, idx)
     return experts_ep(p, x_td, idx, w, mesh, impl=cfg.expert_backend).reshape(shape)
-  idx, w = route(p, cfg, x_td)
-  _record(routes, idx)
-  y = routed_experts(p, cfg, x_td, idx, w)
+  if _dense_glue(cfg, x_td.shape[0]):
+    sel, w = route_dense(p, cfg, x_td)
+    if routes is not None:  # the ids in top-k order (the same logits and rank, shared by XLA)
+      _record(routes, route(p, cfg, x_td)[0])
+    y = expert_ffn_dense(x_td, sel, w, p["gate"], p["up"], p["down"], cfg.num_experts_per_tok,
+                         impl=cfg.expert_backend, int4_wide_loads=cfg.expert_int4_wide_loads)
+  else:
+    idx, w = route(p, cfg, x_td)
+    _record(routes, idx)
+    y = routed_experts(p, cfg, x_td, idx, w)
   if "shared" in p:
     y = y + swiglu(p["shared"], x_td).astype(jnp.float32)
   return y.astype(x.dtype).reshape(shape)
+
+
+def _dense_glue(cfg: TargetConfig, t: int) -> bool:
+  """cfg.moe_glue == "dense" where its comparisons stay small (else the sorted glue runs)."""
+  e = cfg.n_routed_experts
+  return (cfg.moe_glue == "dense" and t * e * e <= COMPARE_TOP_K_MAX
+          and dense_glue_fits(t, cfg.experts_held))
 
 
 def _record(routes: list | None, idx_tk):

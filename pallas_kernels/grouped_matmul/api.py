@@ -5,6 +5,8 @@ Each call returns or combines per-value K-partials [S, M, N] (S = Tuning.splits,
 and leaves the down partials to the caller, whose weighted combine sums them in one fusion.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -109,12 +111,15 @@ def gated_grouped_matmul(x_mk, gate, up, group_sizes, *, backend="auto",
 
 
 def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
-               tunings: tuple[Tuning, Tuning] | None = None, group_ends=None):
+               tunings: tuple[Tuning, Tuning] | None = None, group_ends=None, items=None,
+               int4_wide_loads: bool = False):
   """down[g] applied to silu(x @ gate[g]) * (x @ up[g]) per expert -> [S, M, N] f32 K-partials.
 
   One work list for both calls (their tunings share R). The caller sums over S, ideally inside
   the fusion that weights and combines the rows (S = 1 on XLA). Rows past sum(group_sizes) are
   undefined on the kernel backends. group_ends: cumsum(group_sizes) if the caller has it.
+  items: a work list the caller built (a function of R: work.work_list or
+  work.single_row_items), called with R. int4_wide_loads: set on the default tunings (INT4).
   """
   stacks = [tuple(gate), tuple(up)]
   down = tuple(down)
@@ -125,7 +130,14 @@ def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
   b_down, t_down = _plan(h_shape, [down], group_sizes, backend, t_down)
   if t_gate.rows != t_down.rows:
     raise ValueError(f"gate and down tunings must share rows: {t_gate.rows} vs {t_down.rows}")
-  items = None if "xla" == b_gate == b_down else work.work_list(group_sizes, m, t_gate.rows, group_ends)
+  if int4_wide_loads and len(down) == 2 and tunings is None:
+    t_gate, t_down = (dataclasses.replace(t, int4_wide_loads=True) for t in (t_gate, t_down))
+  if "xla" == b_gate == b_down:
+    items = None
+  elif items is not None:
+    items = items(t_gate.rows)
+  else:
+    items = work.work_list(group_sizes, m, t_gate.rows, group_ends)
   h = _gated_value(_values(x_mk, stacks, group_sizes, b_gate, t_gate, items), x_mk.dtype)
   (y,) = _values(h, [down], group_sizes, b_down, t_down, items)
   return y.astype(jnp.float32)

@@ -5,7 +5,8 @@ Three parts, in order of value (a time box loses the least):
      our kernel vs XLA `ragged_dot` vs JAX's `ragged_dot_mgpu`: experts touched, weight bytes
      needed, us, TB/s and % of the copy bandwidth measured in the same run.
   2. `tune`: one grouped GEMM (gate, INT4 and bf16) at T in --tune_tokens for each --tunings.
-  3. `layer`: the whole MoE layer (router + routed + shared + glue) vs its weight-streaming floor.
+  3. `layer`: the whole MoE layer (router + routed + shared + glue) vs its weight-streaming floor,
+     per --layer_variants (sorted vs dense glue, INT4 wide loads), launches and glue us each.
 Every output is checked against the f32 XLA reference first. One JSON line per row in --out.
 
   python -m pallas_kernels.grouped_matmul.bench --out runs/bench_moe.jsonl
@@ -204,31 +205,51 @@ def _typical_tokens(p, cfg, t, tries=64):
   return best[1], best[2]
 
 
+# MoE layer variants: (moe_glue, expert_int4_wide_loads). The first is the baseline of rel_err.
+LAYER_VARIANTS = {"sorted": ("sorted", False), "dense": ("dense", False),
+                  "sorted_wide": ("sorted", True), "dense_wide": ("dense", True)}
+_LAYER_VARIANTS = flags.DEFINE_list(
+    "layer_variants", ["sorted", "dense", "sorted_wide"],
+    f"MoE layer variants of the `layer` part, the first the baseline: {list(LAYER_VARIANTS)} "
+    "(glue: TargetConfig.moe_glue; _wide: INT4 32-bit tile loads).")
+
+
 def part_layer(ceil, sink, rows):
   """One MoE layer of bench_k26_full (`bench_models.k26_share`: 384 routed, 48 held as INT4,
-  shared expert F/8) at each T vs its weight-streaming floor, with the per-kernel breakdown."""
-  cfg = bench_models.k26_share(layers=2)
-  p = P.init_params(jax.random.key(0), cfg, jnp.bfloat16, int4_experts=True)["layers"][1]["moe"]
-  fn = jax.jit(lambda p, x: moe.moe(p, cfg, x))
+  shared expert F/8) at each T vs its weight-streaming floor, with the per-kernel breakdown,
+  for each --layer_variants (same params, tokens and routing; rel_err vs the first)."""
+  base = bench_models.k26_share(layers=2)
+  p = P.init_params(jax.random.key(0), base, jnp.bfloat16, int4_experts=True)["layers"][1]["moe"]
+  fns = {}
+  for name in _LAYER_VARIANTS.value:
+    glue, wide = LAYER_VARIANTS[name]
+    cfg = dataclasses.replace(base, moe_glue=glue, expert_int4_wide_loads=wide)
+    fns[name] = jax.jit(lambda p, x, cfg=cfg: moe.moe(p, cfg, x))
   for t in map(int, _T.value):
-    x, idx = _typical_tokens(p, cfg, t)
-    touched = _local_touched(idx, cfg.num_local_experts)
+    x, idx = _typical_tokens(p, base, t)
+    touched = _local_touched(idx, base.num_local_experts)
     other = sum(v.nbytes for v in jax.tree.leaves([p["router"], p["bias"], p.get("shared", {})]))
     need = touched * _expert_bytes("int4") + other
-    row = dict(part="layer", fmt="int4", T=t, experts_touched=touched, bytes_needed=need)
-    try:
-      row["us"] = _time_us(fn, p, x)
-      row["kernels"] = [dict(name=n[:90], calls=c, us=round(us, 2))
-                        for n, c, us in timing.kernel_breakdown(fn, (p, x))]
-      row.update(_launches(row["kernels"]))
-    except Exception as ex:
-      row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
-    else:
-      row["floor_us"] = need / ceil["copy_tbps"] / 1e6
-      row["x_floor"] = row["us"] / row["floor_us"]
-    _emit(rows, row, sink)
-    for k in row.get("kernels", [])[:40]:
-      print(f"    {k['us']:8.2f} us  x{k['calls']:.0f}  {k['name']}", flush=True)
+    want = None
+    for name, fn in fns.items():
+      row = dict(part="layer", fmt="int4", impl=f"moe {name}", T=t, experts_touched=touched,
+                 bytes_needed=need)
+      try:
+        got = fn(p, x)
+        want = got if want is None else want
+        row["rel_err"] = _rel(got, want)
+        row["us"] = _time_us(fn, p, x)
+        row["kernels"] = [dict(name=n[:90], calls=c, us=round(us, 2))
+                          for n, c, us in timing.kernel_breakdown(fn, (p, x))]
+        row.update(_launches(row["kernels"]))
+      except Exception as ex:
+        row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+      else:
+        row["floor_us"] = need / ceil["copy_tbps"] / 1e6
+        row["x_floor"] = row["us"] / row["floor_us"]
+      _emit(rows, row, sink)
+      for k in row.get("kernels", [])[:40]:
+        print(f"    {k['us']:8.2f} us  x{k['calls']:.0f}  {k['name']}", flush=True)
 
 
 def _launches(kernels):
@@ -247,8 +268,15 @@ def _table(rows):
     name = r.get("impl", r.get("tuning", "moe"))
     print(f"{r['part']:5} {r['fmt']:4} {name:18} {r['T']:3} {r.get('experts_touched', '-')!s:>7} "
           f"{r.get('us', float('nan')):8.1f} {r.get('tbps', float('nan')):6.2f} "
-          f"{r.get('pct_copy', float('nan')):6.1f}  "
-          f"{r.get('error', '') or ('x floor %.2f' % r['x_floor'] if 'x_floor' in r else '')}")
+          f"{r.get('pct_copy', float('nan')):6.1f}  {r.get('error', '') or _note(r)}")
+
+
+def _note(r):
+  """The layer rows' floor ratio, launches, glue and Mosaic us, and error vs the baseline."""
+  if "x_floor" not in r:
+    return ""
+  return (f"x floor {r['x_floor']:.2f}  launches {r['launches']:g} glue {r['glue_us']:.1f} us "
+          f"mosaic {r['mosaic_us']:.1f} us  rel_err {r['rel_err']:.1e}")
 
 
 def main(_):

@@ -44,6 +44,19 @@ def test_work_list_covers_every_row_once(sizes, m, rows):
   assert all(it[1] % 8 == 0 and it[2] + it[3] <= rows for it in live)
 
 
+@pytest.mark.parametrize("experts_hit,g,m", [([2, 5, 6, 40, 47], 48, 8), ([0], 4, 3), ([], 8, 8)])
+@pytest.mark.parametrize("rows", [8, 32])
+def test_single_row_items_equal_the_work_list(experts_hit, g, m, rows):
+  """One token's work list (each expert <= 1 row) element-wise == the general one's live items."""
+  sizes = np.zeros(g, np.int32)
+  sizes[experts_hit] = 1
+  group_of_row = jnp.asarray(experts_hit + [g - 1] * (m - len(experts_hit)), jnp.int32)
+  items = np.asarray(work.single_row_items(group_of_row, len(experts_hit), rows)).T
+  live = [list(map(int, it)) for it in items if it[3] > 0]
+  assert live == _items_brute_force(list(sizes), rows)
+  assert all(it[3] == 0 for it in items[len(experts_hit):])
+
+
 @pytest.mark.slow
 def test_work_list_bound_holds_for_adversarial_sizes():
   """Random sizes and near-worst cases (experts starting 7 rows past an 8-aligned row): every row
@@ -193,17 +206,94 @@ def test_expert_ffn_through_the_kernel_equals_xla_path():
     assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 1e-2
 
 
+# The default GPU set (~11 Mosaic compiles, each a few seconds; the issue wants < 2 minutes):
+# every code path once, on shapes and tunings shared across tests so compiles are reused.
+# bf16 / INT4, registers / SMEM operand, wide loads: RAGGED with one tuning; gated with and
+# without split-K and the slots loop: RAGGED; the routed-expert FFN at K2.6's T=1 shape with the
+# default tunings (split 7, one slot column) through both glues. The old shape x path grid runs
+# with --gpu-full-grid.
+RAGGED = ([30, 0, 50, 3, 10], 100, 1024, 256)  # empty groups, a 2-window expert, 8k+r rows
+AR_SIZES = [1] * 8 + [0] * 40                  # one ar token: 8 experts of 48, one row each
+K26_VERIFY = list(np.bincount(np.random.default_rng(2).integers(0, 48, 520), minlength=48))
+
+
+def _ragged_tuning(fmt, **kw):
+  """One tuning per format for RAGGED: 4 K steps (2 per split at splits=2)."""
+  return Tuning(rows=32, block_n=64, block_k=256 if fmt == "int4" else 128, stages=2, **kw)
+
+
+def _full_grid(request):
+  if not request.config.getoption("--gpu-full-grid"):
+    pytest.skip("GPU full grid: pass --gpu-full-grid")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,a_operand,wide", [("bf16", "registers", False),
+                                                ("int4", "registers", False),
+                                                ("int4", "smem", False),
+                                                ("int4", "registers", True)])
+def test_kernel_gpu_ragged_matches_reference(fmt, a_operand, wide):
+  """One call per operand path (a_operand and wide loads: INT4 only) on ragged sizes."""
+  sizes, m, k, n = RAGGED
+  x, w_bf16, w_int4 = _operands(m, k, n, len(sizes), 32)
+  ws = w_int4 if fmt == "int4" else w_bf16
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = _ragged_tuning(fmt, a_operand=a_operand, int4_wide_loads=wide)
+  _check(grouped_matmul(x, ws, gs, backend="pallas", tuning=t),
+         grouped_matmul(x, ws, gs, backend="xla"), sum(sizes))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,splits,slots", [("int4", 1, 0), ("int4", 2, 2), ("bf16", 2, 2)])
+def test_gated_kernel_gpu_ragged_matches_reference(fmt, splits, slots):
+  """gate and up in one call: the fused SiLU epilogue (1 split) or split-K partials with 2 CTA
+  columns looping over the items."""
+  sizes, m, k, n = RAGGED
+  x, w_a, q_a = _operands(m, k, n, len(sizes), 32, seed=3)
+  _, w_b, q_b = _operands(m, k, n, len(sizes), 32, seed=4)
+  gate, up = (q_a, q_b) if fmt == "int4" else (w_a, w_b)
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = _ragged_tuning(fmt, splits=splits, slots=slots)
+  _check(gated_grouped_matmul(x, gate, up, gs, backend="pallas", tuning=t),
+         gated_grouped_matmul(x, gate, up, gs, backend="xla"), sum(sizes))
+
+
+@pytest.mark.gpu
+def test_expert_ffn_gpu_k26_ar_token_both_glues():
+  """The routed-expert FFN at K2.6's T=1 shape (8 of 48 local INT4 experts, D 7168, F 2048),
+  default tunings (gated split-K + slots loop, down split-K), sorted and dense glue (one
+  compile pair shared: same shapes) == the f32 XLA FFN within bf16 rounding."""
+  e_l, d, f, k = 48, 7168, 2048, 8
+  ks = jax.random.split(jax.random.key(3), 4)
+  mats = [int4.random_int4(kk, s, 0.02) for kk, s in zip(ks[:3], [(e_l, d, f), (e_l, d, f),
+                                                                   (e_l, f, d)])]
+  x = jax.random.normal(ks[3], (1, d), jnp.bfloat16)
+  idx = jnp.asarray([[3, 40, 7, 100, 11, 47, 0, 200]], jnp.int32)  # 6 local, 2 elsewhere
+  w = jnp.linspace(0.05, 0.4, k, dtype=jnp.float32)[None]
+  ref = experts.expert_ffn(x.astype(jnp.float32), idx, w,
+                           *[int4.dequantize(m_, jnp.float32) for m_ in mats], impl="xla")
+  sel = jnp.zeros((1, 384), bool).at[0, idx[0]].set(True)
+  w_te = jnp.zeros((1, 384), jnp.float32).at[0, idx[0]].set(w[0])
+  sorted_glue = jax.jit(lambda x, ms: experts.expert_ffn(x, idx, w, *ms, impl="pallas"))
+  dense_glue = jax.jit(lambda x, ms: experts.expert_ffn_dense(x, sel, w_te, *ms, k,
+                                                              impl="pallas"))
+  for fn in (sorted_glue, dense_glue):
+    got = fn(x, mats)
+    assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,a_operand", [("bf16", "registers"), ("int4", "registers"),
                                              ("int4", "smem")])  # a_operand: INT4 only
 @pytest.mark.parametrize("sizes,m,k,n", [
     ([30, 0, 50, 3, 10], 100, 256, 256),
     ([7], 7, 128, 128),
-    (list(np.bincount(np.random.default_rng(2).integers(0, 48, 520), minlength=48)), 520, 7168,
-     2048),                                    # a K2.6 verify step's experts on one of 8 GPUs
-    ([1] * 8 + [0] * 40, 8, 7168, 2048),        # one ar token: 8 experts of 48, one row each
+    (K26_VERIFY, 520, 7168, 2048),      # a K2.6 verify step's experts on one of 8 GPUs
+    (AR_SIZES, 8, 7168, 2048),          # one ar token
 ])
-def test_kernel_gpu_matches_reference(sizes, m, k, n, fmt, a_operand):
+def test_kernel_gpu_full_grid(sizes, m, k, n, fmt, a_operand, request):
+  """--gpu-full-grid: each shape x operand path with its default tuning, split-K 2, gated."""
+  _full_grid(request)
   x, w_bf16, w_int4 = _operands(m, k, n, len(sizes), 32)
   ws = w_int4 if fmt == "int4" else w_bf16
   gs = jnp.asarray(sizes, jnp.int32)
@@ -227,9 +317,10 @@ def test_int4_wide_loads_interpret_matches_reference():
 
 
 @pytest.mark.gpu
-def test_int4_wide_loads_gpu_matches_reference():
-  """32-bit INT4 tile loads (WGMMA_UPCAST_4X, relaid out in registers), a K2.6 verify shape."""
-  sizes = list(np.bincount(np.random.default_rng(2).integers(0, 48, 520), minlength=48))
+def test_int4_wide_loads_gpu_full_grid(request):
+  """--gpu-full-grid: 32-bit INT4 tile loads at a K2.6 verify shape with its default tuning."""
+  _full_grid(request)
+  sizes = K26_VERIFY
   m, k, n = 520, 7168, 2048
   x, _, ws = _operands(m, k, n, len(sizes), 32)
   gs = jnp.asarray(sizes, jnp.int32)
