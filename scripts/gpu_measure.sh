@@ -5,10 +5,12 @@
 # cut off before that, raw/ comes back as it is).
 #   bash scripts/gpu_measure.sh OUT_DIR PART[:SECONDS] ...
 # Parts (single-GPU parts see GPU 0 only):
-#   moe_tests   grouped-matmul kernel GPU tests (bf16 + INT4, every code path)
+#   moe_tests   grouped-matmul kernel GPU tests (bf16 + INT4, every code path once, 9 Mosaic
+#               compiles; the old shape x path grid needs --gpu-full-grid, not run here)
 #   moe_bench   pallas_kernels/grouped_matmul/bench.py: routed FFN per T, tuning sweep, whole MoE layer
-#   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer: one MoE layer of
-#               bench_k26_full per T, per kernel
+#   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 1, 9, 65: one MoE layer
+#               of bench_k26_full per kernel, sorted vs dense glue vs INT4 wide loads (rows of
+#               one T together, T=1 first)
 #   verify      tree-verify kernel: GPU tests (-m gpu, ~2 min), short bench (default L=46000 grid);
 #               verify:240 fits 4 minutes
 #   verify_probes  tree-verify bench at L=46000, B=1, H=8, N=1,8,16 with the PROBES variants
@@ -50,7 +52,7 @@ run_part() {
     moe_bench) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench \
                  --out "$RAW/bench_moe.jsonl" ;;
     moe_layer) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench --parts layer \
-                 --out "$RAW/bench_moe_layer.jsonl" ;;
+                 --tokens 1,9,65 --out "$RAW/bench_moe_layer.jsonl" ;;
     verify) one_gpu timeout "$secs" bash -c "timeout 160 python3 -m pytest -q -rs --durations=5 -m gpu \
                 tests/kernels/test_tree_verify_attention.py tests/sharding/test_verify_attention_sharded.py; \
                 python3 -m pallas_kernels.tree_verify.bench --probe_variants=false --skip_xla \
