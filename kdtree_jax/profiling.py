@@ -373,11 +373,11 @@ def format_table(rows: list[PhaseRow]) -> str:
   step_ms = next(r.ms for r in rows if r.phase == "step")
   top = ("draft_ctx", "draft_block", "tree", "verify", "accept", "commit")
   total = sum(r.ms for r in rows if r.phase in top)
-  lines = [f"{'phase':<12}{rows[0].timer + ' ms':>10}{'wall ms':>9}{'% step':>8}{'MB':>10}"
+  lines = [f"{'phase':<14}{rows[0].timer + ' ms':>10}{'wall ms':>9}{'% step':>8}{'MB':>10}"
            f"{'GFLOP':>10}{'floor ms':>10}{'% floor':>8}"]
   for r in rows:
     indent = "  " if r.phase in ("attention", "moe", "rest", "step_nograph") else ""
-    lines.append(f"{indent + r.phase:<12}{r.ms:10.3f}{r.wall_ms:9.3f}"
+    lines.append(f"{indent + r.phase:<14}{r.ms:10.3f}{r.wall_ms:9.3f}"
                  f"{100 * r.ms / step_ms:8.1f}{r.bytes / 1e6:10.1f}{r.flops / 1e9:10.2f}"
                  f"{r.floor_ms:10.3f}{r.pct_roofline:8.1f}")
   lines.append(f"sum of phases {total:.3f} ms vs fused step {step_ms:.3f} ms "

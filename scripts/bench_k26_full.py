@@ -152,7 +152,8 @@ def phase_table(m, c, spec, ceil, deadline, rec, parts=True):
   if rows:
     print(profiling.format_table(rows), flush=True)
     for phase in ("rest", "verify", "step_nograph") if parts else ():
-      print(profiling.format_kernels(rows, phase), flush=True)
+      if profiling.format_kernels(rows, phase):
+        print(profiling.format_kernels(rows, phase), flush=True)
     gap = host_gap_row(rec.rows, spec, rows, c.bench.profile_ctx)
     if gap:
       rec.add("host_gap", **gap)
