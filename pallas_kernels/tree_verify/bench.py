@@ -56,17 +56,17 @@ FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64]
 # k=v Tuning fields, plus mask=packed (the tree mask packed once outside the call, as the model
 # does per step: the call is the kernel + the merge).
 # merge=triton: the split merge as one Pallas Triton kernel (any split count).
-# prefetch=P: the producer keeps P tiles of the split requested into L2 (HBM reads in flight
-# beyond the 2-stage SMEM ring). block_kv=32,stages=4: 32-key tiles, 4-deep ring (one SMEM
+# prefetch=P: each ring load of tile i is followed by an L2 prefetch of tile i + P (HBM reads in
+# flight beyond the SMEM ring; P x 74 KB per SM at block_kv=64). block_kv=32,stages=4: 32-key tiles, 4-deep ring (one SMEM
 # budget), 11 instead of 6 tiles per CTA at N=1 (less last-tile imbalance).
-_TRI, _PF = "merge=triton", "prefetch=3,merge=triton"
+_TRI, _PF = "merge=triton", "prefetch=2,merge=triton"
 _BK32 = "block_kv=32,stages=4,merge=triton"
-_BK32_PF = "block_kv=32,stages=4,prefetch=6,merge=triton"
+_BK32_PF = "block_kv=32,stages=4,prefetch=4,merge=triton"
 PROBES = {(1, 1, 8, 46000): f"{_TRI};{_PF};{_BK32};{_BK32_PF};{_BK32_PF},mask=packed",
           (1, 8, 8, 46000): f"{_TRI};{_PF};{_BK32_PF};{_PF},mask=packed",
           (1, 16, 8, 46000): f"{_TRI};{_PF};{_BK32_PF};{_PF},mask=packed",
           (1, 64, 8, 46000): f"{_TRI};{_PF};num_splits=8;shared_p=0",
-          (1, 64, 64, 46000): "num_splits=1;shared_p=0;prefetch=3",
+          (1, 64, 64, 46000): "num_splits=1;shared_p=0;prefetch=2",
           (4, 1, 8, 46000): f"num_splits=66;{_BK32_PF}",
           (4, 16, 8, 46000): f"num_splits=32;{_PF}"}
 OPTIONS = ("mask",)  # variant keys that are call options, not Tuning fields

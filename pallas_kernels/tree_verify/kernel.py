@@ -105,28 +105,18 @@ def _prefetch_tile(c, i):
 
 
 def _memory_wg(c):
-  """TMA producer: the Q tile once, then the split's KV tiles through the SMEM ring; with
-  t.prefetch, tiles [stages, prefetch) requested into L2 up front and tile i + prefetch when tile i
-  is issued, so `prefetch` tiles of HBM reads stay in flight while the ring waits for compute."""
+  """TMA producer: the Q tile once, then the split's KV tiles through the SMEM ring. With
+  t.prefetch = P, tile i's ring load is followed by an L2 prefetch of tile i + P (the first
+  `stages` loads, which wait for nothing, by tiles [stages, stages + P) at once): HBM reads stay
+  P tiles ahead of the ring whatever the compute does, and the ring fills from L2."""
   t = c.t
   n = c.hi - c.lo
   plgpu.copy_gmem_to_smem(c.q_ref.at[c.b, _row_window(c)], _smem_rows(c.q_smem, c.window),
                           c.q_bar)
-  if t.prefetch:
-    @pl.loop(0, jnp.minimum(n, t.prefetch))
-    def _ahead(i):
-      @pl.when(i >= t.stages)
-      def _():
-        _prefetch_tile(c, i)
 
   @pl.loop(0, n)
   def _load(i):
     slot = lax.rem(i, t.stages)
-
-    if t.prefetch:
-      @pl.when(i + t.prefetch < n)
-      def _():
-        _prefetch_tile(c, i + t.prefetch)
 
     @pl.when(i >= t.stages)
     def _():
@@ -134,10 +124,27 @@ def _memory_wg(c):
 
     rows = pl.ds(_tile_start(c.lo + i, t), t.block_kv)
     plgpu.copy_gmem_to_smem(c.kv_ref.at[c.b, rows], c.kv_smem.at[slot], c.kv_bar.at[slot])
+    if t.prefetch:
+      _prefetch_after_load(c, i, n)
 
   @pl.loop(jnp.maximum(c.hi - c.lo - t.stages, 0), c.hi - c.lo)
   def _drain(i):
     plgpu.barrier_wait(c.free_bar.at[lax.rem(i, t.stages)])
+
+
+def _prefetch_after_load(c, i, n):
+  """The L2 prefetches that follow ring load i of n (see _memory_wg)."""
+  t = c.t
+
+  @pl.when(i == t.stages - 1)
+  def _():
+    @pl.loop(t.stages, jnp.minimum(n, t.stages + t.prefetch))
+    def _ahead(j):
+      _prefetch_tile(c, j)
+
+  @pl.when((i >= t.stages) & (i + t.prefetch < n))
+  def _():
+    _prefetch_tile(c, i + t.prefetch)
 
 
 def _scores(q_smem, keys):

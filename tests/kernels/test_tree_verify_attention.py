@@ -194,9 +194,9 @@ SMALL = [
                                              shared_p=False, bf16_partials=False))),
     (2, 4, 8, 150, [148, 151], Tuning(block_kv=32, stages=4, num_splits=1)),  # past L, len > L
     # L2 prefetch ahead of the ring (a no-op in interpret mode: the control flow around it runs)
-    (1, 1, 8, 700, [699], Tuning(num_splits=2, prefetch=3)),
-    GPU((3, 5, 8, 2000, [1995, 0, 700], Tuning(num_splits=3, prefetch=3, merge="triton"))),
-    GPU((1, 16, 8, 3000, [2984], Tuning(block_kv=32, stages=4, prefetch=6, num_splits=4))),
+    (1, 1, 8, 700, [699], Tuning(num_splits=2, prefetch=2)),
+    GPU((3, 5, 8, 2000, [1995, 0, 700], Tuning(num_splits=3, prefetch=2, merge="triton"))),
+    GPU((1, 16, 8, 3000, [2984], Tuning(block_kv=32, stages=4, prefetch=4, num_splits=4))),
 ]
 
 
@@ -281,7 +281,8 @@ class TestLowersForGpu:
       (1, 3, 1, 100, Tuning(num_splits=1)), (2, 9, 8, 4096, Tuning(kernel="v1", num_splits=4)),
       (1, 1, 8, 46000, Tuning(block_kv=32, stages=4, num_splits=132)),
       (1, 16, 8, 46000, Tuning(block_kv=32, stages=4, num_splits=66, shared_p=False)),
-      (2, 15, 8, 4096, Tuning(block_kv=32, stages=4, prefetch=6, num_splits=3))])
+      (2, 15, 8, 4096, Tuning(block_kv=32, stages=4, prefetch=4, num_splits=3)),
+      (1, 1, 8, 46000, Tuning(num_splits=132, prefetch=1))])
   def test_lowers(self, b, n, h, l, tuning):
     assert "mosaic_gpu" in self.lower_text(b, n, h, l, tuning)
 
