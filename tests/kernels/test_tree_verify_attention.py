@@ -187,16 +187,17 @@ SMALL = [
     GPU((2, 3, 1, 40, [10, 30], Tuning(num_splits=1))),            # N*H % 8 != 0, L < block_kv
     (3, 5, 8, 200, [130, 64, 195], Tuning(num_splits=2, kernel="v1")),  # v1 (A/B)
     GPU((2, 9, 8, 300, [290, 0], Tuning(num_splits=4, merge="triton"))),  # one-kernel merge
-    GPU((2, 9, 8, 300, [290, 0], Tuning(num_splits=3, merge="triton"))),  # its 2 + 1 pieces
+    (2, 9, 8, 300, [290, 0], Tuning(num_splits=3, merge="triton")),  # its 2 + 1 pieces
     # 32-key tiles (64-byte swizzle) and a deeper ring; tree over tiles, ragged, empty split
     (1, 40, 2, 192, [140], Tuning(block_kv=32, stages=4, num_splits=2)),
-    GPU((3, 5, 8, 200, [130, 0, 195], Tuning(block_kv=32, stages=3, num_splits=2,
-                                             shared_p=False, bf16_partials=False))),
+    (3, 5, 8, 200, [130, 0, 195], Tuning(block_kv=32, stages=3, num_splits=2, shared_p=False,
+                                         bf16_partials=False)),
     (2, 4, 8, 150, [148, 151], Tuning(block_kv=32, stages=4, num_splits=1)),  # past L, len > L
     # L2 prefetch ahead of the ring (a no-op in interpret mode: the control flow around it runs)
     (1, 1, 8, 700, [699], Tuning(num_splits=2, prefetch=2)),
-    GPU((3, 5, 8, 2000, [1995, 0, 700], Tuning(num_splits=3, prefetch=2, merge="triton"))),
-    GPU((1, 16, 8, 3000, [2984], Tuning(block_kv=32, stages=4, prefetch=4, num_splits=4))),
+    # on the GPU: the three new paths at once (32-key tiles, prefetch, Triton merge of 3 splits)
+    GPU((2, 16, 8, 3000, [2984, 1000], Tuning(block_kv=32, stages=4, prefetch=4, num_splits=3,
+                                              merge="triton"))),
 ]
 
 
