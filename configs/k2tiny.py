@@ -2,7 +2,8 @@
 both were trained (the `train` section).
 
 Decode (scripts/decode.py's default config; decode fields: kdtree_jax/run_config.py):
-  python scripts/decode.py --config configs/k2tiny.py --config.mode=ddtree --config.budget=32
+  python scripts/decode.py --config configs/k2tiny.py   # budget=auto: configs/k2tiny.step_cost.json
+  python scripts/decode.py --config configs/k2tiny.py --config.budget=32   # a fixed DDTree
 The target's config.json claims 2048 positions (YaRN x4 over 512), but it never saw a position
 past 511: max_len is capped at 512 and trained_positions=512, so decode.py warns beyond.
 

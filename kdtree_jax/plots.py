@@ -151,12 +151,15 @@ def plot_throughput(ax, rows, key="tokens_per_s"):
 
 def plot_budget_eval(ax, rows, title="simulated tokens/s vs context"):
   """scripts/eval_budget.py rows of one cost model: simulated tokens/s vs context per run
-  (ar, chain, each fixed budget, auto bold)."""
+  (ar, chain, each fixed budget, the per-step switch 'auto' bold, decode's whole-program auto
+  dashed)."""
   for (mode, budget), rs in _by(rows, "mode", "budget").items():
     rs = sorted(rs, key=lambda r: r["ctx"])
-    name = {"ddtree": f"budget {budget}", "auto": "auto"}.get(mode, mode)
-    ax.plot([r["ctx"] for r in rs], [r["simulated_tokens_per_s"] for r in rs],
-            "o-" if mode != "auto" else "s-", lw=3 if mode == "auto" else 1, label=name)
+    name = {"ddtree": f"budget {budget}", "auto": "auto (per-step switch)",
+            "auto_program": "auto (whole program)"}.get(mode, mode)
+    style = {"auto": "s-", "auto_program": "D--"}.get(mode, "o-")
+    ax.plot([r["ctx"] for r in rs], [r["simulated_tokens_per_s"] for r in rs], style,
+            lw=3 if mode.startswith("auto") else 1, label=name)
   ax.set_xscale("log")
   ax.set(xlabel="context length", ylabel="simulated tokens / s", title=title)
   ax.title.set_fontsize(8)

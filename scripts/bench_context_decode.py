@@ -36,7 +36,7 @@ runtime.define_flags()
 
 
 def _spec(c, mode, gen):
-  budget = _BUDGET.value or c.budget
+  budget = (_BUDGET.value or c.budget) if mode == "ddtree" else SpecConfig.budget
   return SpecConfig(mode=mode, budget=budget, block_size=c.block_size, max_new_tokens=4096,
                     attn_backend=c.attn_backend,
                     target_choice=forced_accept.target_choice(c.forced_accept))

@@ -49,6 +49,12 @@ _GEN = flags.DEFINE_integer("gen", 0, "Tokens per prompt (0: the config's max_ne
 _OUT = flags.DEFINE_string("out", "", "JSON lines output ('' = none).")
 
 
+def _fixed(budget):
+  """The config's fixed DDTree budget for the default-prompt row; 32 when it is 'auto' (auto has
+  its own rows)."""
+  return 32 if budget == "auto" else int(budget)
+
+
 def heldout_prompts(n: int, length: int) -> list[list[int]]:
   """n evenly spaced windows of the held-out token stream."""
   held = data.build_corpus().eval
@@ -184,7 +190,7 @@ def main(_):
                       [("ar", None), ("chain", None)] + [("ddtree", int(b)) for b in _BUDGETS.value]
                       + [("switch", "auto"), ("auto", "auto")]),
           "default": ([tokenizer.encode(c.prompt)],
-                      [("ar", None), ("chain", None), ("ddtree", c.budget), ("switch", "auto"),
+                      [("ar", None), ("chain", None), ("ddtree", _fixed(c.budget)), ("switch", "auto"),
                        ("auto", "auto")])}
   switch = mk("ddtree", "auto", auto)
   choices = {name: choose_program(switch, _STEP_COST.value or cost_json,

@@ -10,8 +10,10 @@ Examples:
 Every setting is a field of the config file (--config FILE[:preset], default configs/k2tiny.py),
 set on the command line as --config.<field>=<value> (all fields: kdtree_jax/run_config.py):
   --config.mode=ddtree              ar: target alone; chain: draft block; ddtree: draft tree
-  --config.budget=32                DDTree nodes verified per step (>= 1), or auto (per step, the
-                                    width of most tokens per modelled second); ddtree only
+  --config.budget=auto              DDTree nodes verified per step (>= 1), or auto: the program
+                                    (chain, DDTree at a fixed width, or the per-step width switch)
+                                    of most modelled tokens per second from the tables beside the
+                                    config (the shipped pair's default); ddtree only
   --config.prompt="def f(x):"       prompt text
   --config.max_new_tokens=128       tokens to generate
   --config.temperature=0            0 = greedy; --config.top_p=1.0, --config.top_k=0 when > 0
@@ -157,7 +159,8 @@ def main(argv):
   block = pair.dcfg.block_size if pair.dcfg is not None else 2
   auto = step_cost.auto_for_run(c, cli.config_path(), pair.tcfg, pair.dcfg) \
       if c.budget == "auto" and c.mode == "ddtree" else None
-  spec = SpecConfig(mode=c.mode, budget=c.budget, block_size=block,
+  spec = SpecConfig(mode=c.mode, budget=c.budget if c.mode == "ddtree" else SpecConfig.budget,
+                    block_size=block,
                     max_new_tokens=c.max_new_tokens, attn_backend=c.attn_backend,
                     sampling=SamplingConfig(c.temperature, c.top_k, c.top_p), auto=auto)
   prompts = [tokenizer.encode(c.prompt)]

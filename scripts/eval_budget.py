@@ -98,7 +98,7 @@ def fit_acceptance(pair, prompts, nodes, gen, max_len, out_dir):
   with open(os.path.join(out_dir, "accept_calibration.json"), "w") as f:
     json.dump(dict(calibration=cal.to_dict(), steps=len(recs["depth"]), prompts=len(prompts),
                    gen=gen, programs=replay.to_dict()), f, indent=1)
-  return cal
+  return cal, replay
 
 
 def calibration_check(pair, cal, prompts, nodes, gen, max_len):
@@ -165,6 +165,28 @@ def auto_run(pair, cost, ctx, nodes, cal, gen, prompts, max_len):
   return run(pair, spec, prompts, max_len)
 
 
+def program_choice(cost, ctx, replay):
+  """The whole program decode.py's budget='auto' runs at ctx under this cost model
+  (`auto_program`'s rule on the fitted 'programs' table: chain, DDTree at each fixed node count,
+  or the per-step switch; each charged the model's ms per step)."""
+  per_n = {n: (cost.ms(n + 1, ctx),) for n in replay.node_counts}
+  costs = auto_program.ProgramCosts((ctx,), (cost.mode_ms("chain", ctx),), per_n, dict(per_n))
+  return auto_program.best(auto_program.candidates(costs, replay, ctx))
+
+
+def program_row(choice, rows_here):
+  """The row of the program `choice` names, relabelled as decode's budget='auto' (whole program):
+  its SIMULATED tok/s is that program's own run in this evaluation."""
+  if choice["name"] == auto_program.CHAIN:
+    src = next(r for r in rows_here if r["mode"] == "chain")
+  elif choice["nodes"] is not None:
+    src = next(r for r in rows_here if r["mode"] == "ddtree" and r["budget"] == choice["nodes"])
+  else:
+    src = next(r for r in rows_here if r["mode"] == "auto")
+  return dict(src, mode="auto_program", budget=None, program=choice["name"],
+              program_modelled_tokens_per_s=choice["tokens_per_s"])
+
+
 def measured(pair, cost_json, nodes, cal, runs, gen, prompts, max_len):
   """MEASURED rows: wall-clock tokens/s of every run on this device, auto choosing from the
   pair's own calibrated table; auto's modelled vs measured ms per step."""
@@ -200,9 +222,10 @@ def summarise(rows):
     rs = [r for r in rows if (r["cost_model"], r["ctx"]) == key]
     fixed = [r for r in rs if r["mode"] == "ddtree"]
     best = max(fixed, key=lambda r: r["simulated_tokens_per_s"])
-    best_any = max((r for r in rs if r["mode"] != "auto"),
+    best_any = max((r for r in rs if r["mode"] not in ("auto", "auto_program")),
                    key=lambda r: r["simulated_tokens_per_s"])
     auto = next(r for r in rs if r["mode"] == "auto")
+    prog = next((r for r in rs if r["mode"] == "auto_program"), None)
     b32 = next((r for r in fixed if r["budget"] == 32), None)
     out.append(dict(kind="summary", label=LABEL, cost_model=key[0], ctx=key[1],
                     auto_over_best_fixed=auto["simulated_tokens_per_s"] /
@@ -210,7 +233,10 @@ def summarise(rows):
                     auto_over_best_of_all=auto["simulated_tokens_per_s"] /
                     best_any["simulated_tokens_per_s"],
                     auto_over_budget32=None if b32 is None else
-                    auto["simulated_tokens_per_s"] / b32["simulated_tokens_per_s"]))
+                    auto["simulated_tokens_per_s"] / b32["simulated_tokens_per_s"],
+                    program=None if prog is None else prog["program"],
+                    program_over_best_of_all=None if prog is None else
+                    prog["simulated_tokens_per_s"] / best_any["simulated_tokens_per_s"]))
   return out
 
 
@@ -226,7 +252,9 @@ def table(rows, summary):
     b32 = "-" if s["auto_over_budget32"] is None else f"{s['auto_over_budget32']:.2f}x"
     lines.append(f"{s['cost_model']:>5} {s['ctx']:>7}: auto / best fixed (budget "
                  f"{s['best_fixed_budget']}) = {s['auto_over_best_fixed']:.3f}, "
-                 f"auto / best of all = {s['auto_over_best_of_all']:.3f}, auto / budget 32 = {b32}")
+                 f"auto / best of all = {s['auto_over_best_of_all']:.3f}, auto / budget 32 = {b32}"
+                 + ("" if s["program"] is None else f"; whole-program auto runs {s['program']}: "
+                    f"{s['program_over_best_of_all']:.3f} of the best of all"))
   return "\n".join(lines)
 
 
@@ -252,7 +280,7 @@ def main(_):
   nodes = tuple(int(n) for n in _NODES.value)
   test, fit = prompt_sets(_PROMPTS.value, _FIT_PROMPTS.value)
   gen, max_len = _GEN.value, c.max_len
-  cal = fit_acceptance(pair, fit, nodes, gen, max_len, _OUT.value)
+  cal, replay = fit_acceptance(pair, fit, nodes, gen, max_len, _OUT.value)
   if _FIT_ONLY.value:
     print(f"wrote {os.path.join(_OUT.value, 'accept_calibration.json')} "
           f"({time.perf_counter() - t0:.0f} s)")
@@ -269,6 +297,8 @@ def main(_):
       rows.append(row(name, cost, ctx, "auto", nodes[-1], res, ar_tokens))
       print(f"[{time.perf_counter() - t0:.0f} s] {name} ctx {ctx}: auto widths "
             f"{rows[-1]['width_histogram']}", flush=True)
+      here = [r for r in rows if (r["cost_model"], r["ctx"]) == (name, ctx)]
+      rows.append(program_row(program_choice(cost, ctx, replay), here))
   if _MEASURE.value:
     rows_measured = measured(pair, _MEASURE.value, nodes, cal, runs, gen, test, max_len)
   summary = summarise(rows)

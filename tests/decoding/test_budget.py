@@ -271,7 +271,7 @@ def test_eval_budget_script(tmp_path):
   rows = [json.loads(x) for x in (tmp_path / "budget_eval.jsonl").read_text().splitlines()]
   sim = [r for r in rows if "simulated_tokens_per_s" in r]
   assert sorted((r["cost_model"], r["mode"]) for r in sim) == sorted(
-      (m, x) for m in ("1gpu", "8gpu") for x in ("ar", "chain", "ddtree", "auto"))
+      (m, x) for m in ("1gpu", "8gpu") for x in ("ar", "chain", "ddtree", "auto", "auto_program"))
   assert all(r["same_tokens_as_ar"] and r["label"].startswith("SIMULATED") for r in sim)
   models = step_cost.k26_models()
   for r in sim:
@@ -282,6 +282,13 @@ def test_eval_budget_script(tmp_path):
     if r["mode"] == "auto":
       assert sum(r["width_histogram"].values()) == r["steps"]
       assert set(map(int, r["width_histogram"])) <= {1, 3}
+  for r in (r for r in sim if r["mode"] == "auto_program"):  # decode's whole-program choice
+    same = [x for x in sim if x["cost_model"] == r["cost_model"] and x["mode"] != "auto_program"]
+    fixed = r["program"].startswith("ddtree ")
+    named = ("ddtree", int(r["program"].split()[-1])) if fixed else {
+        "chain": ("chain", None), "switch": ("auto", 3)}[r["program"]]
+    src = next(x for x in same if (x["mode"], x["budget"]) == named)
+    assert r["simulated_tokens_per_s"] == src["simulated_tokens_per_s"], (r["program"], src)
   assert len([r for r in rows if r.get("kind") == "summary"]) == 2
   assert [r["nodes"] for r in rows if r.get("kind") == "calibration"] == [1, 3]
   meas = {r["mode"]: r for r in rows if r.get("kind") == "measured"}
