@@ -49,13 +49,13 @@ flags.DEFINE_string("cache_dir", "/tmp/jax_cache", "persistent compilation cache
 flags.DEFINE_bool("small", False, "tiny draft and ceilings (CPU smoke run)")
 flags.DEFINE_bool("probe_cudnn", False, "GPU: also time one layer's ctx attention, XLA vs cuDNN")
 flags.DEFINE_list("drafts", ["k26_dflash_share", "bench_k26"], "draft shapes (see the docstring)")
-flags.DEFINE_list("ctx_impls", ["xla", "pallas", "pallas+block", "pallas+packed",
-                                "pallas+block+packed", "pallas+block+packed+cublas", "pallas:512:128",
-                                "pallas:512:128+block",
-                                "pallas:512:32", "pallas:512:64:4", "pallas:512:64:8:3",
-                                "pallas:256"],
-                  "draft_block ctx attention: xla, or pallas[:chunk[:block_k[:num_warps"
-                  "[:num_stages]]]][+block] (GPU only; fields left out: "
+flags.DEFINE_list("ctx_impls", [
+    "xla", "pallas", "pallas+block", "pallas+packed", "pallas+block+packed",
+    "pallas+block+packed+cublas", "pallas:p132", "pallas:p131+block", "pallas:p131:128+block",
+    "pallas:p66:128+block", "pallas:512:128", "pallas:512:128+block", "pallas:512:32",
+    "pallas:512:64:4", "pallas:512:64:8:3"],
+                  "draft_block ctx attention: xla, or pallas[:chunk or pPROGRAMS[:block_k"
+                  "[:num_warps[:num_stages]]]][+block][+packed][+cublas] (GPU only; left out: "
                   "ctx_attention.default_tuning's; +block: the block's own keys as one more "
                   "program of the kernel, model.draft_block(block_in_kernel=True); +packed: "
                   "params through model.pack_for_decode: q|k|v and gate|up in one dot each; "
@@ -227,15 +227,17 @@ def cache_sized_outputs(hlo_text, cache_shape):
 
 def parse_ctx_impl(name):
   """'pallas:512:64:8:3+block+packed' -> ('pallas', 512, (('block_k', 64), ('num_warps', 8),
-  ('num_stages', 3)), {'block', 'packed'}); fields left out keep default_tuning's values."""
+  ('num_stages', 3)), {'block', 'packed'}); 'pallas:p131' -> tuning (('programs', 131),): 131
+  programs per kv head sharing the rows below ctx_len; fields left out keep default_tuning's."""
   name, *extras = name.split("+")
   if set(extras) - {"block", "packed", "cublas"}:
     raise ValueError(f"unknown ctx_impl suffix in {name!r}: +block, +packed, +cublas only")
   impl, *fields = name.split(":")
-  fields = [int(f) for f in fields]
-  chunk = fields[0] if fields else None
+  split = bool(fields) and fields[0].startswith("p")  # p132: tuning.programs = 132
+  fields = [int(f.lstrip("p")) for f in fields]
+  chunk = fields[0] if fields and not split else None
   tuning = tuple(zip(("block_k", "num_warps", "num_stages"), fields[1:]))
-  return impl, chunk, tuning, set(extras)
+  return impl, chunk, tuning + ((("programs", fields[0]),) if split else ()), set(extras)
 
 
 def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):

@@ -10,6 +10,11 @@ in the cache dtype and its f32 log-sum-exp (as flash-decoding and vLLM's paged a
 them: the partials' bytes are M/chunk of the chunk's K/V bytes at bf16, half that of f32), which
 the caller merges through their log-sum-exps with the block part.
 
+With Tuning.programs the grid is that many programs per kv head sharing the tiles below
+ctx_len evenly instead of fixed chunks (one wave on the SMs at any context length). Given the
+block's own K/V (draft_block's block_in_kernel), one more program attends to them, so the
+caller merges one set of partials and runs no XLA attention for the block.
+
 Only the length mask is applied (full-attention layers); sliding-window layers take the XLA
 path. Letters: B batch, G kv heads, L cache rows, Y head_dim (the package glossary), and this
 kernel's own M = U*S query rows per kv head.
@@ -28,11 +33,16 @@ from jax.experimental.pallas import triton as pltriton
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-  """chunk: cache rows per program (divides L); block_k: rows per tile of the online softmax."""
+  """chunk: cache rows per program (divides L); block_k: rows per tile of the online softmax;
+  programs (replaces chunk when set): that many programs per (batch row, kv head) share the
+  tiles below ctx_len evenly (tiles p*T//P .. (p+1)*T//P - 1 of T = cdiv(ctx_len, block_k)),
+  so every program streams the same number of rows whatever the context length (P = the SMs:
+  one wave, none idle)."""
   chunk: int = 1024
   block_k: int = 64
   num_warps: int = 8
   num_stages: int = 2
+  programs: int | None = None
 
 
 def default_tuning(batch: int, kv_heads: int, rows_m: int, capacity: int,
@@ -54,8 +64,10 @@ def supports(q_bgmy, k_bgly, tuning: Tuning = Tuning()) -> bool:
   M, Y = q_bgmy.shape[2:]
   L, c, bk = k_bgly.shape[2], tuning.chunk, tuning.block_k
   pow2 = lambda x: x & (x - 1) == 0
+  rows_ok = (L % bk == 0 and tuning.programs >= 1 if tuning.programs is not None else
+             pow2(c) and L % c == 0 and c % bk == 0)
   return (k_bgly.dtype == jnp.bfloat16 and M % 16 == 0 and Y % 16 == 0 and bk >= 16
-          and pow2(bk) and pow2(c) and L % c == 0 and c % bk == 0)
+          and pow2(bk) and rows_ok)
 
 
 def supports_block(kb_bgsy) -> bool:
@@ -78,24 +90,36 @@ def _online_step(q, k, v, live, carry, scale):
   return o, m_new, l * corr + jnp.sum(p, axis=1)
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, n_chunks):
-  """One (batch row, kv head, program j): j < n_chunks: online softmax over chunk j's rows below
-  ctx_len; j == n_chunks (only with block K/V refs): every row of the block's own K/V."""
+def _tile_range(ctx_len, j, n_chunks, chunk, block_k, split):
+  """(first tile, end tile, rows limit) of program j < n_chunks in its K/V ref: chunk j's rows
+  below ctx_len (ref = the chunk), or with split, tiles j*T//n .. (j+1)*T//n - 1 of the
+  T = cdiv(ctx_len, block_k) tiles below ctx_len (ref = every row)."""
+  if split:
+    tiles = pl.cdiv(ctx_len, block_k)
+    return j * tiles // n_chunks, (j + 1) * tiles // n_chunks, ctx_len
+  valid = jnp.clip(ctx_len - j * chunk, 0, chunk)
+  return 0, pl.cdiv(valid, block_k), valid
+
+
+def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, n_chunks, split):
+  """One (batch row, kv head, program j): j < n_chunks: online softmax over its tiles of the
+  rows below ctx_len (_tile_range); j == n_chunks (only with block K/V refs): every row of
+  the block's own K/V."""
   *blk_refs, o_ref, lse_ref = refs
-  chunk = k_ref.shape[0]
   j = pl.program_id(2)
-  valid = jnp.where(j < n_chunks, jnp.clip(len_ref[0] - j * chunk, 0, chunk), 0)
+  first, end, limit = _tile_range(len_ref[0], j, n_chunks, k_ref.shape[0], block_k, split)
+  end = jnp.where(j < n_chunks, end, first)  # the block's program reads no cache rows
   q = q_ref[...]
   M, Y = q.shape
 
   def tile(t, carry):
     rows = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
-    live = (t * block_k + jnp.arange(block_k)) < valid  # every tile has a live row
+    live = (t * block_k + jnp.arange(block_k)) < limit  # every tile has a live row
     return _online_step(q, k_ref[rows, :], v_ref[rows, :], live, carry, scale)
 
   init = (jnp.zeros((M, Y), jnp.float32), jnp.full((M,), -jnp.inf, jnp.float32),
           jnp.zeros((M,), jnp.float32))
-  o, m, l = jax.lax.fori_loop(0, pl.cdiv(valid, block_k), tile, init)
+  o, m, l = jax.lax.fori_loop(first, end, tile, init)
   if blk_refs:
     kb_ref, vb_ref = blk_refs
     block = lambda c: _online_step(q, kb_ref[...], vb_ref[...], None, c, scale)
@@ -108,25 +132,27 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, n_chunks):
 @functools.partial(jax.jit, static_argnames=("scale", "tuning", "interpret"))
 def ctx_partials(q_bgmy, k_bgly, v_bgly, ctx_len_b, kb_bgsy=None, vb_bgsy=None, *, scale,
                  tuning: Tuning = Tuning(), interpret=False):
-  """Per-chunk partials over cache rows < ctx_len: o [B, G, N, M, Y] = softmax(s) v over the
-  chunk's rows, in the cache dtype (0 for a chunk wholly past ctx_len), and lse [B, G, N, M] =
-  log sum exp(s) in f32 (-inf for such a chunk). With the block's own K/V kb, vb [B, G, S, Y]
-  (every block key visible to every query: non-causal, full attention), one more partial
-  N + 1 over them (a program of its own, so the caller merges one set of partials)."""
+  """Per-program partials over cache rows < ctx_len: o [B, G, N, M, Y] = softmax(s) v over the
+  program's rows (a chunk, or its share with tuning.programs), in the cache dtype (0 for a
+  program with no row below ctx_len), and lse [B, G, N, M] = log sum exp(s) in f32 (-inf for
+  such a program). With the block's own K/V kb, vb [B, G, S, Y] (every block key visible to
+  every query: non-causal, full attention), one more partial N + 1 over them (a program of its
+  own, so the caller merges one set of partials)."""
   B, G, M, Y = q_bgmy.shape
   L = k_bgly.shape[2]
-  n, c = L // tuning.chunk, tuning.chunk
-  k = k_bgly.reshape(B, G, n, c, Y)
-  v = v_bgly.reshape(B, G, n, c, Y)
-  kv_spec = pl.BlockSpec((None, None, None, c, Y),
-                         lambda b, g, j: (b, g, jnp.minimum(j, n - 1), 0, 0))
+  split = tuning.programs is not None
+  n, c = (tuning.programs, L) if split else (L // tuning.chunk, tuning.chunk)
+  rows = lambda x: x[:, :, None] if split else x.reshape(B, G, n, c, Y)  # [B, G, n or 1, c, Y]
+  k, v = rows(k_bgly), rows(v_bgly)
+  kv_spec = pl.BlockSpec((None, None, None, c, Y), lambda b, g, j: (
+      b, g, 0 if split else jnp.minimum(j, n - 1), 0, 0))
   row_spec = pl.BlockSpec((None, None, None, M), lambda b, g, j: (b, g, j, 0))
   blk = () if kb_bgsy is None else (kb_bgsy.astype(k.dtype), vb_bgsy.astype(k.dtype))
   blk_specs = [pl.BlockSpec((None, None, *x.shape[2:]), lambda b, g, j: (b, g, 0, 0))
                for x in blk]
   programs = n + (1 if blk else 0)
   return pl.pallas_call(
-      functools.partial(_kernel, scale=scale, block_k=tuning.block_k, n_chunks=n),
+      functools.partial(_kernel, scale=scale, block_k=tuning.block_k, n_chunks=n, split=split),
       grid=(B, G, programs),
       in_specs=[pl.BlockSpec((1,), lambda b, g, j: (b,)),
                 pl.BlockSpec((None, None, M, Y), lambda b, g, j: (b, g, 0, 0)),

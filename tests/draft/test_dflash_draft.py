@@ -1,5 +1,6 @@
 """DFlash draft: numpy reference on HF-layout weights, cache/train agreement, checkpoints, errors."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -338,7 +339,10 @@ def test_ctx_kernel_lowers_for_h200():
   dev = mesh_lib.AbstractDevice("NVIDIA H200", 132, "gpu")
   assert ctx_attention.supports_block(spec(1, 1, 16, E))
   assert not ctx_attention.supports_block(spec(1, 1, 8, E))  # below a Triton dot tile
-  for blk in ((), (spec(1, 1, 16, E), spec(1, 1, 16, E))):  # without / with the block's K/V
+  split = dataclasses.replace(tuning, programs=131)
+  assert ctx_attention.supports(spec(1, 1, M, E), spec(1, 1, C, E), split)
+  fn_split = jax.jit(functools.partial(ctx_attention.ctx_partials, scale=E ** -0.5, tuning=split))
+  for fn, blk in ((fn, ()), (fn, (spec(1, 1, 16, E),) * 2), (fn_split, (spec(1, 1, 16, E),) * 2)):
     with jax.sharding.use_abstract_mesh(
         jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
       text = fn.trace(spec(1, 1, M, E), spec(1, 1, C, E), spec(1, 1, C, E),
@@ -376,7 +380,8 @@ def test_ctx_kernel_compiled_matches_float64(kv_heads, q_heads, ctx):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernel: GPU only")
-def test_ctx_kernel_with_block_compiled_matches_float64():
+@pytest.mark.parametrize("programs", [None, 131])
+def test_ctx_kernel_with_block_compiled_matches_float64(programs):
   """The compiled kernel with the block's own 16 K/V rows as its extra program (bench_k26_full's
   draft heads: 1 kv head, 128 query rows): attention over rows < ctx_len plus every block row
   equals a float64 softmax of the same bf16 inputs (rel L2 <= 1e-2)."""
@@ -387,7 +392,7 @@ def test_ctx_kernel_with_block_compiled_matches_float64():
   q, k, v, kb, vb = (rnd(ks[0], B, G, M, E), rnd(ks[1], B, G, C, E), rnd(ks[2], B, G, C, E),
                      rnd(ks[3], B, G, S, E), rnd(ks[4], B, G, S, E))
   lens = jnp.array([3000, 0], jnp.int32)  # row 1: block keys only
-  tuning = ctx_attention.default_tuning(B, G, M, C)
+  tuning = dataclasses.replace(ctx_attention.default_tuning(B, G, M, C), programs=programs)
   o, _, l = model.kernel_part(k, v, lens, tuning, False, kb, vb)(q.reshape(B, G, 1, M, E),
                                                                  E ** -0.5)
   got = np.asarray(o / l[..., None], np.float64).reshape(B, G, M, E)
@@ -556,6 +561,10 @@ def test_ctx_impl_auto_and_tuning_overrides():
   close(got, np.asarray(want, np.float64), rel=1e-5)
   fused = run(ctx_impl="interpret", kernel_chunk=32, block_in_kernel=True)  # block keys in-kernel
   close(fused, np.asarray(want, np.float64), rel=1e-5)
+  for programs in (1, 2, 5):  # 37 rows = 3 tiles of 16 shared by P programs (P=5: 2 get none)
+    split = run(ctx_impl="interpret", kernel_tuning=(("programs", programs), ("block_k", 16)),
+                block_in_kernel=programs == 2)
+    close(split, np.asarray(want, np.float64), rel=1e-5)
   np.testing.assert_array_equal(run(), want)  # auto = xla here
 
 
