@@ -389,6 +389,13 @@ def report(rows):
   for r in (r for r in rows if "cache_sized_outputs" in r):
     print(f"{r['draft']} draft_block {r['ctx_impl']} ctx={r['ctx']}: computations writing a "
           f"cache-sized array: {len(r['cache_sized_outputs'])} {r['cache_sized_outputs'][:4]}")
+  for phase in ("draft_ctx", "draft_block"):
+    timed = [r for r in rows if r["phase"] == phase and "us" in r]
+    for ctx in sorted({r["ctx"] for r in timed}):
+      best = min((r for r in timed if r["ctx"] == ctx), key=lambda r: r["us"])
+      print(f"BEST {best['draft']} {phase} ctx={ctx}: {variant_of(best)} {best['us']:.1f} us = "
+            f"{best['x_floor']:.2f}x floor ({best['floor_us']:.1f} us; 1.5x = "
+            f"{1.5 * best['floor_us']:.1f} us)")
 
 
 def main(_):
