@@ -7,9 +7,10 @@ positions of one attention call, W block size, Z tapped features (the package gl
 Params (HF Linear [out, in] stored as [in, out]): fc [n_tap*D, D], hidden_norm [D], norm [D],
 layers: a list of dicts (one per layer, so no step slices a stacked weight): q_proj
 [D, H*Y], k_proj / v_proj [D, G*Y], o_proj [H*Y, D], q_norm / k_norm [Y], input_layernorm /
-post_attention_layernorm [D], gate_proj / up_proj [D, F], down_proj [F, D]. Optional, for
-inference only (pack_ctx_kv, built once at load): ctx_kv [D, layers*2*G*Y], every layer's
-k_proj / v_proj side by side, so the context write runs one dot for all layers.
+post_attention_layernorm [D], gate_proj / up_proj [D, F], down_proj [F, D]. Inference-only
+layouts, built once at load: pack_ctx_kv adds ctx_kv [D, layers*2*G*Y] (every layer's k_proj /
+v_proj side by side: the context write runs one dot for all layers); pack_for_decode also
+replaces each layer's q/k/v by qkv_proj [D, (H+2G)*Y] and gate/up by gate_up_proj [D, 2F].
 
 Attention rule: z-lab's reference (github.com/z-lab/dflash dflash/model.py, run by its
 dflash_generate on transformers 4.57.1's flash-attention path; notes/dflash_reference.md). A
