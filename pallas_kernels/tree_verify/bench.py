@@ -62,7 +62,7 @@ FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64]
 _TRI, _PF = "merge=triton", "prefetch=2,merge=triton"
 _BK32 = "block_kv=32,stages=4,merge=triton"
 _BK32_PF = "block_kv=32,stages=4,prefetch=4,merge=triton"
-PROBES = {(1, 1, 8, 46000): f"{_TRI};{_PF};{_BK32};{_BK32_PF};{_BK32_PF},mask=packed",
+PROBES = {(1, 1, 8, 46000): f"{_TRI};{_BK32};{_PF};{_BK32_PF};{_BK32_PF},mask=packed",
           (1, 8, 8, 46000): f"{_TRI};{_PF};{_BK32_PF};{_PF},mask=packed",
           (1, 16, 8, 46000): f"{_TRI};{_PF};{_BK32_PF};{_PF},mask=packed",
           (1, 64, 8, 46000): f"{_TRI};{_PF};num_splits=8;shared_p=0",
@@ -182,6 +182,8 @@ def bench_shape(b, n, h, l, ceil, deadline, scale=1.0 / math.sqrt(C)):
       continue
     rows.append(dict(impl="pallas", variant=name, tuning=t.__dict__, packed_mask=packed,
                      **time_variant(t, packed_sets if packed else sets, ref, scale)))
+    print(f"  [{time.time() - deadline + FLAGS.budget_s:5.0f} s] {b}x{n}x{h}x{l} {name}: "
+          f"{rows[-1]['us']:.1f} us, rel err {rows[-1]['rel_err']}", flush=True)
   del ref
   if not FLAGS.skip_xla:
     big = b * n * h * l * 4 > 4e9
