@@ -57,8 +57,9 @@ FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64]
 # does per step: the call is the kernel + the merge).
 # merge=triton: the split merge as one Pallas Triton kernel (any split count).
 # prefetch=P: each ring load of tile i is followed by an L2 prefetch of tile i + P (HBM reads in
-# flight beyond the SMEM ring; P x 74 KB per SM at block_kv=64). block_kv=32,stages=4: 32-key tiles, 4-deep ring (one SMEM
-# budget), 11 instead of 6 tiles per CTA at N=1 (less last-tile imbalance).
+# flight beyond the SMEM ring; P x 74 KB per SM at block_kv=64).
+# block_kv=32,stages=4: 32-key tiles, 4-deep ring (one SMEM budget), 11 instead of 6 tiles per
+# CTA at N=1 (less last-tile imbalance).
 _TRI, _PF = "merge=triton", "prefetch=2,merge=triton"
 _BK32 = "block_kv=32,stages=4,merge=triton"
 _BK32_PF = "block_kv=32,stages=4,prefetch=4,merge=triton"
@@ -69,7 +70,6 @@ PROBES = {(1, 1, 8, 46000): f"{_TRI};{_BK32};{_PF};{_BK32_PF};{_BK32_PF},mask=pa
           (1, 64, 64, 46000): "num_splits=1;shared_p=0;prefetch=2",
           (4, 1, 8, 46000): f"num_splits=66;{_BK32_PF}",
           (4, 16, 8, 46000): f"num_splits=32;{_PF}"}
-OPTIONS = ("mask",)  # variant keys that are call options, not Tuning fields
 
 
 def xla_baseline(q, cache, lengths, tree_mask, *, scale):
@@ -223,8 +223,8 @@ def best_table(rows):
   """Per shape (sorted): the default, the fastest correct pallas variant with the bool mask (what
   a default flip gives) and the fastest overall; % of copy = (bytes / copy rate) / time."""
   lines = ["best per shape (bool mask: the library call; any: incl. mask=packed):",
-           f"{'B x N x H x L':>16} {'default us':>10} {'best (bool mask)':>56} {'us':>6} {'%copy':>6}"
-           f" {'%roof':>6} {'best (any)':>56} {'us':>6} {'%copy':>6}"]
+           f"{'B x N x H x L':>16} {'default us':>10} {'best (bool mask)':>56} {'us':>6} "
+           f"{'%copy':>6} {'%roof':>6} {'best (any)':>56} {'us':>6} {'%copy':>6}"]
   by_shape = {}
   for r in rows:
     if r["impl"] == "pallas" and r["us"] == r["us"]:  # not NaN (failed the check)

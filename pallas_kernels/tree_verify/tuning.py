@@ -9,7 +9,7 @@ BLOCK_M = 64   # rows = (node, head) pairs per tile; one wgmma M
 SMEM_BYTES = 232448  # sm90 dynamic shared memory per CTA (227 KiB)
 MIN_TILES_PER_SPLIT = 2  # a split below this pays its Q load and epilogue for too little streaming
 KERNELS = ("v2", "v1")  # v2: kernel.py (tree block in the kernel); v1: kernel_v1.py (tree in XLA)
-MERGES = ("xla", "triton")  # v2's split merge: combine.py (2-3 XLA kernels) or merge_triton.py (one)
+MERGES = ("xla", "triton")  # v2's split merge: combine.py (XLA, ~3 kernels) or merge_triton.py (1)
 
 
 @dataclasses.dataclass(frozen=True)
