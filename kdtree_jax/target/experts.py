@@ -83,22 +83,52 @@ def expert_ffn_dense(x_td, sel_te, w_te, gate_edf, up_edf, down_efd, k: int, imp
   level is one masked reduction over the T x E_l local slots, all from the selection mask:
   1. each slot's sorted row, its rank among its token's local slots, rows per expert so far;
   2. each row's token and expert, each (token, k) pair's row and weight;
-  then the x gather, the work list (element-wise at T = 1), the two kernel calls and a gather-
-  combine over k as in `expert_ffn`.
+  then the x gather, the work list, the two kernel calls and a gather-combine over k as in
+  `expert_ffn`. One token (T = 1) has its own shorter path (`_one_token_ffn`).
   """
   t = x_td.shape[0]
   e_l = gate_edf.shape[0]
-  m = t * k
   sel = sel_te[:, :e_l]
-  pos, nth, ends = _slot_rows(sel)
-  tok_row, exp_row, pos_tk, w_tk, ok_tk = _row_lookup(sel, w_te[:, :e_l], pos, nth, m, k)
-  sizes = ends - jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
-  items = None
   if t == 1:
-    items = lambda rows: work.single_row_items(exp_row, ends[-1], rows)
+    return _one_token_ffn(x_td, sel[0], w_te[0, :e_l], gate_edf, up_edf, down_efd, k, impl,
+                          int4_wide_loads)
+  pos, nth, ends = _slot_rows(sel)
+  tok_row, _, pos_tk, w_tk, ok_tk = _row_lookup(sel, w_te[:, :e_l], pos, nth, t * k, k)
+  sizes = ends - jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
   y = expert_mlp(x_td[tok_row], gate_edf, up_edf, down_efd, sizes, impl, group_ends=ends,
-                 items=items, int4_wide_loads=int4_wide_loads)
+                 int4_wide_loads=int4_wide_loads)
   return combine_pairs(y, pos_tk.reshape(-1), ok_tk.reshape(-1), w_tk)
+
+
+def _one_token_ffn(x_1d, sel_e, w_e, gate_edf, up_edf, down_efd, k, impl, int4_wide_loads):
+  """One token: its selected local experts are its rows, in expert order. Two masked
+  reductions: each expert's row (an exclusive count of the selection), then the work list
+  (`one_token_work_list`: row i's expert and whether it is live); the rows
+  are x broadcast, the combine sums row i x the weight of its expert."""
+  row_of, items = one_token_work_list(sel_e, k)
+  sizes = sel_e.astype(jnp.int32)
+  y = expert_mlp(jnp.broadcast_to(x_1d, (k, x_1d.shape[1])), gate_edf, up_edf, down_efd, sizes,
+                 impl, group_ends=row_of + sizes, items=lambda rows: items,
+                 int4_wide_loads=int4_wide_loads)  # [S, k, D]; rows >= live undefined
+  live, w_row = items[3] > 0, w_e[items[0]]
+  return jnp.sum(jnp.where(live[None, :, None], w_row[None, :, None] * y, 0.0), axis=(0, 1))[None]
+
+
+def one_token_work_list(sel_e, m: int):
+  """One token's rows: (each local expert's row if selected [E_l], the work list int32 [4, m]:
+  row i alone in its window, i.e. (its expert, i - i % 8, i % 8, live), as one reduction over
+  the experts with no stack after it). R >= 8 for any tuning, so the list does not depend on R."""
+  ids = jnp.arange(sel_e.shape[0], dtype=jnp.int32)
+  row_of = jnp.sum(sel_e[None, :] & (ids[None, :] < ids[:, None]), axis=1, dtype=jnp.int32)
+  ids = ids[None, :]
+  item = jnp.arange(m, dtype=jnp.int32)[:, None]
+  hit = sel_e[None, :] & (row_of[None, :] == item)  # [m, E_l]
+  first = ids == 0
+  terms = jnp.stack([jnp.where(hit, ids, 0),
+                     jnp.where(first, item - item % work.ALIGN, 0),
+                     jnp.where(first, item % work.ALIGN, 0),
+                     hit.astype(jnp.int32)])
+  return row_of, jnp.sum(terms, axis=2, dtype=jnp.int32)
 
 
 def _slot_rows(sel_te):

@@ -118,8 +118,7 @@ def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
   One work list for both calls (their tunings share R). The caller sums over S, ideally inside
   the fusion that weights and combines the rows (S = 1 on XLA). Rows past sum(group_sizes) are
   undefined on the kernel backends. group_ends: cumsum(group_sizes) if the caller has it.
-  items: a work list the caller built (a function of R: work.work_list or
-  work.single_row_items), called with R. int4_wide_loads: set on the default tunings (INT4).
+  items: R -> a work list the caller built (as work.work_list would for R). int4_wide_loads: set on the default tunings (INT4).
   """
   stacks = [tuple(gate), tuple(up)]
   down = tuple(down)

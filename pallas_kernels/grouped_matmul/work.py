@@ -56,14 +56,3 @@ def work_list(group_sizes, m: int, rows: int, group_ends=None):
   size = jnp.where(item < upto[-1], jnp.maximum(hi - lo, 0), 0)
   return jnp.stack([grp, win, lo - win, size]).astype(jnp.int32)
 
-
-def single_row_items(group_of_row, live_rows, rows: int):
-  """The work list when every expert has at most one row (one token): item i is sorted row i,
-  alone in its window (expert group_of_row[i], window i rounded down to 8, size 1 if i <
-  live_rows). Element-wise: no cumsum or search over the experts. int32 [4, M]."""
-  if rows < ALIGN:
-    raise ValueError(f"{rows=} must be >= {ALIGN}")
-  item = jnp.arange(group_of_row.shape[0], dtype=jnp.int32)
-  live = item < live_rows
-  grp = jnp.where(live, group_of_row, 0)
-  return jnp.stack([grp, item - item % ALIGN, item % ALIGN, live]).astype(jnp.int32)

@@ -46,12 +46,13 @@ def test_work_list_covers_every_row_once(sizes, m, rows):
 
 @pytest.mark.parametrize("experts_hit,g,m", [([2, 5, 6, 40, 47], 48, 8), ([0], 4, 3), ([], 8, 8)])
 @pytest.mark.parametrize("rows", [8, 32])
-def test_single_row_items_equal_the_work_list(experts_hit, g, m, rows):
-  """One token's work list (each expert <= 1 row) element-wise == the general one's live items."""
+def test_one_token_work_list_equals_brute_force(experts_hit, g, m, rows):
+  """One token's work list (each expert <= 1 row, rows in expert order) == the brute force."""
   sizes = np.zeros(g, np.int32)
   sizes[experts_hit] = 1
-  group_of_row = jnp.asarray(experts_hit + [g - 1] * (m - len(experts_hit)), jnp.int32)
-  items = np.asarray(work.single_row_items(group_of_row, len(experts_hit), rows)).T
+  row_of, items = experts.one_token_work_list(jnp.asarray(sizes > 0), m)
+  np.testing.assert_array_equal(np.asarray(row_of)[experts_hit], np.arange(len(experts_hit)))
+  items = np.asarray(items).T
   live = [list(map(int, it)) for it in items if it[3] > 0]
   assert live == _items_brute_force(list(sizes), rows)
   assert all(it[3] == 0 for it in items[len(experts_hit):])
