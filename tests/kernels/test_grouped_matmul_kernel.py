@@ -264,20 +264,25 @@ def test_expert_ffn_gpu_k26_ar_token_both_glues():
   """The routed-expert FFN at K2.6's T=1 shape (8 of 48 local INT4 experts, D 7168, F 2048),
   default tunings (gated split-K + slots loop, down split-K), sorted and dense glue (one
   compile pair shared: same shapes) == the f32 XLA FFN within bf16 rounding."""
-  e_l, d, f, k = 48, 7168, 2048, 8
+  check_one_token_ffn_both_glues(48, 7168, 2048, "pallas")
+
+
+def check_one_token_ffn_both_glues(e_l, d, f, impl, k=8, e=384):
+  """One token routed to 6 of the e_l local INT4 experts and 2 elsewhere, through expert_ffn
+  (sorted glue) and expert_ffn_dense (dense glue) on `impl` vs the f32 XLA FFN."""
   ks = jax.random.split(jax.random.key(3), 4)
   mats = [int4.random_int4(kk, s, 0.02) for kk, s in zip(ks[:3], [(e_l, d, f), (e_l, d, f),
                                                                    (e_l, f, d)])]
   x = jax.random.normal(ks[3], (1, d), jnp.bfloat16)
-  idx = jnp.asarray([[3, 40, 7, 100, 11, 47, 0, 200]], jnp.int32)  # 6 local, 2 elsewhere
+  local = [3, e_l - 8, 7, 11, e_l - 1, 0]
+  idx = jnp.asarray([local[:3] + [e_l + 52] + local[3:] + [e - 1]], jnp.int32)
   w = jnp.linspace(0.05, 0.4, k, dtype=jnp.float32)[None]
   ref = experts.expert_ffn(x.astype(jnp.float32), idx, w,
                            *[int4.dequantize(m_, jnp.float32) for m_ in mats], impl="xla")
-  sel = jnp.zeros((1, 384), bool).at[0, idx[0]].set(True)
-  w_te = jnp.zeros((1, 384), jnp.float32).at[0, idx[0]].set(w[0])
-  sorted_glue = jax.jit(lambda x, ms: experts.expert_ffn(x, idx, w, *ms, impl="pallas"))
-  dense_glue = jax.jit(lambda x, ms: experts.expert_ffn_dense(x, sel, w_te, *ms, k,
-                                                              impl="pallas"))
+  sel = jnp.zeros((1, e), bool).at[0, idx[0]].set(True)
+  w_te = jnp.zeros((1, e), jnp.float32).at[0, idx[0]].set(w[0])
+  sorted_glue = jax.jit(lambda x, ms: experts.expert_ffn(x, idx, w, *ms, impl=impl))
+  dense_glue = jax.jit(lambda x, ms: experts.expert_ffn_dense(x, sel, w_te, *ms, k, impl=impl))
   for fn in (sorted_glue, dense_glue):
     got = fn(x, mats)
     assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 1e-2
