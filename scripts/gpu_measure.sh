@@ -13,9 +13,9 @@
 #               one T together, T=1 first)
 #   verify      tree-verify kernel: GPU tests (-m gpu, ~2 min), short bench (default L=46000 grid);
 #               verify:240 fits 4 minutes
-#   verify_probes  tree-verify bench at L=46000, B=1, H=8, N=1,8,16 with the PROBES variants
-#               (Triton merge, L2 prefetch, 32-key tiles, packed mask; 16 variants, ~7 s each with
-#               compiles): verify_probes:200; ends with the best variant per shape and its % of copy
+#   verify_probes  tree-verify bench at L=46000, B=1, H=8, N=1,8,16,64 with the PROBES variants
+#               (Triton merge, L2 prefetch, 32-key tiles, packed mask; 20 variants, one compile
+#               each): verify_probes:200; ends with the best variant per shape and its % of copy
 #   verify_full tree-verify kernel: every test + the full GPU grid, per-kernel profile, the issue's
 #               whole bench table (with probes and XLA) until half the time box is spent
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
@@ -57,7 +57,7 @@ run_part() {
                 tests/kernels/test_tree_verify_attention.py tests/sharding/test_verify_attention_sharded.py; \
                 python3 -m pallas_kernels.tree_verify.bench --probe_variants=false --skip_xla \
                 --budget_s=$(( secs - 180 )) --json_out=$RAW/bench_verify_attention.jsonl" ;;
-    verify_probes) one_gpu timeout "$secs" python3 -m pallas_kernels.tree_verify.bench --N=1,8,16 \
+    verify_probes) one_gpu timeout "$secs" python3 -m pallas_kernels.tree_verify.bench --N=1,8,16,64 \
                 --H=8 --skip_xla --budget_s=$(( secs - 60 )) --json_out=$RAW/bench_verify_probes.jsonl ;;
     verify_full) one_gpu timeout "$secs" bash -c "python3 -m pytest -q -rs --gpu-full-grid \
                 tests/kernels/test_tree_verify_attention.py; python3 -m pallas_kernels.tree_verify.profile_kernels; \

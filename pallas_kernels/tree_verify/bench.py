@@ -66,7 +66,7 @@ _BK32_PF = "block_kv=32,stages=4,prefetch=4,merge=triton"
 PROBES = {(1, 1, 8, 46000): f"{_TRI};{_BK32};{_PF};{_BK32_PF};{_BK32_PF},mask=packed",
           (1, 8, 8, 46000): f"{_TRI};{_PF};{_BK32_PF};{_PF},mask=packed",
           (1, 16, 8, 46000): f"{_TRI};{_PF};{_BK32_PF};{_PF},mask=packed",
-          (1, 64, 8, 46000): f"{_TRI};{_PF};num_splits=8;shared_p=0",
+          (1, 64, 8, 46000): f"{_TRI};{_PF};{_PF},mask=packed",
           (1, 64, 64, 46000): "num_splits=1;shared_p=0;prefetch=2",
           (4, 1, 8, 46000): f"num_splits=66;{_BK32_PF}",
           (4, 16, 8, 46000): f"num_splits=32;{_PF}"}
