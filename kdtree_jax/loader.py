@@ -14,7 +14,7 @@ from kdtree_jax.target.checkpoint import load_hf_checkpoint
 from kdtree_jax.cli import DataError, UsageError
 from kdtree_jax.draft.checkpoint import load_dflash_checkpoint
 from kdtree_jax.draft.config import DraftConfig
-from kdtree_jax.draft.model import init_draft_params
+from kdtree_jax.draft.model import init_draft_params, pack_for_decode
 from kdtree_jax.pair import Pair
 from kdtree_jax.target.params import init_params
 from kdtree_jax.tokenizer import ByteTokenizer, load_tokenizer
@@ -157,7 +157,8 @@ def make_tokenizer(name: str, target):
 
 
 def load_pair(config, mesh=None) -> tuple[Pair, object]:
-  """(target + draft pair, tokenizer) of a run config, params placed on `mesh` (if any)."""
+  """(target + draft pair, tokenizer) of a run config, params placed on `mesh` (if any); without
+  a mesh the draft params in draft.model.pack_for_decode's layout."""
   dtype = _dtype(config.dtype)
   for kind in ("target", "draft"):  # checkpoint dirs first: an empty one is not a tokenizer error
     if config[kind].checkpoint:
@@ -165,4 +166,6 @@ def load_pair(config, mesh=None) -> tuple[Pair, object]:
   tokenizer = make_tokenizer(config.tokenizer, config.target)  # fails fast, before the weights
   tcfg, tparams = load_target(config.target, dtype, mesh)
   dcfg, dparams = load_draft(config.draft, tcfg, dtype, mesh)
+  if dparams is not None and mesh is None:  # one device: the draft's decode layout (no
+    dparams = pack_for_decode(dparams)      # weight concatenation at run time)
   return Pair(tcfg, tparams, dcfg, dparams), tokenizer

@@ -593,3 +593,13 @@ def test_pack_for_decode_matches():
 
     want = np.asarray(logits(params), np.float64)
     close(logits(packed), want, rel=1e-5)
+
+
+def test_load_pair_packs_the_draft_on_one_device():
+  """load_pair without a mesh hands the decode pack_for_decode's layout (no run-time weight
+  concatenation); its draft logits equal the per-layer params' (covered above)."""
+  from kdtree_jax import cli, loader  # pylint: disable=import-outside-toplevel
+  root = os.path.join(os.path.dirname(__file__), "..", "..")
+  pair, _ = loader.load_pair(cli.load_config_file(os.path.join(root, "configs", "tiny.py")))
+  assert "ctx_kv" in pair.dparams and "qkv_proj" in pair.dparams["layers"][0]
+  assert "q_proj" not in pair.dparams["layers"][0]
