@@ -322,16 +322,15 @@ def _qkv(lp, cfg, h_bsd, pos_bs):
   over lp["qkv_proj"] when the layer is packed (pack_for_decode), else three."""
   B, S, _ = h_bsd.shape
   H, Y = cfg.num_attention_heads, cfg.head_dim
-  if "qkv_proj" in lp:
-    qkv = h_bsd @ lp["qkv_proj"]
-    q = qkv[..., :H * Y].reshape(B, S, H, Y)
+  if "qkv_proj" in lp:  # q and k heads normed and roped together (one fusion, not two)
     G = cfg.num_key_value_heads
-    k = qkv[..., H * Y:(H + G) * Y].reshape(B, S, G, Y)
-    v = qkv[..., (H + G) * Y:].reshape(B, S, G, Y)
-    k = rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), pos_bs, cfg.rope_theta)
-  else:
-    q = (h_bsd @ lp["q_proj"]).reshape(B, S, H, Y)
-    k, v = _kv(lp, cfg, h_bsd, pos_bs)
+    qkv = (h_bsd @ lp["qkv_proj"]).reshape(B, S, H + 2 * G, Y)
+    norm = jnp.concatenate([jnp.broadcast_to(lp["q_norm"], (H, Y)),
+                            jnp.broadcast_to(lp["k_norm"], (G, Y))])
+    qk = rope(rms_norm(qkv[:, :, :H + G], norm, cfg.rms_norm_eps), pos_bs, cfg.rope_theta)
+    return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + G:]
+  q = (h_bsd @ lp["q_proj"]).reshape(B, S, H, Y)
+  k, v = _kv(lp, cfg, h_bsd, pos_bs)
   return rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), pos_bs, cfg.rope_theta), k, v
 
 
