@@ -95,8 +95,15 @@ def expert_ffn_dense(x_td, sel_te, w_te, gate_edf, up_edf, down_efd, k: int, imp
   pos, nth, ends = _slot_rows(sel)
   tok_row, _, pos_tk, w_tk, ok_tk = _row_lookup(sel, w_te[:, :e_l], pos, nth, t * k, k)
   sizes = ends - jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+  live = jnp.any(sel, axis=0)
+
+  def items(rows):
+    if rows >= t + work.ALIGN - 1:
+      return one_window_work_list(live, sizes, ends, min(e_l, t * k))
+    return work.work_list(sizes, t * k, rows, ends)
+
   y = expert_mlp(x_td[tok_row], gate_edf, up_edf, down_efd, sizes, impl, group_ends=ends,
-                 int4_wide_loads=int4_wide_loads)
+                 items=items, int4_wide_loads=int4_wide_loads)
   return combine_pairs(y, pos_tk.reshape(-1), ok_tk.reshape(-1), w_tk)
 
 
@@ -129,6 +136,21 @@ def one_token_work_list(sel_e, m: int):
                      jnp.where(first, item % work.ALIGN, 0),
                      hit.astype(jnp.int32)])
   return row_of, jnp.sum(terms, axis=2, dtype=jnp.int32)
+
+
+def one_window_work_list(live_e, sizes_e, ends_e, n_items: int):
+  """The work list when every expert's rows fit one window (R >= T + 7: <= T rows starting <= 7
+  past an 8-aligned row): item i = the i-th live expert (expert, its 8-aligned first row, its
+  offset there, its rows), by a count of the live experts before each, then one reduction over
+  the experts (no search, no gather, no stack after it). int32 [4, n_items]."""
+  ids = jnp.arange(live_e.shape[0], dtype=jnp.int32)
+  before = jnp.sum(live_e[None, :] & (ids[None, :] < ids[:, None]), axis=1, dtype=jnp.int32)
+  starts = ends_e - sizes_e
+  base = starts - starts % work.ALIGN
+  item = jnp.arange(n_items, dtype=jnp.int32)[:, None]
+  hit = live_e[None, :] & (before[None, :] == item)  # [I, E_l]
+  terms = jnp.stack([jnp.where(hit, v[None, :], 0) for v in (ids, base, starts - base, sizes_e)])
+  return jnp.sum(terms, axis=2, dtype=jnp.int32)
 
 
 def _slot_rows(sel_te):

@@ -58,6 +58,19 @@ def test_one_token_work_list_equals_brute_force(experts_hit, g, m, rows):
   assert all(it[3] == 0 for it in items[len(experts_hit):])
 
 
+@pytest.mark.parametrize("sizes", [[3, 0, 9, 1, 0, 9, 7], [0, 0, 2], [1, 1, 1, 1, 1, 1, 1, 1, 1]])
+def test_one_window_work_list_equals_brute_force(sizes):
+  """Few tokens (every expert <= T rows, R >= T + 7): one item per live expert, in order."""
+  t = max(sizes)
+  m = max(sum(sizes), 1)
+  gs = jnp.asarray(sizes, jnp.int32)
+  items = experts.one_window_work_list(gs > 0, gs, jnp.cumsum(gs), min(len(sizes), m))
+  items = np.asarray(items).T
+  live = [list(map(int, it)) for it in items if it[3] > 0]
+  assert live == _items_brute_force(sizes, t + 7)
+  assert all(it[3] == 0 for it in items[len(live):])
+
+
 @pytest.mark.slow
 def test_work_list_bound_holds_for_adversarial_sizes():
   """Random sizes and near-worst cases (experts starting 7 rows past an 8-aligned row): every row
