@@ -323,8 +323,13 @@ def bench_draft(name, ceil, t0):
   rows, b = [], FLAGS.batch
   for ctx in map(int, FLAGS.ctx):
     for variant in FLAGS.ctx_kv:
-      us, timer, kernels, ops = bench_ctx(cfg, params, b, ctx, FLAGS.reps, FLAGS.loop_steps,
-                                          variant)
+      try:
+        us, timer, kernels, ops = bench_ctx(cfg, params, b, ctx, FLAGS.reps, FLAGS.loop_steps,
+                                            variant)
+      except Exception as e:  # pylint: disable=broad-except
+        rows.append(dict(phase="draft_ctx", ctx=ctx, ctx_kv=variant,
+                         error=f"{type(e).__name__}: {str(e)[:400]}"))
+        continue
       rows.append(row("draft_ctx", ctx, us, timer, kernels,
                       ctx_cost(cfg, params, b, cfg.block_size), ceil, cfg, b)
                   | dict(ctx_kv=variant, kernel_ops=ops))
