@@ -518,8 +518,9 @@ def test_ctx_kv_packed_and_separate_match():
   packed = model.pack_ctx_kv(params)
   G, Y = cfg.num_key_value_heads, cfg.head_dim
   assert packed["ctx_kv"].shape == (cfg.hidden_size, 3 * 2 * G * Y)
-  np.testing.assert_array_equal(packed["ctx_kv"][:, 2 * G * Y:3 * G * Y], params["layers"][1]["k_proj"])
-  np.testing.assert_array_equal(packed["ctx_kv"][:, 5 * G * Y:], params["layers"][2]["v_proj"])
+  kv = packed["ctx_kv"]
+  np.testing.assert_array_equal(kv[:, 2 * G * Y:3 * G * Y], params["layers"][1]["k_proj"])
+  np.testing.assert_array_equal(kv[:, 5 * G * Y:], params["layers"][2]["v_proj"])
   rng = np.random.default_rng(3)
   taps = jnp.asarray(rng.normal(size=(2, 4, cfg.n_taps * cfg.hidden_size)).astype(np.float32))
   cache = model.init_draft_cache(cfg, 2, 16, jnp.float32)
@@ -587,8 +588,8 @@ def test_pack_for_decode_matches():
 
     def logits(p):
       cache = model.init_draft_cache(cfg, 2, 16, jnp.float32)
-      cache = model.materialize_context(p, cfg, cache, taps, jnp.broadcast_to(jnp.arange(6), (2, 6)),
-                                        jnp.array([6, 4]))
+      pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+      cache = model.materialize_context(p, cfg, cache, taps, pos, jnp.array([6, 4]))
       return model.draft_block(p, cfg, cache, block, cache.ctx_len, embed, head)
 
     want = np.asarray(logits(params), np.float64)
