@@ -52,7 +52,8 @@ flags.DEFINE_list("drafts", ["k26_dflash_share", "bench_k26"], "draft shapes (se
 flags.DEFINE_list("ctx_impls", [
     "xla", "pallas", "pallas+block", "pallas+packed", "pallas+block+packed",
     "pallas+block+packed+cublas", "pallas:p132", "pallas:p131+block", "pallas:p131:128+block",
-    "pallas:p131+block+packed", "pallas:p131:128+block+packed", "pallas:p66:128+block",
+    "pallas:p131+block+packed", "pallas:p131:128+block+packed", "pallas:p131:64:8:3+block+packed",
+    "pallas:p66:128+block",
     "pallas:512:128", "pallas:512:128+block", "pallas:512:32", "pallas:512:64:4",
     "pallas:512:64:8:3"],
                   "draft_block ctx attention: xla, or pallas[:chunk or pPROGRAMS[:block_k"
