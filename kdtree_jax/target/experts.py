@@ -74,24 +74,25 @@ def dense_glue_fits(t: int, e_l: int) -> bool:
   return (t * e_l) ** 2 <= DENSE_GLUE_MAX_COMPARES
 
 
-def expert_ffn_dense(x_td, sel_te, w_te, gate_edf, up_edf, down_efd, k: int, impl="auto",
+def expert_ffn_dense(x_td, rank_te, w_te, gate_edf, up_edf, down_efd, k: int, impl="auto",
                      int4_wide_loads=False):
-  """`expert_ffn` from a dense selection: sel_te [T, E] bool, whether token t routed to expert e
-  (at most k per row), w_te [T, E] f32 its routing weight there; experts [0, E_l) are held here.
+  """`expert_ffn` from a dense routing: rank_te [T, E] int32, each expert's place in token t's
+  choice (selected: rank < k; `moe.compare_rank`), w_te [T, E] f32 the routing weight where
+  selected; experts [0, E_l) are held here.
 
   Rows are the selected local slots in (expert, token) order, M = T*k (dropless bound). Each
   level is one masked reduction over the T x E_l local slots, all from the selection mask:
   1. each slot's sorted row, its rank among its token's local slots, rows per expert so far;
-  2. each row's token and expert, each (token, k) pair's row and weight;
-  then the x gather, the work list, the two kernel calls and a gather-combine over k as in
-  `expert_ffn`. One token (T = 1) has its own shorter path (`_one_token_ffn`).
+  2. each row's token, each (token, j < k) pair's row and weight; the work list;
+  then the x gather, the two kernel calls and a gather-combine over k as in `expert_ffn`.
+  One token (T = 1) has its own shorter path (`_one_token_ffn`).
   """
   t = x_td.shape[0]
   e_l = gate_edf.shape[0]
-  sel = sel_te[:, :e_l]
   if t == 1:
-    return _one_token_ffn(x_td, sel[0], w_te[0, :e_l], gate_edf, up_edf, down_efd, k, impl,
-                          int4_wide_loads)
+    return _one_token_ffn(x_td, rank_te[0, :e_l], w_te[0, :e_l], gate_edf, up_edf, down_efd, k,
+                          impl, int4_wide_loads)
+  sel = rank_te[:, :e_l] < k
   pos, nth, ends = _slot_rows(sel)
   tok_row, _, pos_tk, w_tk, ok_tk = _row_lookup(sel, w_te[:, :e_l], pos, nth, t * k, k)
   sizes = ends - jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
@@ -107,35 +108,35 @@ def expert_ffn_dense(x_td, sel_te, w_te, gate_edf, up_edf, down_efd, k: int, imp
   return combine_pairs(y, pos_tk.reshape(-1), ok_tk.reshape(-1), w_tk)
 
 
-def _one_token_ffn(x_1d, sel_e, w_e, gate_edf, up_edf, down_efd, k, impl, int4_wide_loads):
-  """One token: its selected local experts are its rows, in expert order. Two masked
-  reductions: each expert's row (an exclusive count of the selection), then the work list
-  (`one_token_work_list`: row i's expert and whether it is live); the rows
-  are x broadcast, the combine sums row i x the weight of its expert."""
-  row_of, items = one_token_work_list(sel_e, k)
-  sizes = sel_e.astype(jnp.int32)
-  y = expert_mlp(jnp.broadcast_to(x_1d, (k, x_1d.shape[1])), gate_edf, up_edf, down_efd, sizes,
-                 impl, group_ends=row_of + sizes, items=lambda rows: items,
-                 int4_wide_loads=int4_wide_loads)  # [S, k, D]; rows >= live undefined
-  live, w_row = items[3] > 0, w_e[items[0]]
+def _one_token_ffn(x_1d, rank_e, w_e, gate_edf, up_edf, down_efd, k, impl, int4_wide_loads):
+  """One token: row j is its j-th choice (rows in choice order, not expert order: each row is
+  its own work item, so the kernel needs no order; the XLA path sorts them). The work list is
+  one reduction over the experts of the choice rank; the rows are x broadcast; the combine
+  sums row j x the weight of its expert."""
+  items = one_token_work_list(rank_e, k)
+  e_l = rank_e.shape[0]
+  row_groups = jnp.where(items[3] > 0, items[0], e_l)
+  y = expert_mlp(jnp.broadcast_to(x_1d, (k, x_1d.shape[1])), gate_edf, up_edf, down_efd,
+                 (rank_e < k).astype(jnp.int32), impl, items=lambda rows: items,
+                 row_groups=row_groups, int4_wide_loads=int4_wide_loads)  # [S, k, D]
+  live, w_row = items[3] > 0, w_e[items[0]]  # dead rows are undefined: masked, not multiplied
   return jnp.sum(jnp.where(live[None, :, None], w_row[None, :, None] * y, 0.0), axis=(0, 1))[None]
 
 
-def one_token_work_list(sel_e, m: int):
-  """One token's rows: (each local expert's row if selected [E_l], the work list int32 [4, m]:
-  row i alone in its window, i.e. (its expert, i - i % 8, i % 8, live), as one reduction over
-  the experts with no stack after it). R >= 8 for any tuning, so the list does not depend on R."""
-  ids = jnp.arange(sel_e.shape[0], dtype=jnp.int32)
-  row_of = jnp.sum(sel_e[None, :] & (ids[None, :] < ids[:, None]), axis=1, dtype=jnp.int32)
-  ids = ids[None, :]
+def one_token_work_list(rank_e, m: int):
+  """One token's work list over its m choices, int32 [4, m]: row j alone in its window, i.e.
+  (expert of choice j, j - j % 8, j % 8, 1 if that expert is local [rank_e covers the local
+  experts] else 0), as one reduction over the experts with no stack after it. R >= 8 for any
+  tuning, so the list does not depend on R."""
+  ids = jnp.arange(rank_e.shape[0], dtype=jnp.int32)[None, :]
   item = jnp.arange(m, dtype=jnp.int32)[:, None]
-  hit = sel_e[None, :] & (row_of[None, :] == item)  # [m, E_l]
+  hit = rank_e[None, :] == item  # [m, E_l]
   first = ids == 0
   terms = jnp.stack([jnp.where(hit, ids, 0),
                      jnp.where(first, item - item % work.ALIGN, 0),
                      jnp.where(first, item % work.ALIGN, 0),
                      hit.astype(jnp.int32)])
-  return row_of, jnp.sum(terms, axis=2, dtype=jnp.int32)
+  return jnp.sum(terms, axis=2, dtype=jnp.int32)
 
 
 def one_window_work_list(live_e, sizes_e, ends_e, n_items: int):

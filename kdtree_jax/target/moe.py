@@ -60,18 +60,19 @@ def compare_rank(choice_te):
 
 
 def route_dense(p, cfg: TargetConfig, x_td):
-  """`route` as a [T, E] selection: (selected [T, E] bool, weight [T, E] f32, 0 where not
-  selected). The same choices as `route` (the same comparison rank); the normalising sum runs
-  over the selected experts in expert order (route: in top-k order; equal up to f32 rounding)."""
+  """`route` as [T, E] arrays: (each expert's place in the token's choice [T, E] int32, selected
+  where < num_experts_per_tok; the weight [T, E] f32, 0 where not selected). The same choices
+  as `route` (the same comparison rank); the normalising sum runs over the selected experts in
+  expert order (route: in top-k order; equal up to f32 rounding)."""
   scores = jax.nn.sigmoid(_router_logits(x_td, p["router"]))
   choice = scores + p["bias"].astype(jnp.float32)
   if cfg.n_group > 1:
     choice = _limit_groups(choice, cfg.n_group, cfg.topk_group)
-  sel = compare_rank(choice) < cfg.num_experts_per_tok
-  w = jnp.where(sel, scores, 0.0)
+  rank = compare_rank(choice)
+  w = jnp.where(rank < cfg.num_experts_per_tok, scores, 0.0)
   if cfg.norm_topk_prob:
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-  return sel, w * cfg.routed_scaling_factor
+  return rank, w * cfg.routed_scaling_factor
 
 
 def _router_logits(x_td, router_de):
@@ -114,10 +115,10 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
     _record(routes, idx)
     return experts_ep(p, x_td, idx, w, mesh, impl=cfg.expert_backend).reshape(shape)
   if _dense_glue(cfg, x_td.shape[0]):
-    sel, w = route_dense(p, cfg, x_td)
+    rank, w = route_dense(p, cfg, x_td)
     if routes is not None:  # the ids in top-k order (the same logits and rank, shared by XLA)
       _record(routes, route(p, cfg, x_td)[0])
-    y = expert_ffn_dense(x_td, sel, w, p["gate"], p["up"], p["down"], cfg.num_experts_per_tok,
+    y = expert_ffn_dense(x_td, rank, w, p["gate"], p["up"], p["down"], cfg.num_experts_per_tok,
                          impl=cfg.expert_backend, int4_wide_loads=cfg.expert_int4_wide_loads)
   else:
     idx, w = route(p, cfg, x_td)

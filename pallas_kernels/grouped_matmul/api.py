@@ -112,13 +112,15 @@ def gated_grouped_matmul(x_mk, gate, up, group_sizes, *, backend="auto",
 
 def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
                tunings: tuple[Tuning, Tuning] | None = None, group_ends=None, items=None,
-               int4_wide_loads: bool = False):
+               row_groups=None, int4_wide_loads: bool = False):
   """down[g] applied to silu(x @ gate[g]) * (x @ up[g]) per expert -> [S, M, N] f32 K-partials.
 
   One work list for both calls (their tunings share R). The caller sums over S, ideally inside
   the fusion that weights and combines the rows (S = 1 on XLA). Rows past sum(group_sizes) are
   undefined on the kernel backends. group_ends: cumsum(group_sizes) if the caller has it.
-  items: R -> a work list the caller built (as work.work_list would for R). int4_wide_loads: set on the default tunings (INT4).
+  items: R -> a work list the caller built (as work.work_list would for R). row_groups [M]:
+  each row's expert (G: none) when the rows are not sorted by expert, which the kernel allows
+  where every item's window holds one expert's rows (`items` given); XLA then sorts them. int4_wide_loads: set on the default tunings (INT4).
   """
   stacks = [tuple(gate), tuple(up)]
   down = tuple(down)
@@ -132,7 +134,13 @@ def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
   if int4_wide_loads and len(down) == 2 and tunings is None:
     t_gate, t_down = (dataclasses.replace(t, int4_wide_loads=True) for t in (t_gate, t_down))
   if "xla" == b_gate == b_down:
+    if row_groups is not None:  # the reference wants rows sorted by expert: sort and unsort
+      order = jnp.argsort(row_groups, stable=True)
+      y = expert_mlp(x_mk[order], gate, up, down, group_sizes, backend="xla")
+      return y[:, jnp.argsort(order)]
     items = None
+  elif row_groups is not None and items is None:
+    raise ValueError("row_groups (rows not sorted by expert) needs the caller's items")
   elif items is not None:
     items = items(t_gate.rows)
   else:

@@ -44,18 +44,18 @@ def test_work_list_covers_every_row_once(sizes, m, rows):
   assert all(it[1] % 8 == 0 and it[2] + it[3] <= rows for it in live)
 
 
-@pytest.mark.parametrize("experts_hit,g,m", [([2, 5, 6, 40, 47], 48, 8), ([0], 4, 3), ([], 8, 8)])
-@pytest.mark.parametrize("rows", [8, 32])
-def test_one_token_work_list_equals_brute_force(experts_hit, g, m, rows):
-  """One token's work list (each expert <= 1 row, rows in expert order) == the brute force."""
-  sizes = np.zeros(g, np.int32)
-  sizes[experts_hit] = 1
-  row_of, items = experts.one_token_work_list(jnp.asarray(sizes > 0), m)
-  np.testing.assert_array_equal(np.asarray(row_of)[experts_hit], np.arange(len(experts_hit)))
-  items = np.asarray(items).T
-  live = [list(map(int, it)) for it in items if it[3] > 0]
-  assert live == _items_brute_force(list(sizes), rows)
-  assert all(it[3] == 0 for it in items[len(experts_hit):])
+@pytest.mark.parametrize("choices,g", [([40, 2, 99, 6, 5, 47, 70, 71], 48), ([0], 4), ([], 8)])
+def test_one_token_work_list_equals_brute_force(choices, g):
+  """One token's work list: row j = its j-th choice, alone in its window, live if local."""
+  m = max(len(choices), 1)
+  rank = np.full(g, 10 ** 6, np.int32)
+  for j, e in enumerate(choices):
+    if e < g:
+      rank[e] = j
+  items = np.asarray(experts.one_token_work_list(jnp.asarray(rank), m)).T
+  want = [[e if e < g else 0, j - j % 8, j % 8, int(e < g)] for j, e in enumerate(choices)]
+  assert [list(map(int, it)) for it in items][:len(choices)] == want
+  assert all(it[3] == 0 for it in items[len(choices):])
 
 
 @pytest.mark.parametrize("sizes", [[3, 0, 9, 1, 0, 9, 7], [0, 0, 2], [1, 1, 1, 1, 1, 1, 1, 1, 1]])
@@ -292,10 +292,10 @@ def check_one_token_ffn_both_glues(e_l, d, f, impl, k=8, e=384):
   w = jnp.linspace(0.05, 0.4, k, dtype=jnp.float32)[None]
   ref = experts.expert_ffn(x.astype(jnp.float32), idx, w,
                            *[int4.dequantize(m_, jnp.float32) for m_ in mats], impl="xla")
-  sel = jnp.zeros((1, e), bool).at[0, idx[0]].set(True)
+  rank = jnp.full((1, e), e, jnp.int32).at[0, idx[0]].set(jnp.arange(k, dtype=jnp.int32))
   w_te = jnp.zeros((1, e), jnp.float32).at[0, idx[0]].set(w[0])
   sorted_glue = jax.jit(lambda x, ms: experts.expert_ffn(x, idx, w, *ms, impl=impl))
-  dense_glue = jax.jit(lambda x, ms: experts.expert_ffn_dense(x, sel, w_te, *ms, k, impl=impl))
+  dense_glue = jax.jit(lambda x, ms: experts.expert_ffn_dense(x, rank, w_te, *ms, k, impl=impl))
   for fn in (sorted_glue, dense_glue):
     got = fn(x, mats)
     assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 1e-2

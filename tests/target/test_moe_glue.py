@@ -46,10 +46,11 @@ def test_dense_glue_equals_sorted_glue_and_numpy(t, local, n_group):
   a = moe.moe(p, cfg, jnp.asarray(x), routes_a)
   b = moe.moe(p, dense, jnp.asarray(x), routes_b)
   np.testing.assert_array_equal(np.asarray(routes_a[0]), np.asarray(routes_b[0]))
-  sel, _ = moe.route_dense(p, dense, jnp.asarray(x))
-  chosen = np.zeros(sel.shape, bool)
-  np.put_along_axis(chosen, np.asarray(routes_a[0]), True, axis=1)
-  np.testing.assert_array_equal(np.asarray(sel), chosen)  # the same routing decisions
+  rank, _ = moe.route_dense(p, dense, jnp.asarray(x))
+  want_rank = np.full(rank.shape, cfg.n_routed_experts)
+  np.put_along_axis(want_rank, np.asarray(routes_a[0]), np.arange(3)[None], axis=1)
+  got_rank = np.where(np.asarray(rank) < 3, np.asarray(rank), cfg.n_routed_experts)
+  np.testing.assert_array_equal(got_rank, want_rank)  # the same choices, in the same order
   want = _numpy_routed(p, cfg, x)
   scale = np.abs(want).max()
   np.testing.assert_allclose(np.asarray(b), want, rtol=1e-5, atol=1e-5 * scale)
