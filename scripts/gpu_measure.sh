@@ -10,7 +10,7 @@
 #   moe_bench   pallas_kernels/grouped_matmul/bench.py: routed FFN per T, tuning sweep, whole MoE layer
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 1, 9, 65: one MoE layer
 #               of bench_k26_full per kernel, sorted vs dense glue vs INT4 wide loads (rows of
-#               one T together, T=1 first)
+#               one T together, T=1 first); each variant's optimized HLO in raw/moe_layer_hlo/
 #   verify      tree-verify kernel: GPU tests (-m gpu, ~2 min), short bench (default L=46000 grid);
 #               verify:240 fits 4 minutes
 #   verify_probes  tree-verify bench at L=46000, B=1, H=8, N=1,8,16,64 with the PROBES variants
@@ -48,11 +48,12 @@ one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
 run_part() {
   local part=$1 secs=$2
   case $part in
-    moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu tests/kernels/test_grouped_matmul_kernel.py ;;
+    moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs --durations=12 -m gpu \
+                 tests/kernels/test_grouped_matmul_kernel.py ;;
     moe_bench) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench \
                  --out "$RAW/bench_moe.jsonl" ;;
     moe_layer) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench --parts layer \
-                 --tokens 1,9,65 --out "$RAW/bench_moe_layer.jsonl" ;;
+                 --tokens 1,9,65 --hlo_dir "$RAW/moe_layer_hlo" --out "$RAW/bench_moe_layer.jsonl" ;;
     verify) one_gpu timeout "$secs" bash -c "timeout 160 python3 -m pytest -q -rs --durations=5 -m gpu \
                 tests/kernels/test_tree_verify_attention.py tests/sharding/test_verify_attention_sharded.py; \
                 python3 -m pallas_kernels.tree_verify.bench --probe_variants=false --skip_xla \

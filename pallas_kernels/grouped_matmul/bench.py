@@ -45,6 +45,9 @@ _TUNINGS = flags.DEFINE_list(
     "INT4 32-bit tile loads (bf16 rows use kBK/2 and ignore 'wide').")
 _PARTS = flags.DEFINE_list("parts", ["ffn", "tune", "layer"], "Parts to run, in this order.")
 _OUT = flags.DEFINE_string("out", "runs/bench_moe.jsonl", "JSON lines output.")
+_HLO_DIR = flags.DEFINE_string(
+    "hlo_dir", "", "If set, the `layer` part writes each variant's optimized HLO per T there "
+    "(layer_<variant>_T<T>.hlo.txt: which code each fusion / launch came from).")
 _REPS = flags.DEFINE_integer("reps", 20, "CUPTI repetitions (median).")
 
 
@@ -237,6 +240,7 @@ def part_layer(ceil, sink, rows):
       try:
         got = fn(p, x)
         want = got if want is None else want
+        _write_hlo(fn, (p, x), f"layer_{name}_T{t}")
         row["rel_err"] = _rel(got, want)
         row["us"] = _time_us(fn, p, x)
         row["kernels"] = [dict(name=n[:90], calls=c, us=round(us, 2))
@@ -250,6 +254,16 @@ def part_layer(ceil, sink, rows):
       _emit(rows, row, sink)
       for k in row.get("kernels", [])[:40]:
         print(f"    {k['us']:8.2f} us  x{k['calls']:.0f}  {k['name']}", flush=True)
+
+
+def _write_hlo(fn, args, stem):
+  """The compiled (optimized) HLO of fn(*args) into --hlo_dir, if set."""
+  if not _HLO_DIR.value:
+    return
+  import os  # pylint: disable=import-outside-toplevel
+  os.makedirs(_HLO_DIR.value, exist_ok=True)
+  with open(os.path.join(_HLO_DIR.value, f"{stem}.hlo.txt"), "w") as f:
+    f.write(fn.lower(*args).compile().as_text())
 
 
 def _launches(kernels):
