@@ -1,5 +1,7 @@
 """The routed-expert FFN over the (token, slot) pairs routed to a range of experts (dropless)."""
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from kdtree_jax.target.grouped_matmul import expert_mlp
@@ -74,11 +76,37 @@ def dense_glue_fits(t: int, e_l: int) -> bool:
   return (t * e_l) ** 2 <= DENSE_GLUE_MAX_COMPARES
 
 
-def expert_ffn_dense(x_td, rank_te, w_te, gate_edf, up_edf, down_efd, k: int, impl="auto",
-                     int4_wide_loads=False):
+@dataclasses.dataclass(frozen=True)
+class Weighting:
+  """How a token's routing weights come from its chosen experts' scores: k experts chosen
+  (rank < k), normalised to sum 1 over them if `norm`, times `scale` (DeepSeek-V3 / K2)."""
+  k: int
+  norm: bool
+  scale: float
+
+  def dense(self, rank_te, scores_te):
+    """[T, E] weights, 0 where not chosen."""
+    w = jnp.where(rank_te < self.k, scores_te, 0.0)
+    if self.norm:
+      w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return w * self.scale
+
+  def of_choices(self, scores_j):
+    """Weights of one token's k choices from their scores [k], the sum as k - 1 element-wise
+    adds (fused into the consumer, no reduction launch)."""
+    if not self.norm:
+      return scores_j * self.scale
+    total = scores_j[0]
+    for j in range(1, self.k):
+      total = total + scores_j[j]
+    return scores_j / (total + 1e-20) * self.scale
+
+
+def expert_ffn_dense(x_td, rank_te, scores_te, gate_edf, up_edf, down_efd, weighting: Weighting,
+                     impl="auto", int4_wide_loads=False):
   """`expert_ffn` from a dense routing: rank_te [T, E] int32, each expert's place in token t's
-  choice (selected: rank < k; `moe.compare_rank`), w_te [T, E] f32 the routing weight where
-  selected; experts [0, E_l) are held here.
+  choice (chosen: rank < k; `moe.compare_rank`), scores_te [T, E] f32 the router's scores, whose
+  chosen ones `weighting` turns into the routing weights; experts [0, E_l) are held here.
 
   Rows are the selected local slots in (expert, token) order, M = T*k (dropless bound). Each
   level is one masked reduction over the T x E_l local slots, all from the selection mask:
@@ -89,10 +117,12 @@ def expert_ffn_dense(x_td, rank_te, w_te, gate_edf, up_edf, down_efd, k: int, im
   """
   t = x_td.shape[0]
   e_l = gate_edf.shape[0]
+  k = weighting.k
   if t == 1:
-    return _one_token_ffn(x_td, rank_te[0, :e_l], w_te[0, :e_l], gate_edf, up_edf, down_efd, k,
+    return _one_token_ffn(x_td, rank_te[0], scores_te[0], gate_edf, up_edf, down_efd, weighting,
                           impl, int4_wide_loads)
   sel = rank_te[:, :e_l] < k
+  w_te = weighting.dense(rank_te, scores_te)
   pos, nth, ends = _slot_rows(sel)
   tok_row, _, pos_tk, w_tk, ok_tk = _row_lookup(sel, w_te[:, :e_l], pos, nth, t * k, k)
   sizes = ends - jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
@@ -108,34 +138,38 @@ def expert_ffn_dense(x_td, rank_te, w_te, gate_edf, up_edf, down_efd, k: int, im
   return combine_pairs(y, pos_tk.reshape(-1), ok_tk.reshape(-1), w_tk)
 
 
-def _one_token_ffn(x_1d, rank_e, w_e, gate_edf, up_edf, down_efd, k, impl, int4_wide_loads):
+def _one_token_ffn(x_1d, rank_e, scores_e, gate_edf, up_edf, down_efd, weighting, impl,
+                   int4_wide_loads):
   """One token: row j is its j-th choice (rows in choice order, not expert order: each row is
   its own work item, so the kernel needs no order; the XLA path sorts them). The work list is
-  one reduction over the experts of the choice rank; the rows are x broadcast; the combine
-  sums row j x the weight of its expert."""
-  items = one_token_work_list(rank_e, k)
-  e_l = rank_e.shape[0]
-  row_groups = jnp.where(items[3] > 0, items[0], e_l)
+  one reduction over the experts of the choice rank and also names every choice's expert, so
+  the weights are element-wise in the combine (no normalising reduction); the rows are x
+  broadcast; the combine sums row j x its weight over the local choices."""
+  k, e_l = weighting.k, gate_edf.shape[0]
+  items = one_token_work_list(rank_e, k, e_l)
+  live = items[3] > 0
   y = expert_mlp(jnp.broadcast_to(x_1d, (k, x_1d.shape[1])), gate_edf, up_edf, down_efd,
-                 (rank_e < k).astype(jnp.int32), impl, items=lambda rows: items,
-                 row_groups=row_groups, int4_wide_loads=int4_wide_loads)  # [S, k, D]
-  live, w_row = items[3] > 0, w_e[items[0]]  # dead rows are undefined: masked, not multiplied
-  return jnp.sum(jnp.where(live[None, :, None], w_row[None, :, None] * y, 0.0), axis=(0, 1))[None]
+                 (rank_e[:e_l] < k).astype(jnp.int32), impl, items=lambda rows: items,
+                 row_groups=jnp.where(live, items[0], e_l),
+                 int4_wide_loads=int4_wide_loads)  # [S, k, D]
+  w_j = weighting.of_choices(scores_e[items[0]])  # dead rows are undefined: masked below
+  return jnp.sum(jnp.where(live[None, :, None], w_j[None, :, None] * y, 0.0), axis=(0, 1))[None]
 
 
-def one_token_work_list(rank_e, m: int):
+def one_token_work_list(rank_e, m: int, e_l: int):
   """One token's work list over its m choices, int32 [4, m]: row j alone in its window, i.e.
-  (expert of choice j, j - j % 8, j % 8, 1 if that expert is local [rank_e covers the local
-  experts] else 0), as one reduction over the experts with no stack after it. R >= 8 for any
-  tuning, so the list does not depend on R."""
+  (expert of choice j (any of the E), j - j % 8, j % 8, 1 if that expert is local (< e_l)
+  else 0), as one reduction over the experts with no stack after it. The kernel skips the
+  non-local rows (size 0) and never reads their expert; R >= 8 for any tuning, so the list does
+  not depend on R."""
   ids = jnp.arange(rank_e.shape[0], dtype=jnp.int32)[None, :]
   item = jnp.arange(m, dtype=jnp.int32)[:, None]
-  hit = rank_e[None, :] == item  # [m, E_l]
+  hit = rank_e[None, :] == item  # [m, E]
   first = ids == 0
   terms = jnp.stack([jnp.where(hit, ids, 0),
                      jnp.where(first, item - item % work.ALIGN, 0),
                      jnp.where(first, item % work.ALIGN, 0),
-                     hit.astype(jnp.int32)])
+                     (hit & (ids < e_l)).astype(jnp.int32)])
   return jnp.sum(terms, axis=2, dtype=jnp.int32)
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from kdtree_jax import sharding
 from kdtree_jax.target.config import TargetConfig
-from kdtree_jax.target.experts import dense_glue_fits, expert_ffn, expert_ffn_dense
+from kdtree_jax.target.experts import Weighting, dense_glue_fits, expert_ffn, expert_ffn_dense
 from kdtree_jax.target.mlp import swiglu
 from kdtree_jax.target.moe_parallel import experts_ep, route_local
 
@@ -60,19 +60,14 @@ def compare_rank(choice_te):
 
 
 def route_dense(p, cfg: TargetConfig, x_td):
-  """`route` as [T, E] arrays: (each expert's place in the token's choice [T, E] int32, selected
-  where < num_experts_per_tok; the weight [T, E] f32, 0 where not selected). The same choices
-  as `route` (the same comparison rank); the normalising sum runs over the selected experts in
-  expert order (route: in top-k order; equal up to f32 rounding)."""
+  """`route` as [T, E] arrays: (each expert's place in the token's choice, int32, selected where
+  < num_experts_per_tok; the unbiased scores, f32). The same choices as `route` (the same
+  comparison rank); the weights (normalised, scaled) are the consumer's (`expert_ffn_dense`)."""
   scores = jax.nn.sigmoid(_router_logits(x_td, p["router"]))
   choice = scores + p["bias"].astype(jnp.float32)
   if cfg.n_group > 1:
     choice = _limit_groups(choice, cfg.n_group, cfg.topk_group)
-  rank = compare_rank(choice)
-  w = jnp.where(rank < cfg.num_experts_per_tok, scores, 0.0)
-  if cfg.norm_topk_prob:
-    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-  return rank, w * cfg.routed_scaling_factor
+  return compare_rank(choice), scores
 
 
 def _router_logits(x_td, router_de):
@@ -115,10 +110,12 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
     _record(routes, idx)
     return experts_ep(p, x_td, idx, w, mesh, impl=cfg.expert_backend).reshape(shape)
   if _dense_glue(cfg, x_td.shape[0]):
-    rank, w = route_dense(p, cfg, x_td)
+    rank, scores = route_dense(p, cfg, x_td)
     if routes is not None:  # the ids in top-k order (the same logits and rank, shared by XLA)
       _record(routes, route(p, cfg, x_td)[0])
-    y = expert_ffn_dense(x_td, rank, w, p["gate"], p["up"], p["down"], cfg.num_experts_per_tok,
+    y = expert_ffn_dense(x_td, rank, scores, p["gate"], p["up"], p["down"],
+                         Weighting(cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                   cfg.routed_scaling_factor),
                          impl=cfg.expert_backend, int4_wide_loads=cfg.expert_int4_wide_loads)
   else:
     idx, w = route(p, cfg, x_td)

@@ -46,14 +46,12 @@ def test_work_list_covers_every_row_once(sizes, m, rows):
 
 @pytest.mark.parametrize("choices,g", [([40, 2, 99, 6, 5, 47, 70, 71], 48), ([0], 4), ([], 8)])
 def test_one_token_work_list_equals_brute_force(choices, g):
-  """One token's work list: row j = its j-th choice, alone in its window, live if local."""
-  m = max(len(choices), 1)
-  rank = np.full(g, 10 ** 6, np.int32)
-  for j, e in enumerate(choices):
-    if e < g:
-      rank[e] = j
-  items = np.asarray(experts.one_token_work_list(jnp.asarray(rank), m)).T
-  want = [[e if e < g else 0, j - j % 8, j % 8, int(e < g)] for j, e in enumerate(choices)]
+  """One token's work list: row j = its j-th choice, alone in its window, live if local (< g)."""
+  m, e = max(len(choices), 1), 128
+  rank = np.full(e, 10 ** 6, np.int32)
+  rank[choices] = np.arange(len(choices))
+  items = np.asarray(experts.one_token_work_list(jnp.asarray(rank), m, g)).T
+  want = [[c, j - j % 8, j % 8, int(c < g)] for j, c in enumerate(choices)]
   assert [list(map(int, it)) for it in items][:len(choices)] == want
   assert all(it[3] == 0 for it in items[len(choices):])
 
@@ -293,9 +291,11 @@ def check_one_token_ffn_both_glues(e_l, d, f, impl, k=8, e=384):
   ref = experts.expert_ffn(x.astype(jnp.float32), idx, w,
                            *[int4.dequantize(m_, jnp.float32) for m_ in mats], impl="xla")
   rank = jnp.full((1, e), e, jnp.int32).at[0, idx[0]].set(jnp.arange(k, dtype=jnp.int32))
-  w_te = jnp.zeros((1, e), jnp.float32).at[0, idx[0]].set(w[0])
+  scores = jnp.zeros((1, e), jnp.float32).at[0, idx[0]].set(w[0])  # weights = scores:
+  weighting = experts.Weighting(k, norm=False, scale=1.0)
   both = jax.jit(lambda x, ms: (experts.expert_ffn(x, idx, w, *ms, impl=impl),
-                                 experts.expert_ffn_dense(x, rank, w_te, *ms, k, impl=impl)))
+                                 experts.expert_ffn_dense(x, rank, scores, *ms, weighting,
+                                                          impl=impl)))
   for got in both(x, mats):  # one jit: the kernels are lowered once for both glues
     assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 1e-2
 
