@@ -120,7 +120,8 @@ def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
   undefined on the kernel backends. group_ends: cumsum(group_sizes) if the caller has it.
   items: R -> a work list the caller built (as work.work_list would for R). row_groups [M]:
   each row's expert (G: none) when the rows are not sorted by expert, which the kernel allows
-  where every item's window holds one expert's rows (`items` given); XLA then sorts them. int4_wide_loads: set on the default tunings (INT4).
+  where every item's window holds one expert's rows (`items` given); XLA then sorts them.
+  int4_wide_loads: set on the default tunings (INT4).
   """
   stacks = [tuple(gate), tuple(up)]
   down = tuple(down)
@@ -133,14 +134,16 @@ def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
     raise ValueError(f"gate and down tunings must share rows: {t_gate.rows} vs {t_down.rows}")
   if int4_wide_loads and len(down) == 2 and tunings is None:
     t_gate, t_down = (dataclasses.replace(t, int4_wide_loads=True) for t in (t_gate, t_down))
-  if "xla" == b_gate == b_down:
-    if row_groups is not None:  # the reference wants rows sorted by expert: sort and unsort
-      order = jnp.argsort(row_groups, stable=True)
-      y = expert_mlp(x_mk[order], gate, up, down, group_sizes, backend="xla")
-      return y[:, jnp.argsort(order)]
-    items = None
-  elif row_groups is not None and items is None:
+  if row_groups is not None and "xla" in (b_gate, b_down):
+    if b_gate != b_down:
+      raise ValueError(f"row_groups needs one backend for both calls: {b_gate}, {b_down}")
+    order = jnp.argsort(row_groups, stable=True)  # the reference wants rows sorted by expert
+    y = expert_mlp(x_mk[order], gate, up, down, group_sizes, backend="xla")
+    return y[:, jnp.argsort(order)]
+  if row_groups is not None and items is None:
     raise ValueError("row_groups (rows not sorted by expert) needs the caller's items")
+  if "xla" == b_gate == b_down:
+    items = None
   elif items is not None:
     items = items(t_gate.rows)
   else:
