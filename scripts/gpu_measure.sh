@@ -19,6 +19,7 @@
 #   verify_full tree-verify kernel: every test + the full GPU grid, per-kernel profile, the issue's
 #               whole bench table (with probes and XLA) until half the time box is spent
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
+#   draft_share the same for k26_dflash_share only (bench_k26_full's draft, issue 17's must-show)
 #   draft       the draft ctx kernel's GPU tests, then scripts/bench_draft.py: the two draft phases of
 #               both drafts (k26_dflash_share first; each draft's rows written when it is done),
 #               draft_ctx per K/V projection form (--ctx_kv), draft_block per ctx attention impl /
@@ -68,6 +69,9 @@ run_part() {
                 --time_budget_s $(( secs - 20 )) ;;
     draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py; python3 scripts/bench_draft.py --ctx 46000 --out_dir $RAW" ;;
+    draft_share) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
+                tests/draft/test_dflash_draft.py; python3 scripts/bench_draft.py --ctx 46000 \
+                --drafts k26_dflash_share --out_dir $RAW" ;;
     calibrate) one_gpu timeout "$secs" python3 scripts/calibrate_step_cost.py \
                  --config configs/bench_k26_full.py --nofixed_programs --out_dir "$RAW" ;;
     pair) local t0 left
