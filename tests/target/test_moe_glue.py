@@ -58,10 +58,11 @@ def test_dense_glue_equals_sorted_glue_and_numpy(t, local, n_group):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("t", [1, 5, 12])
 def test_dense_glue_through_the_kernel_interpret(t):
   """INT4 experts on the kernel (GPU interpret mode) with the dense glue == the sorted glue on
-  XLA within bf16 rounding; T=1 takes the element-wise work list."""
+  XLA within bf16 rounding. The three work lists: one token (T=1), one window per expert (T=5:
+  R=16 >= T + 7 at the default tuning), the general one (T=12: R=16 < 19)."""
   cfg = C.tiny(hidden_size=128, moe_intermediate_size=128, n_routed_experts=8,
                num_experts_per_tok=3, n_group=1, topk_group=1, expert_backend="xla")
   p = _layer(cfg, jnp.bfloat16, int4_experts=True, seed=1)
