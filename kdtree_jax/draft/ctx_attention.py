@@ -31,6 +31,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 
+NUM_SMS = 132  # H200 SXM
+
+
 @dataclasses.dataclass(frozen=True)
 class Tuning:
   """chunk: cache rows per program (divides L); block_k: rows per tile of the online softmax;
@@ -47,15 +50,17 @@ class Tuning:
 
 def default_tuning(batch: int, kv_heads: int, rows_m: int, capacity: int,
                    chunk: int | None = None) -> Tuning:
-  """`chunk` rows per program, or 512 (else 1024, then 256) when it divides the capacity: the
-  H200 timed 512 fastest for both bench drafts at 46k (bench_k26_full's, 1 kv head: 132.5 us
-  for 6 layers vs 140.2 at 256 and 220.4 at 1024; bench_k26's, 8 kv heads: 185.6 us for 3
-  layers vs 213.1 at 1024; results/h200/2026-12-01/s3_draft.log); 8 warps for M > 64 query
-  rows (the f32 accumulator's registers)."""
-  del batch, kv_heads  # the measured choice did not depend on the number of programs
-  fits = [c for c in (512, 1024, 256) if capacity % c == 0] or [capacity]
-  chunk = fits[0] if chunk is None else chunk
-  return Tuning(chunk=chunk, block_k=min(64, chunk), num_warps=8 if rows_m > 64 else 4)
+  """With `chunk`: programs of that many cache rows. Else (the decode default) one wave over the
+  SMs: NUM_SMS // (batch x kv heads) - 1 programs per (row, kv head) share the tiles below
+  ctx_len (the last SM of each group takes the block's own keys under block_in_kernel), 64-row
+  tiles, 8 warps, 3 stages: the H200's fastest draft_block of bench_k26_full's draft at 46k
+  (1 kv head: 576.7 us with the block in the kernel and packed weights, vs 644.0 us for 512-row
+  chunks, 4 warps for M <= 64; results/h200/2026-12-01/s3_draft_share.log)."""
+  if chunk is not None:
+    return Tuning(chunk=chunk, block_k=min(64, chunk), num_warps=8 if rows_m > 64 else 4)
+  del capacity
+  programs = max(1, NUM_SMS // (batch * kv_heads) - 1)
+  return Tuning(block_k=64, num_warps=8, num_stages=3, programs=programs)
 
 
 def supports(q_bgmy, k_bgly, tuning: Tuning = Tuning()) -> bool:

@@ -431,7 +431,7 @@ def _key_sets(cfg, cache, i, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_chunk, 
 
 def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, start_b, embed_vd,
                 head_dv, ctx_chunk=CTX_CHUNK, ctx_impl="auto", kernel_chunk=None,
-                kernel_tuning=(), block_in_kernel=False):
+                kernel_tuning=(), block_in_kernel=True):
   """One non-causal block [bonus, MASK...] at positions start.. over the ctx cache -> [B, S, V] f32.
 
   Ctx keys are the cache rows < ctx_len, in chunks of ctx_chunk rows when that divides the

@@ -326,8 +326,11 @@ def test_ctx_kernel_lowers_for_h200():
   bench_k26_full's draft shape: 128 query rows, one kv head, 46080 cache rows."""
   from jax._src import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   M, E, C = 128, 128, 46080
-  tuning = ctx_attention.default_tuning(1, 1, M, C)
-  assert tuning.chunk == 512 and C % tuning.chunk == 0
+  tuning = ctx_attention.default_tuning(1, 1, M, C, chunk=512)
+  assert tuning.programs is None and C % tuning.chunk == 0
+  # the decode default: one wave of 131 ctx programs (+ the block's) on the 132 SMs
+  assert ctx_attention.default_tuning(1, 1, M, C).programs == 131
+  assert ctx_attention.default_tuning(1, 8, M, C).programs == 15
   spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
   assert ctx_attention.supports(spec(1, 1, M, E), spec(1, 1, C, E), tuning)
   f32 = jax.ShapeDtypeStruct((1, 1, C, E), jnp.float32)
