@@ -84,8 +84,9 @@ class TargetConfig:
   # moe_glue: the routing-to-kernel glue of a single-device MoE layer: "sorted" (top-k ids, pairs
   # sorted by comparisons, a gather-combine over K) or "dense" (one [T, E] selection mask; row
   # positions, work list and combine from it in fewer dependent reductions; small T only, else
-  # "sorted" runs). Same routing decisions either way.
-  moe_glue: str = "sorted"
+  # "sorted" runs), or "auto": dense at one token (ar), sorted above (the faster of the two on
+  # the H200 at each T). Same routing decisions either way.
+  moe_glue: str = "auto"
   # expert_int4_wide_loads: INT4 experts on the kernel read weight tiles with 32-bit loads
   # (grouped_matmul Tuning.int4_wide_loads).
   expert_int4_wide_loads: bool = False
@@ -108,8 +109,8 @@ class TargetConfig:
       raise ValueError(f"{self.num_local_experts=} must be in [1, {self.n_routed_experts=}] or None")
     if self.expert_backend not in ("auto", "pallas", "interpret", "xla"):
       raise ValueError(f"{self.expert_backend=} must be one of auto, pallas, interpret, xla")
-    if self.moe_glue not in ("sorted", "dense"):
-      raise ValueError(f"{self.moe_glue=} must be 'sorted' or 'dense'")
+    if self.moe_glue not in ("auto", "sorted", "dense"):
+      raise ValueError(f"{self.moe_glue=} must be 'auto', 'sorted' or 'dense'")
 
   # ---- derived shapes -------------------------------------------------------------------
   @property

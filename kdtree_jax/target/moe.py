@@ -127,9 +127,12 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
 
 
 def _dense_glue(cfg: TargetConfig, t: int) -> bool:
-  """cfg.moe_glue == "dense" where its comparisons stay small (else the sorted glue runs)."""
+  """The dense glue for cfg.moe_glue == "dense", or "auto" at one token (the H200, one
+  bench_k26_full layer: T=1 49.1 vs 53.8 us sorted; T=9 134.8 vs 131.6, T=65 631.6 vs 625.4:
+  WORKSPACE.md, third session), where its comparisons stay small (else the sorted glue runs)."""
   e = cfg.n_routed_experts
-  return (cfg.moe_glue == "dense" and t * e * e <= COMPARE_TOP_K_MAX
+  dense = cfg.moe_glue == "dense" or (cfg.moe_glue == "auto" and t == 1)
+  return (dense and t * e * e <= COMPARE_TOP_K_MAX
           and dense_glue_fits(t, cfg.experts_held))
 
 

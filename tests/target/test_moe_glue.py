@@ -37,7 +37,7 @@ def _numpy_routed(p, cfg, x):
 @pytest.mark.parametrize("t,local,n_group", [(1, None, 2), (1, 5, 1), (6, None, 2), (7, 3, 1)])
 def test_dense_glue_equals_sorted_glue_and_numpy(t, local, n_group):
   cfg = C.tiny(n_routed_experts=8, num_experts_per_tok=3, n_group=n_group, topk_group=1,
-               num_local_experts=local, expert_backend="xla")
+               num_local_experts=local, expert_backend="xla", moe_glue="sorted")
   dense = dataclasses.replace(cfg, moe_glue="dense")
   p = _layer(cfg)
   p.pop("shared")
@@ -64,7 +64,8 @@ def test_dense_glue_through_the_kernel_interpret(t):
   XLA within bf16 rounding. The three work lists: one token (T=1), one window per expert (T=5:
   R=16 >= T + 7 at the default tuning), the general one (T=12: R=16 < 19)."""
   cfg = C.tiny(hidden_size=128, moe_intermediate_size=128, n_routed_experts=8,
-               num_experts_per_tok=3, n_group=1, topk_group=1, expert_backend="xla")
+               num_experts_per_tok=3, n_group=1, topk_group=1, expert_backend="xla",
+               moe_glue="sorted")
   p = _layer(cfg, jnp.bfloat16, int4_experts=True, seed=1)
   x = jax.random.normal(jax.random.key(10 + t), (t, cfg.hidden_size), jnp.bfloat16)
   want = moe.moe(p, cfg, x).astype(jnp.float32)
@@ -88,3 +89,10 @@ def test_dense_glue_hf_parity(name):
   assert moe._dense_glue(dense, tokens.size)  # pylint: disable=protected-access
   logits = np.asarray(kdtree_jax.forward(dense, params, jnp.asarray(tokens)), np.float32)
   assert float(np.linalg.norm(logits - ref) / np.linalg.norm(ref)) < 1e-4
+
+
+def test_auto_glue_is_dense_at_one_token_only():
+  """moe_glue='auto' (the default): the dense glue for one token (ar), sorted above."""
+  cfg = C.tiny(n_routed_experts=8, num_experts_per_tok=3)
+  assert cfg.moe_glue == "auto"
+  assert moe._dense_glue(cfg, 1) and not moe._dense_glue(cfg, 2)  # pylint: disable=protected-access
