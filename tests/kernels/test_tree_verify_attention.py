@@ -270,11 +270,16 @@ class TestLowersForGpu:
 
   @staticmethod
   def lower_text(b, n, h, l, tuning):
+    """The lowered module for an abstract H200 (the Triton merge, the default where the call
+    splits, needs a GPU kind to lower on a CPU host)."""
     sd = jax.ShapeDtypeStruct
     f = lambda *a: api.tree_verify_attention_mgpu(*a, scale=0.1, tuning=tuning)
-    return jax.jit(f).trace(sd((b, n, h, C), jnp.bfloat16), sd((b, l, C), jnp.bfloat16),
-                            sd((b,), jnp.int32), sd((b, n, n), jnp.bool_)).lower(
-                                lowering_platforms=("cuda",)).as_text()
+    h200 = jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=h200)):
+      return jax.jit(f).trace(sd((b, n, h, C), jnp.bfloat16), sd((b, l, C), jnp.bfloat16),
+                              sd((b,), jnp.int32), sd((b, n, n), jnp.bool_)).lower(
+                                  lowering_platforms=("cuda",)).as_text()
 
   @pytest.mark.parametrize("b,n,h,l,tuning", [
       (1, 1, 8, 46000, Tuning(num_splits=132)), (1, 64, 64, 46000, Tuning(num_splits=1)),
@@ -296,12 +301,10 @@ class TestLowersForGpu:
 
   def test_triton_merge_lowers(self):
     """The Pallas Triton merge needs a GPU kind to lower on a CPU host: an abstract H200."""
-    h200 = jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
-                                                                  abstract_device=h200)):
-      for splits in (128, 132):
-        text = self.lower_text(1, 1, 8, 46000, Tuning(num_splits=splits, merge="triton"))
-        assert "mosaic_gpu" in text and "triton" in text.lower()
+    for splits in (128, 132):
+      text = self.lower_text(1, 1, 8, 46000, Tuning(num_splits=splits, merge="triton"))
+      assert "mosaic_gpu" in text and "triton" in text.lower()
+    assert default_tuning(1, 1, 8, 46000).merge == "triton"  # the default where it splits
 
   @pytest.mark.slow
   def test_bench_probes_lower(self):
@@ -309,12 +312,9 @@ class TestLowersForGpu:
     on one that cannot compile."""
     # pylint: disable-next=import-outside-toplevel
     from pallas_kernels.tree_verify import bench
-    h200 = jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
-                                                                  abstract_device=h200)):
-      for (b, n, h, l), spec in bench.PROBES.items():
-        for name, tuning, _ in bench.parse_tunings(spec, b, n, h, l)[1:]:
-          assert "mosaic_gpu" in self.lower_text(b, n, h, l, tuning), (b, n, h, l, name)
+    for (b, n, h, l), spec in bench.PROBES.items():
+      for name, tuning, _ in bench.parse_tunings(spec, b, n, h, l)[1:]:
+        assert "mosaic_gpu" in self.lower_text(b, n, h, l, tuning), (b, n, h, l, name)
 
   @pytest.mark.slow
   @pytest.mark.parametrize("b,n,h", list(itertools.product([1, 4], [1, 8, 16, 32, 64], [8, 64])))
