@@ -4,8 +4,7 @@ draft_ctx: materialize_context of one commit (W = block_size new rows: fc + k/v 
 written into the cache in place; timed inside a fori_loop that carries the cache, as the decode
 loop does), once per K/V projection form (--ctx_kv: xla = two dots per layer, which XLA:GPU's
 DotMerger turns into one dot over a concatenation of the weights built on every commit;
-separate = dots kept apart by optimization barriers; nomerge = compiled with the DotMerger off;
-packed = model.pack_ctx_kv's weights, concatenated once before the
+nomerge = compiled with the DotMerger off; packed = model.pack_ctx_kv's weights, concatenated once before the
 program, as a load would). draft_block: draft_block over `ctx` committed rows (every layer's
 weights, the ctx K/V, the target lm_head), once per ctx attention implementation (--ctx_impls:
 xla = chunked XLA dots over the whole capacity; pallas[:chunk:block_k:warps:stages] = the fused
@@ -62,10 +61,10 @@ flags.DEFINE_list("ctx_impls", [
                   "program of the kernel, model.draft_block(block_in_kernel=True); +packed: "
                   "params through model.pack_for_decode: q|k|v and gate|up in one dot each; "
                   "+cublas: compiled with XLA's Triton GEMMs off, cuBLAS for every dot)")
-flags.DEFINE_list("ctx_kv", ["xla", "separate", "nomerge", "packed"],
+flags.DEFINE_list("ctx_kv", ["xla", "nomerge", "packed"],
                   "draft_ctx K/V projections: xla (two dots per layer; XLA may merge them), "
-                  "separate (kept apart by optimization barriers), nomerge (compiled with XLA's "
-                  "DotMerger off), packed (model.pack_ctx_kv: one dot for all layers)")
+                  "nomerge (compiled with XLA's DotMerger off), packed (model.pack_ctx_kv: one "
+                  "dot for all layers)")
 flags.DEFINE_integer("top", 12, "kernels listed per phase")
 
 
@@ -155,7 +154,7 @@ NO_DOT_MERGER = {"xla_gpu_dot_merger_threshold_mb": 0}  # draft_ctx 'nomerge'
 CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}  # draft_block '+cublas'
 
 
-def ctx_program(cfg, steps, count, kv_dots="xla"):
+def ctx_program(cfg, steps, count):
   """`steps` commits in one program, the cache carried through a fori_loop (updated in place).
 
   Each commit reads its own taps (nothing is loop-invariant, so nothing is hoisted); the
@@ -166,7 +165,7 @@ def ctx_program(cfg, steps, count, kv_dots="xla"):
   def commits(params, cache, taps_nbtf):
     def body(i, c):
       pos = c.ctx_len[:, None] + jnp.arange(w, dtype=jnp.int32)
-      return model.materialize_context(params, cfg, c, taps_nbtf[i], pos, count, kv_dots)
+      return model.materialize_context(params, cfg, c, taps_nbtf[i], pos, count)
     out = jax.lax.fori_loop(0, steps, body, cache)
     last = jax.vmap(lambda a, at: jax.lax.dynamic_slice_in_dim(a, at, 1, axis=1))
     return [last(a, out.ctx_len - 1) for a in out.k + out.v]
@@ -179,7 +178,6 @@ def bench_ctx(cfg, params, b, ctx, reps, steps, variant="xla"):
   program's fixed costs (the copy of the un-donated input cache into the loop, launches).
   variant: a --ctx_kv name ('packed': params through model.pack_ctx_kv first, as a load would;
   'nomerge': per-layer dots compiled with XLA's DotMerger off)."""
-  kv_dots = variant if variant in model.KV_DOTS else "xla"
   params = model.pack_ctx_kv(params) if variant == "packed" else params
   options = NO_DOT_MERGER if variant == "nomerge" else None
   w, few = cfg.block_size, max(1, steps // 4)
@@ -188,7 +186,7 @@ def bench_ctx(cfg, params, b, ctx, reps, steps, variant="xla"):
                            jnp.bfloat16)
   count = jnp.full((b,), w, jnp.int32)
   args = (params, cache, taps)
-  compile_ = lambda n: ctx_program(cfg, n, count, kv_dots).lower(*args).compile(options)
+  compile_ = lambda n: ctx_program(cfg, n, count).lower(*args).compile(options)
   prog = compile_(steps)
   t_many, timer, k_many = timed_us(prog, args, reps)
   t_few, _, k_few = timed_us(compile_(few), args, reps)

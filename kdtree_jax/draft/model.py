@@ -143,9 +143,6 @@ def _kv(lp, cfg, x_btd, pos_bt):
   return k, v
 
 
-KV_DOTS = ("xla", "separate")
-
-
 def pack_ctx_kv(params):
   """params + "ctx_kv" [D, layers * 2 * G*Y]: every layer's k_proj and v_proj side by side (k0 v0
   k1 v1 ...), built once (at load) so materialize_context runs ONE dot for all layers' ctx K/V.
@@ -171,11 +168,10 @@ def pack_for_decode(params):
   return packed | {"layers": layers}
 
 
-def _ctx_kv_all(params, cfg, c_btd, positions_bt, kv_dots):
+def _ctx_kv_all(params, cfg, c_btd, positions_bt):
   """[(k (k_norm + rope), v) [B, T, G, Y]] of every layer from the ctx feature c: one dot over
   params["ctx_kv"] if packed (k_norm and rope then applied to every layer's k at once), else
-  two dots per layer (kv_dots 'separate': each behind an optimization barrier, so XLA cannot
-  merge them through a concatenation of the weights)."""
+  two dots per layer."""
   B, T, _ = c_btd.shape
   n, G, Y, eps = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
   if "ctx_kv" in params:
@@ -184,11 +180,7 @@ def _ctx_kv_all(params, cfg, c_btd, positions_bt, kv_dots):
     k = rms_norm(kv[:, :, :, 0], k_norm, eps).reshape(B, T, n * G, Y)
     k = rope(k, positions_bt, cfg.rope_theta).reshape(B, T, n, G, Y)
     return [(k[:, :, i], kv[:, :, i, 1]) for i in range(n)]
-  if kv_dots not in KV_DOTS:
-    raise ValueError(f"{kv_dots=} must be one of {KV_DOTS}")
   dot = lambda w: (c_btd @ w).reshape(B, T, G, Y)
-  if kv_dots == "separate":
-    dot = lambda w: jnp.matmul(*jax.lax.optimization_barrier((c_btd, w))).reshape(B, T, G, Y)
   out = []
   for lp in params["layers"]:
     k = rope(rms_norm(dot(lp["k_proj"]), lp["k_norm"], eps), positions_bt, cfg.rope_theta)
@@ -197,7 +189,7 @@ def _ctx_kv_all(params, cfg, c_btd, positions_bt, kv_dots):
 
 
 def materialize_context(params, cfg: DraftConfig, cache: DraftCache, taps_btz, positions_bt,
-                        num_valid_b, kv_dots="xla") -> DraftCache:
+                        num_valid_b) -> DraftCache:
   """Append ctx K/V of T new committed tokens at rows [ctx_len, ctx_len+T); ctx_len += num_valid.
   K/V projections: see _ctx_kv_all (pack_ctx_kv'd params: one dot for every layer)."""
   c = context_feature(params, cfg, taps_btz)
@@ -208,7 +200,7 @@ def materialize_context(params, cfg: DraftConfig, cache: DraftCache, taps_btz, p
 
   put_b = jax.vmap(put)
   ks, vs = [], []
-  kv_all = _ctx_kv_all(params, cfg, c, positions_bt, kv_dots)
+  kv_all = _ctx_kv_all(params, cfg, c, positions_bt)
   for (k, v), k_cache, v_cache in zip(kv_all, cache.k, cache.v):
     ks.append(put_b(k_cache, k, cache.ctx_len))
     vs.append(put_b(v_cache, v, cache.ctx_len))

@@ -504,8 +504,8 @@ def test_bench_draft_script_cpu(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = [json.loads(line) for line in (tmp_path / "bench_draft.jsonl").read_text().splitlines()]
   assert [(r["phase"], r.get("ctx_kv")) for r in rows] == [
-      ("draft_ctx", "xla"), ("draft_ctx", "separate"), ("draft_ctx", "nomerge"),
-      ("draft_ctx", "packed"), ("draft_block", None)]
+      ("draft_ctx", "xla"), ("draft_ctx", "nomerge"), ("draft_ctx", "packed"),
+      ("draft_block", None)]
   for r in rows:
     floor = max(r["bytes"] / (r["copy_tbps"] * 1e12), r["flops"] / (r["mm_tflops"] * 1e12)) * 1e6
     assert r["bytes"] > 0 and r["flops"] > 0 and np.isclose(r["floor_us"], floor)
@@ -513,9 +513,9 @@ def test_bench_draft_script_cpu(tmp_path):
   assert isinstance(rows[-1]["cache_sized_outputs"], list)
 
 
-def test_ctx_kv_packed_and_separate_match():
-  """materialize_context's K/V projections: pack_ctx_kv'd params (one dot for every layer) and
-  kv_dots='separate' write the same cache as the per-layer dots (f32: summation order only)."""
+def test_ctx_kv_packed_matches():
+  """materialize_context's K/V projections: pack_ctx_kv'd params (one dot for every layer) write
+  the same cache as the per-layer dots (f32: summation order only)."""
   cfg = draft.DraftConfig.tiny(num_hidden_layers=3, layer_types=("full_attention",) * 3)
   params = rand_params(cfg)
   packed = model.pack_ctx_kv(params)
@@ -530,16 +530,13 @@ def test_ctx_kv_packed_and_separate_match():
   cache = cache.replace(ctx_len=jnp.array([3, 5], jnp.int32))
   pos = cache.ctx_len[:, None] + jnp.arange(4)
   count = jnp.array([4, 2], jnp.int32)
-  mat = jax.jit(model.materialize_context, static_argnums=(1, 6))
-  want = mat(params, cfg, cache, taps, pos, count, "xla")
+  mat = jax.jit(model.materialize_context, static_argnums=(1,))
+  want = mat(params, cfg, cache, taps, pos, count)
   assert np.abs(np.asarray(want.k[2])).max() > 0.1
-  for got in (mat(packed, cfg, cache, taps, pos, count, "xla"),
-              mat(params, cfg, cache, taps, pos, count, "separate")):
-    for a, b in zip(got.k + got.v, want.k + want.v):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(got.ctx_len, want.ctx_len)
-  with pytest.raises(ValueError, match="kv_dots"):
-    model.materialize_context(params, cfg, cache, taps, pos, count, "fused")
+  got = mat(packed, cfg, cache, taps, pos, count)
+  for a, b in zip(got.k + got.v, want.k + want.v):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(got.ctx_len, want.ctx_len)
 
 
 def test_ctx_impl_auto_and_tuning_overrides():
