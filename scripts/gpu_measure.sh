@@ -9,7 +9,7 @@
 #               compiles; the old shape x path grid needs --gpu-full-grid, not run here)
 #   moe_bench   pallas_kernels/grouped_matmul/bench.py: routed FFN per T, tuning sweep, whole MoE layer
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 1, 9, 65: one MoE layer
-#               of bench_k26_full per kernel, sorted vs dense glue vs INT4 wide loads (rows of
+#               of bench_k26_full per kernel, sorted vs dense glue (rows of
 #               one T together, T=1 first); each variant's optimized HLO in raw/moe_layer_hlo/
 #   verify      tree-verify kernel: GPU tests (-m gpu, ~2 min), short bench (default L=46000 grid);
 #               verify:240 fits 4 minutes

@@ -87,9 +87,6 @@ class TargetConfig:
   # "sorted" runs), or "auto": dense at one token (ar), sorted above (the faster of the two on
   # the H200 at each T). Same routing decisions either way.
   moe_glue: str = "auto"
-  # expert_int4_wide_loads: INT4 experts on the kernel read weight tiles with 32-bit loads
-  # (grouped_matmul Tuning.int4_wide_loads).
-  expert_int4_wide_loads: bool = False
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
   shared_intermediate_size: int | None = None

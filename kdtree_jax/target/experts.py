@@ -12,8 +12,7 @@ from pallas_kernels.grouped_matmul import work
 COMPARE_SORT_MAX_PAIRS = 2048
 
 
-def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto",
-               int4_wide_loads=False):
+def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto"):
   """Experts [e0, e0 + E_l) on the (token, slot) pairs routed to them, dropless -> [T, D] f32.
 
   Pairs are sorted by expert (pairs for other experts go last and contribute 0), run through
@@ -22,8 +21,7 @@ def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto"
   """
   order, rank, sizes, mine = sort_pairs(idx_tk, gate_edf.shape[0], e0)
   y = expert_mlp(x_td[order // idx_tk.shape[1]], gate_edf, up_edf, down_efd, sizes, impl,
-                 group_ends=group_ends(idx_tk, gate_edf.shape[0], e0),
-                 int4_wide_loads=int4_wide_loads)
+                 group_ends=group_ends(idx_tk, gate_edf.shape[0], e0))
   return combine_pairs(y, rank, mine, w_tk)
 
 
@@ -103,7 +101,7 @@ class Weighting:
 
 
 def expert_ffn_dense(x_td, rank_te, scores_te, gate_edf, up_edf, down_efd, weighting: Weighting,
-                     impl="auto", int4_wide_loads=False):
+                     impl="auto"):
   """`expert_ffn` from a dense routing: rank_te [T, E] int32, each expert's place in token t's
   choice (chosen: rank < k; `moe.compare_rank`), scores_te [T, E] f32 the router's scores, whose
   chosen ones `weighting` turns into the routing weights; experts [0, E_l) are held here.
@@ -120,7 +118,7 @@ def expert_ffn_dense(x_td, rank_te, scores_te, gate_edf, up_edf, down_efd, weigh
   k = weighting.k
   if t == 1:
     return _one_token_ffn(x_td, rank_te[0], scores_te[0], gate_edf, up_edf, down_efd, weighting,
-                          impl, int4_wide_loads)
+                          impl)
   sel = rank_te[:, :e_l] < k
   w_te = weighting.dense(rank_te, scores_te)
   pos, nth, ends = _slot_rows(sel)
@@ -134,12 +132,11 @@ def expert_ffn_dense(x_td, rank_te, scores_te, gate_edf, up_edf, down_efd, weigh
     return work.work_list(sizes, t * k, rows, ends)
 
   y = expert_mlp(x_td[tok_row], gate_edf, up_edf, down_efd, sizes, impl, group_ends=ends,
-                 items=items, int4_wide_loads=int4_wide_loads)
+                 items=items)
   return combine_pairs(y, pos_tk.reshape(-1), ok_tk.reshape(-1), w_tk)
 
 
-def _one_token_ffn(x_1d, rank_e, scores_e, gate_edf, up_edf, down_efd, weighting, impl,
-                   int4_wide_loads):
+def _one_token_ffn(x_1d, rank_e, scores_e, gate_edf, up_edf, down_efd, weighting, impl):
   """One token: row j is its j-th choice (rows in choice order, not expert order: each row is
   its own work item, so the kernel needs no order; the XLA path sorts them). The work list is
   one reduction over the experts of the choice rank and also names every choice's expert, so
@@ -150,8 +147,7 @@ def _one_token_ffn(x_1d, rank_e, scores_e, gate_edf, up_edf, down_efd, weighting
   live = items[3] > 0
   y = expert_mlp(jnp.broadcast_to(x_1d, (k, x_1d.shape[1])), gate_edf, up_edf, down_efd,
                  (rank_e[:e_l] < k).astype(jnp.int32), impl, items=lambda rows: items,
-                 row_groups=jnp.where(live, items[0], e_l),
-                 int4_wide_loads=int4_wide_loads)  # [S, k, D]
+                 row_groups=jnp.where(live, items[0], e_l))  # [S, k, D]
   w_j = weighting.of_choices(scores_e[items[0]])  # dead rows are undefined: masked below
   return jnp.sum(jnp.where(live[None, :, None], w_j[None, :, None] * y, 0.0), axis=(0, 1))[None]
 

@@ -36,13 +36,11 @@ def gated_grouped_matmul(x_td, gate_edf, up_edf, group_sizes, impl="auto"):
 
 
 def expert_mlp(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto", group_ends=None,
-               items=None, row_groups=None, int4_wide_loads=False):
+               items=None, row_groups=None):
   """The gated call then the down call on one work list -> [splits, T, D] f32 split-K
   partials (1 split on XLA); rows past sum(group_sizes) undefined on the kernel.
   group_ends: cumsum(group_sizes); items: R -> the work list, if the caller builds it;
-  row_groups: each row's expert where rows are not in expert order (with items);
-  int4_wide_loads: 32-bit INT4 tile loads (the kernel's Tuning)."""
+  row_groups: each row's expert where rows are not in expert order (with items)."""
   return kernel_expert_mlp(x_td, expert_operands(gate_edf), expert_operands(up_edf),
                            expert_operands(down_efd), group_sizes, backend=impl,
-                           group_ends=group_ends, items=items, row_groups=row_groups,
-                           int4_wide_loads=int4_wide_loads)
+                           group_ends=group_ends, items=items, row_groups=row_groups)

@@ -93,8 +93,7 @@ def _limit_groups(choice_te, n_group, topk_group):
 
 def routed_experts(p, cfg: TargetConfig, x_td, idx_tk, w_tk):
   """The routed experts this device holds (all, or cfg.num_local_experts of them)."""
-  return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], impl=cfg.expert_backend,
-                    int4_wide_loads=cfg.expert_int4_wide_loads)
+  return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], impl=cfg.expert_backend)
 
 
 def moe(p, cfg: TargetConfig, x, routes: list | None = None):
@@ -116,7 +115,7 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
     y = expert_ffn_dense(x_td, rank, scores, p["gate"], p["up"], p["down"],
                          Weighting(cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                    cfg.routed_scaling_factor),
-                         impl=cfg.expert_backend, int4_wide_loads=cfg.expert_int4_wide_loads)
+                         impl=cfg.expert_backend)
   else:
     idx, w = route(p, cfg, x_td)
     _record(routes, idx)

@@ -5,8 +5,6 @@ Each call returns or combines per-value K-partials [S, M, N] (S = Tuning.splits,
 and leaves the down partials to the caller, whose weighted combine sums them in one fusion.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
@@ -112,7 +110,7 @@ def gated_grouped_matmul(x_mk, gate, up, group_sizes, *, backend="auto",
 
 def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
                tunings: tuple[Tuning, Tuning] | None = None, group_ends=None, items=None,
-               row_groups=None, int4_wide_loads: bool = False):
+               row_groups=None):
   """down[g] applied to silu(x @ gate[g]) * (x @ up[g]) per expert -> [S, M, N] f32 K-partials.
 
   One work list for both calls (their tunings share R). The caller sums over S, ideally inside
@@ -121,7 +119,6 @@ def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
   items: R -> a work list the caller built (as work.work_list would for R). row_groups [M]:
   each row's expert (G: none) when the rows are not sorted by expert, which the kernel allows
   where every item's window holds one expert's rows (`items` given); XLA then sorts them.
-  int4_wide_loads: set on the default tunings (INT4).
   """
   stacks = [tuple(gate), tuple(up)]
   down = tuple(down)
@@ -132,8 +129,6 @@ def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
   b_down, t_down = _plan(h_shape, [down], group_sizes, backend, t_down)
   if t_gate.rows != t_down.rows:
     raise ValueError(f"gate and down tunings must share rows: {t_gate.rows} vs {t_down.rows}")
-  if int4_wide_loads and len(down) == 2 and tunings is None:
-    t_gate, t_down = (dataclasses.replace(t, int4_wide_loads=True) for t in (t_gate, t_down))
   if row_groups is not None and "xla" in (b_gate, b_down):
     if b_gate != b_down:
       raise ValueError(f"row_groups needs one backend for both calls: {b_gate}, {b_down}")

@@ -6,7 +6,7 @@ Three parts, in order of value (a time box loses the least):
      needed, us, TB/s and % of the copy bandwidth measured in the same run.
   2. `tune`: one grouped GEMM (gate, INT4 and bf16) at T in --tune_tokens for each --tunings.
   3. `layer`: the whole MoE layer (router + routed + shared + glue) vs its weight-streaming floor,
-     per --layer_variants (sorted vs dense glue, INT4 wide loads), launches and glue us each.
+     per --layer_variants (sorted vs dense glue), launches and glue us each.
 Every output is checked against the f32 XLA reference first. One JSON line per row in --out.
 
   python -m pallas_kernels.grouped_matmul.bench --out runs/bench_moe.jsonl
@@ -208,13 +208,12 @@ def _typical_tokens(p, cfg, t, tries=64):
   return best[1], best[2]
 
 
-# MoE layer variants: (moe_glue, expert_int4_wide_loads). The first is the baseline of rel_err.
-LAYER_VARIANTS = {"sorted": ("sorted", False), "dense": ("dense", False),
-                  "sorted_wide": ("sorted", True), "dense_wide": ("dense", True)}
+# MoE layer variants: TargetConfig.moe_glue values. The first is the baseline of rel_err.
+LAYER_VARIANTS = ("sorted", "dense", "auto")
 _LAYER_VARIANTS = flags.DEFINE_list(
-    "layer_variants", ["sorted", "dense", "sorted_wide"],
-    f"MoE layer variants of the `layer` part, the first the baseline: {list(LAYER_VARIANTS)} "
-    "(glue: TargetConfig.moe_glue; _wide: INT4 32-bit tile loads).")
+    "layer_variants", ["sorted", "dense"],
+    f"MoE layer variants of the `layer` part (TargetConfig.moe_glue), the first the baseline: "
+    f"{list(LAYER_VARIANTS)}.")
 
 
 def part_layer(ceil, sink, rows):
@@ -225,8 +224,9 @@ def part_layer(ceil, sink, rows):
   p = P.init_params(jax.random.key(0), base, jnp.bfloat16, int4_experts=True)["layers"][1]["moe"]
   fns = {}
   for name in _LAYER_VARIANTS.value:
-    glue, wide = LAYER_VARIANTS[name]
-    cfg = dataclasses.replace(base, moe_glue=glue, expert_int4_wide_loads=wide)
+    if name not in LAYER_VARIANTS:
+      raise ValueError(f"--layer_variants: {name!r} is not one of {LAYER_VARIANTS}")
+    cfg = dataclasses.replace(base, moe_glue=name)
     fns[name] = jax.jit(lambda p, x, cfg=cfg: moe.moe(p, cfg, x))
   for t in map(int, _T.value):
     x, idx = _typical_tokens(p, base, t)
