@@ -69,7 +69,7 @@ run_part() {
     k26_full) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --time_budget_s $(( secs - 20 )) ;;
     k26_core) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
-                --config.bench.profile_budgets=15 --time_budget_s $(( secs - 20 )) ;;
+                --config configs/bench_k26_core.py --time_budget_s $(( secs - 20 )) ;;
     draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py; python3 scripts/bench_draft.py --ctx 46000 --out_dir $RAW" ;;
     draft_share) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
