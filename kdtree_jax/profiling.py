@@ -251,14 +251,20 @@ def expert_bytes_per_weight(tparams, default: float) -> float:
 
 
 TOP_KERNELS = 15
+# Calls per CUPTI trace. jax 0.11.2's Mosaic CUPTI hook aborts the process ("activity records were
+# dropped", a C++ exception no Python code can catch) when one trace overflows its buffers: 20
+# calls of the 61-layer step without command buffers did (H200, 2026-12-01). Kernel times of
+# ms-long programs need few calls.
+CUPTI_CALLS = 3
 
 
 def time_program(fn, args, feed, reps):
   """(ms, wall ms, timer name, top kernels, launches per call): CUPTI kernel time per call (one
-  trace, after the wall times) and its slowest kernels on a GPU, wall time, [] and 0 elsewhere."""
+  trace of min(reps, CUPTI_CALLS) calls, after the wall times) and its slowest kernels on a GPU,
+  wall time, [] and 0 elsewhere."""
   wall, args = timing.wall_ms(fn, args, feed, reps=reps)
   try:
-    kern, top, _ = timing.kernel_trace(fn, args, feed, iters=reps)
+    kern, top, _ = timing.kernel_trace(fn, args, feed, iters=min(reps, CUPTI_CALLS))
   except RuntimeError as e:  # CUPTI refused (e.g. another subscriber): the wall time, labelled
     print(f"CUPTI failed ({e}); wall time instead", flush=True)
     return wall, wall, "wall (CUPTI failed)", [], 0.0

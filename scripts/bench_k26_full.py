@@ -154,30 +154,37 @@ def phase_table(m, c, spec, ceil, deadline, rec, parts=True):
     for phase in ("rest", "verify", "step_nograph") if parts else ():
       if profiling.format_kernels(rows, phase):
         print(profiling.format_kernels(rows, phase), flush=True)
-    gap = host_gap_row(rec.rows, spec, rows, c.bench.profile_ctx)
+  return status != "timeout"
+
+
+def host_gaps(c, rec):
+  """A host_gap row per phase table with a step_nograph row and a throughput row at its ctx."""
+  for t in [r for r in rec.rows if r["kind"] == "phases" and r["rows"]]:
+    gap = host_gap_row(rec.rows, t["mode"], t["budget"], t["rows"], c.bench.profile_ctx)
     if gap:
       rec.add("host_gap", **gap)
-      print(f"host gap {spec.mode} budget={_budget(spec)} ctx={gap['ctx']}: loop "
+      print(f"host gap {t['mode']} budget={t['budget']} ctx={gap['ctx']}: loop "
             f"{gap['loop_ms']:.3f} ms/step - step kernels without command buffers "
             f"{gap['kernel_ms']:.3f} ms = {gap['host_gap_us']:.1f} us/step ({gap['method']})",
             flush=True)
-  return status != "timeout"
 
 
 GAP_METHOD = ("loop wall slope per step (command buffers on) - CUPTI kernel sum of the same step "
               "compiled without command buffers (step_nograph)")
 
 
-def host_gap_row(rows, spec, phase_rows, ctx):
+def host_gap_row(rows, mode, budget, phase_rows, ctx):
   """{mode, budget, ctx, loop_ms, kernel_ms, host_gap_us, method} from the throughput row of
-  this spec at `ctx` and the table's step_nograph, or None when either is missing."""
+  (mode, budget) at `ctx` and the phase table's step_nograph row (dicts), or None when either is
+  missing."""
   loop_row = next((r for r in rows if r["kind"] == "throughput" and r.get("ctx") == ctx
-                   and r["mode"] == spec.mode and r["budget"] == _budget(spec)), None)
-  step = next((r for r in phase_rows if r.phase == "step_nograph" and r.timer == "cupti"), None)
+                   and r["mode"] == mode and r["budget"] == budget), None)
+  step = next((r for r in phase_rows if r["phase"] == "step_nograph" and r["timer"] == "cupti"),
+              None)
   if loop_row is None or step is None:
     return None
-  return dict(mode=spec.mode, budget=_budget(spec), ctx=ctx, loop_ms=loop_row["ms_per_step"],
-              kernel_ms=step.ms, host_gap_us=1e3 * (loop_row["ms_per_step"] - step.ms),
+  return dict(mode=mode, budget=budget, ctx=ctx, loop_ms=loop_row["ms_per_step"],
+              kernel_ms=step["ms"], host_gap_us=1e3 * (loop_row["ms_per_step"] - step["ms"]),
               method=GAP_METHOD)
 
 
@@ -248,16 +255,20 @@ def run_parts(m, c, deadline, rec):
   loops = compile_modes(m, c, [_spec(c, mode) for mode in modes], deadline, rec)
   if _COMPILE_ONLY.value:
     return
-  for mode in modes:  # cheap once compiled: seconds per mode
-    if loops[mode] is not None and not throughput_rows(m, c, _spec(c, mode), loops[mode],
-                                                       deadline, rec):
-      return
+  # The phase tables (Mosaic's CUPTI hook) before the throughput traces (jax.profiler's): after
+  # a jax.profiler trace, the next Mosaic CUPTI trace aborted the process ("activity records
+  # were dropped", H200, 2026-12-01); the other order ran in the third session.
   ceil = roofline.measure_ceilings(small=jax.default_backend() == "cpu")
   rec.add("ceilings", **ceil)
   budgets = list(c.bench.profile_budgets)
   for spec in (_spec(c, "ar"), _spec(c, "ddtree", budgets[0])):
     if not phase_table(m, c, spec, ceil, deadline, rec):
       return
+  for mode in modes:  # cheap once compiled: seconds per mode
+    if loops[mode] is not None and not throughput_rows(m, c, _spec(c, mode), loops[mode],
+                                                       deadline, rec):
+      return
+  host_gaps(c, rec)
   for b in budgets[1:]:  # without the attention / moe split (two more 60-layer compiles each)
     if not phase_table(m, c, _spec(c, "ddtree", b), ceil, deadline, rec, parts=False):
       return
