@@ -51,36 +51,53 @@ GAP_METHOD = ("loop wall slope per step (command buffers as compiled) - device-b
 
 
 def measure_wall(run, pair, st, gen):
-  """(state after the timed chunks, {ms_per_step, timing, accepted_per_step}) from `st`
-  (consumed). No trace: wall time only."""
+  """(state after the timed chunks, {ms_per_step, timing, accepted_per_step, steps_timed}) from
+  `st` (consumed). No trace: wall time only. The slope divides by the steps the loop actually
+  ran: the loop stops early when every row is done (an EOS of random weights, max_new_tokens),
+  and a slope over steps that never ran is the wrong number (ar at 46k read 4.7 ms per step
+  against 8.1 ms of kernels per step before this, H200)."""
   st, _ = _run(run, pair, st, 2)                        # warm: compile, record command buffers
   first = int(st.steps)
   st, t_short = _run(run, pair, st, 2)
+  n_short = int(st.steps) - first
   st, t_long = _run(run, pair, st, 2 + gen)
-  ms, how = 1e3 * (t_long - t_short) / gen, "slope"
+  n_long = int(st.steps) - first - n_short
+  if n_long <= n_short:
+    raise RuntimeError(f"the loop ran {n_short} then {n_long} steps (asked 2 then {2 + gen}): "
+                       "it stopped early (every row done); nothing to time")
+  ms, how = 1e3 * (t_long - t_short) / (n_long - n_short), "slope"
   if ms <= 0:  # timing noise swamped the slope (tiny CPU runs): whole chunk per step
-    ms, how = 1e3 * t_long / (2 + gen), "total"
+    ms, how = 1e3 * t_long / n_long, "total"
+  if n_long < 2 + gen:
+    how += f" (loop stopped after {n_long} of {2 + gen} steps)"
   acc = np.asarray(jax.device_get(st.accepted))[first:int(st.steps)]
-  return st, dict(ms_per_step=ms, timing=how, accepted_per_step=float(acc.mean()))
+  return st, dict(ms_per_step=ms, timing=how, accepted_per_step=float(acc.mean()),
+                  steps_timed=n_long)
 
 
 def measure_device(run, pair, st, gen, ms_per_step):
   """{kernel_us, kernel_sum_us, kernels_per_step, device_span_us, host_gap_us, gap_method,
   gap_suspect} of a traced chunk of min(gen, TRACE_STEPS) steps from `st` (consumed); None
-  values off-GPU."""
+  values off-GPU. Per step = per step the traced chunk actually ran."""
   gen = min(gen, TRACE_STEPS)
+  first = int(st.steps)
   chunk = lambda a, out: (a[0], out, int(out.steps) + gen)
   error = None
   try:
-    tr, _ = timing.device_trace(run, (pair, st, int(st.steps) + gen), chunk, iters=1)
+    tr, st = timing.device_trace(run, (pair, st, first + gen), chunk, iters=1)
   except Exception as e:  # pylint: disable=broad-except  (the wall-time row stays)
     tr, error = None, f"{type(e).__name__}: {e}"[:300]
   if tr is None:
     return dict(kernel_us=None, kernel_sum_us=None, kernels_per_step=None, device_span_us=None,
                 host_gap_us=None, gap_method=None, gap_suspect=None, trace_error=error)
-  busy = 1e3 * tr["busy_ms"] / gen
-  return dict(kernel_us=busy, kernel_sum_us=1e3 * tr["kernel_sum_ms"] / gen,
-              kernels_per_step=tr["kernels"] / gen, device_span_us=1e3 * tr["span_ms"] / gen,
+  ran = int(st[1].steps) - first - gen  # device_trace ran a warm-up chunk, then the traced one
+  if ran < 1:
+    return dict(kernel_us=None, kernel_sum_us=None, kernels_per_step=None, device_span_us=None,
+                host_gap_us=None, gap_method=None, gap_suspect=None,
+                trace_error=f"the traced chunk ran {ran} steps (the loop stopped early)")
+  busy = 1e3 * tr["busy_ms"] / ran
+  return dict(kernel_us=busy, kernel_sum_us=1e3 * tr["kernel_sum_ms"] / ran,
+              kernels_per_step=tr["kernels"] / ran, device_span_us=1e3 * tr["span_ms"] / ran,
               host_gap_us=1e3 * ms_per_step - busy, gap_method=GAP_METHOD,
               gap_suspect=busy < 0.5e3 * ms_per_step)
 

@@ -20,6 +20,8 @@
 #               whole bench table (with probes and XLA) until half the time box is spent
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
 #   k26_core    the same with the phase tables of ar and ddtree 15, loops at 46k only
+#   xla_options scripts/probe_xla_options.py: bench_k26_full's fused step (ar, ddtree 15) compiled
+#               per XLA option set (cuBLAS vs Triton GEMMs, ...), CUPTI kernel ms each (~200 s)
 #   draft_share the same for k26_dflash_share only (bench_k26_full's draft, issue 17's must-show)
 #   draft       the draft ctx kernel's GPU tests, then scripts/bench_draft.py: the two draft phases of
 #               both drafts (k26_dflash_share first; each draft's rows written when it is done),
@@ -70,6 +72,7 @@ run_part() {
                 --time_budget_s $(( secs - 20 )) ;;
     k26_core) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --time_budget_s $(( secs - 20 )) ;;
+    xla_options) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" ;;
     draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py; python3 scripts/bench_draft.py --ctx 46000 --out_dir $RAW" ;;
     draft_share) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \

@@ -1,0 +1,109 @@
+"""XLA compile options A/B on the fused decode step: the same step program (bench_k26_full's, at
+bench.profile_ctx) compiled once per option set, all compiled at once, then each timed by ONE CUPTI
+trace (its first, so command-buffer graphs are seen) on a fresh copy of the state: kernel ms per
+step, launches per step, the slowest kernel families. A measurement of XLA's own choices (e.g. the
+M=1 dots XLA emits as reduce fusions; Triton vs cuBLAS GEMMs at 16 rows), not a setting: a
+winner becomes a `runtime.RuntimeConfig` default only after it is measured here.
+
+  python scripts/probe_xla_options.py --config configs/bench_k26_full.py --out_dir runs/xla_opts
+  (GPU: bash scripts/gpu_measure.sh $OUT xla_options:300)
+"""
+import functools
+import json
+import os
+
+from absl import app, flags
+import jax
+from ml_collections import config_flags
+
+from kdtree_jax import profiling, runtime, timing
+from kdtree_jax.bench_state import clone
+from kdtree_jax import forced_accept
+from kdtree_jax.decoding.spec_config import SpecConfig
+from kdtree_jax.loader import DTYPES, load_draft, load_target
+from kdtree_jax.pair import Pair
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "bench_k26_full.py")
+_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Bench config.")
+_OUT = flags.DEFINE_string("out_dir", None, "Output folder (xla_options.jsonl).", required=True)
+_MODES = flags.DEFINE_list("modes", ["ar", "ddtree"], "Step programs (ddtree at bench.budget).")
+_VARIANTS = flags.DEFINE_list("variants", ["default", "no_triton_gemm", "triton_gemm_any",
+                                           "all_triton"],
+                              "Option sets: '+'-joined names of VARIANTS.")
+runtime.define_flags()
+
+VARIANTS = {  # name -> XLA DebugOptions fields for compiler_options
+    "default": {},
+    "no_triton_gemm": {"xla_gpu_enable_triton_gemm": False},    # cuBLAS for every GEMM
+    "triton_gemm_any": {"xla_gpu_triton_gemm_any": True},       # Triton even where slower
+    "all_triton": {"xla_gpu_experimental_all_fusions_with_triton": True},
+}
+TOP = 8
+
+
+def options(variant: str) -> dict:
+  out = {}
+  for name in variant.split("+"):
+    if name not in VARIANTS:
+      raise app.UsageError(f"unknown variant {name!r}; known: {sorted(VARIANTS)}")
+    out.update(VARIANTS[name])
+  return out
+
+
+def _spec(c, mode):
+  """bench_k26_full's step spec (forced acceptance) of `mode` at bench.budget."""
+  return SpecConfig(mode=mode, budget=c.bench.budget, block_size=c.block_size,
+                    max_new_tokens=4096, attn_backend=c.attn_backend,
+                    target_choice=forced_accept.target_choice(c.forced_accept))
+
+
+def probe_mode(pair, c, mode, dtype, variants):
+  """[{mode, variant, options, ms, launches, top}] for one mode's step program."""
+  spec = _spec(c, mode)
+  state = profiling.bench_state(pair.tcfg, pair.dcfg, spec, 1, c.bench.profile_ctx, dtype)
+  seen = profiling.phase_structs(pair, spec, state)
+  kw = dict(tcfg=pair.tcfg, dcfg=pair.dcfg, spec=spec)
+  lowered = profiling._PHASES["step"].lower(*seen["step"], **kw)  # pylint: disable=protected-access
+  outs = timing.Deadline(float("inf")).box_all(
+      [functools.partial(lowered.compile, compiler_options=options(v)) for v in variants])
+  rows = []
+  feed = lambda args, out: (args[0], args[1], out)
+  for v, (exe, secs, status) in zip(variants, outs):
+    row = dict(mode=mode, budget=spec.budget if mode == "ddtree" else None, variant=v,
+               options=options(v), compile_s=secs, status=status)
+    if status == "ok":
+      args = (pair.tparams, pair.dparams, clone(state))
+      wall, args = timing.wall_ms(exe, args, feed, reps=5)
+      kern, top, _ = timing.kernel_trace(exe, args, feed, iters=2)
+      row.update(wall_ms=wall, ms=kern, launches=sum(n for _, n, _ in top) if top else None,
+                 top=top[:TOP] if top else [])
+    rows.append(row)
+    print(json.dumps({k: v for k, v in row.items() if k != "top"}), flush=True)
+  return rows
+
+
+def main(_):
+  c = _CONFIG.value
+  dtype = DTYPES[c.dtype]
+  tcfg, tp = load_target(c.target, dtype)
+  dcfg, dp = load_draft(c.draft, tcfg, dtype)
+  pair = Pair(tcfg, tp, dcfg, dp)
+  os.makedirs(_OUT.value, exist_ok=True)
+  rows = []
+  with open(os.path.join(_OUT.value, "xla_options.jsonl"), "w") as f:
+    for mode in _MODES.value:
+      for r in probe_mode(pair, c, mode, dtype, _VARIANTS.value):
+        rows.append(r)
+        f.write(json.dumps(r) + "\n")
+        f.flush()
+  print(f"\nstep kernel time per XLA option set (ctx {c.bench.profile_ctx}; CUPTI, first trace)")
+  print(f"{'mode':>6} {'variant':<34} {'ms':>8} {'wall ms':>8} {'launches':>8}  top kernels (us)")
+  for r in rows:
+    tops = ", ".join(f"{n} {us:.0f}" for n, _, us in r.get("top", [])[:4])
+    ms = f"{r['ms']:8.3f}" if r.get("ms") else f"{r['status']:>8}"
+    print(f"{r['mode']:>6} {r['variant']:<34} {ms} {r.get('wall_ms', 0):8.3f} "
+          f"{r.get('launches') or 0:8.0f}  {tops}")
+
+
+if __name__ == "__main__":
+  app.run(main)
