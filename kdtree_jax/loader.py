@@ -16,6 +16,7 @@ from kdtree_jax.draft.checkpoint import load_dflash_checkpoint
 from kdtree_jax.draft.config import DraftConfig
 from kdtree_jax.draft.model import init_draft_params, pack_for_decode
 from kdtree_jax.pair import Pair
+from kdtree_jax.target.pack import pack_for_decode as pack_target
 from kdtree_jax.target.params import init_params
 from kdtree_jax.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -77,6 +78,13 @@ def _restore_orbax(path, kind, dtype, mesh):
   if found != kind:
     raise ValueError(f"{path!r} holds a {found} checkpoint but is configured as the {kind}")
   return orbax_io.restore_params(path, mesh=mesh, dtype=dtype)
+
+
+def load_target_for_decode(c, dtype, mesh=None):
+  """load_target, the params in target.pack's decode layout without a mesh (one dot for q_a |
+  kv_a, gate | up, router | shared gate | up per layer); per-layer weights under a mesh."""
+  tcfg, tparams = load_target(c, dtype, mesh)
+  return tcfg, tparams if mesh is not None else pack_target(tparams)
 
 
 def load_target(c, dtype, mesh=None):
@@ -158,14 +166,15 @@ def make_tokenizer(name: str, target):
 
 def load_pair(config, mesh=None) -> tuple[Pair, object]:
   """(target + draft pair, tokenizer) of a run config, params placed on `mesh` (if any); without
-  a mesh the draft params in draft.model.pack_for_decode's layout."""
+  a mesh the target in target.pack's decode layout and the draft in
+  draft.model.pack_for_decode's (no weight concatenation at run time)."""
   dtype = _dtype(config.dtype)
   for kind in ("target", "draft"):  # checkpoint dirs first: an empty one is not a tokenizer error
     if config[kind].checkpoint:
       check_checkpoint_dir(resolve_checkpoint(config[kind].checkpoint, kind), kind)
   tokenizer = make_tokenizer(config.tokenizer, config.target)  # fails fast, before the weights
-  tcfg, tparams = load_target(config.target, dtype, mesh)
+  tcfg, tparams = load_target_for_decode(config.target, dtype, mesh)
   dcfg, dparams = load_draft(config.draft, tcfg, dtype, mesh)
-  if dparams is not None and mesh is None:  # one device: the draft's decode layout (no
-    dparams = pack_for_decode(dparams)      # weight concatenation at run time)
+  if dparams is not None and mesh is None:  # one device: the draft's decode layout
+    dparams = pack_for_decode(dparams)
   return Pair(tcfg, tparams, dcfg, dparams), tokenizer

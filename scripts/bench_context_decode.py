@@ -17,7 +17,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from kdtree_jax import plots, profiling, roofline, runtime  # noqa: E402
 from kdtree_jax.decoding.spec_config import SpecConfig  # noqa: E402
-from kdtree_jax.loader import DTYPES, load_draft, load_target  # noqa: E402
+from kdtree_jax.loader import DTYPES, load_draft, load_target_for_decode  # noqa: E402
 from kdtree_jax.pair import Pair  # noqa: E402
 from kdtree_jax import forced_accept
 
@@ -56,7 +56,7 @@ def plot(rows, path):
 def main(_):
   c = _CONFIG.value
   dtype = DTYPES[c.dtype]
-  tcfg, tp = load_target(c.target, dtype)
+  tcfg, tp = load_target_for_decode(c.target, dtype)
   dcfg, dp = load_draft(c.draft, tcfg, dtype)
   pair = Pair(tcfg, tp, dcfg, dp)
   dev = jax.devices()[0]

@@ -37,7 +37,7 @@ from kdtree_jax import profiling, roofline, runtime, throughput, timing
 from kdtree_jax.bench_state import bench_state
 from kdtree_jax.decoding import loop
 from kdtree_jax.decoding.spec_config import SpecConfig
-from kdtree_jax.loader import DTYPES, load_draft, load_target
+from kdtree_jax.loader import DTYPES, load_draft, load_target, load_target_for_decode
 from kdtree_jax.pair import Pair
 from kdtree_jax import forced_accept
 
@@ -275,11 +275,14 @@ def run_parts(m, c, deadline, rec):
 
 
 def _load(c, dtype, abstract):
-  """(tcfg, tparams, dcfg, dparams): on the device, or ShapeDtypeStructs when `abstract`."""
+  """(tcfg, tparams, dcfg, dparams): on the device, or ShapeDtypeStructs when `abstract`. The
+  target in target.pack's decode layout (one dot for q_a | kv_a, router | shared gate | up per
+  layer) unless the config sets pack_target=False (the per-layer weights, for an A/B run)."""
   box = {}
+  load = load_target_for_decode if c.get("pack_target", True) else load_target
 
   def build():
-    box["tcfg"], tp = load_target(c.target, dtype)
+    box["tcfg"], tp = load(c.target, dtype)
     box["dcfg"], dp = load_draft(c.draft, box["tcfg"], dtype)
     return tp, dp
 

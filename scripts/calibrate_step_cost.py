@@ -37,7 +37,7 @@ from ml_collections import config_flags
 from kdtree_jax import forced_accept, profiling, roofline, runtime, timing
 from kdtree_jax.decoding import budget, step, step_cost
 from kdtree_jax.decoding.spec_config import SpecConfig
-from kdtree_jax.loader import DTYPES, load_draft, load_target
+from kdtree_jax.loader import DTYPES, load_draft, load_target_for_decode
 from kdtree_jax.pair import Pair
 
 runtime.define_flags()
@@ -276,7 +276,7 @@ def main(_):
   c = _CONFIG.value
   t0 = time.perf_counter()
   dtype = DTYPES[c.dtype]
-  tcfg, tp = load_target(c.target, dtype)
+  tcfg, tp = load_target_for_decode(c.target, dtype)
   dcfg, dp = load_draft(c.draft, tcfg, dtype)
   ctxs = sorted(int(x) for x in _CTX.value)
   steps = tuple(int(s) for s in _STEPS.value)

@@ -23,7 +23,7 @@ import jax
 
 from kdtree_jax import cli, profiling
 from kdtree_jax.decoding.spec_config import SpecConfig
-from kdtree_jax.loader import DTYPES, load_draft, load_target
+from kdtree_jax.loader import DTYPES, load_draft, load_target_for_decode
 from kdtree_jax.pair import Pair
 from kdtree_jax import forced_accept
 
@@ -62,7 +62,7 @@ def sweep_point(pair, spec, ctxs, dtype, batch, gen):
 def main(_):
   c = cli.load_config(_CONFIG, "configs/bench_tiny.py (CPU) or configs/bench_k26.py (GPU)")
   dtype = DTYPES[c.dtype]
-  tcfg, tp = load_target(c.target, dtype)
+  tcfg, tp = load_target_for_decode(c.target, dtype)
   dcfg0, dp = load_draft(c.draft, tcfg, dtype)
   modes = list(_MODE.value)
   if dcfg0 is None and any(m != "ar" for m in modes):

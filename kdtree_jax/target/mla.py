@@ -19,19 +19,34 @@ from kdtree_jax.target.rope import apply_rope, cos_sin
 from pallas_kernels.tree_verify.api import resolve_backend
 
 
-def project_q(p, cfg: TargetConfig, x_bsd):
-  """Queries [B, S, H, Dn + P] (plain q projection or the q LoRA path)."""
+def input_dots(p, cfg: TargetConfig, x_bsd):
+  """(q_in, kv_a_out): x @ q_a [B, S, Rq] (or the queries [B, S, H, Dn + P] without the q LoRA)
+  and x @ kv_a [B, S, R + P]; one dot over p["qkv_a"] (q_a | kv_a, target/pack.py) when packed,
+  else two."""
+  if "qkv_a" in p:
+    y = x_bsd @ p["qkv_a"]
+    q_in, a = y[..., :-cfg.cache_dim], y[..., -cfg.cache_dim:]
+    if cfg.q_lora_rank is None:
+      q_in = q_in.reshape(*q_in.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
+    return q_in, a
   if cfg.q_lora_rank is None:
-    return jnp.einsum("bsd,dhk->bshk", x_bsd, p["q"])
-  c_q = rms_norm(x_bsd @ p["q_a"], p["q_a_norm"], cfg.lora_norm_eps)
+    return jnp.einsum("bsd,dhk->bshk", x_bsd, p["q"]), x_bsd @ p["kv_a"]
+  return x_bsd @ p["q_a"], x_bsd @ p["kv_a"]
+
+
+def project_q(p, cfg: TargetConfig, q_in):
+  """Queries [B, S, H, Dn + P] from input_dots' q_in (the q LoRA's up-projection, if any)."""
+  if cfg.q_lora_rank is None:
+    return q_in
+  c_q = rms_norm(q_in, p["q_a_norm"], cfg.lora_norm_eps)
   return jnp.einsum("bsr,rhk->bshk", c_q, p["q_b"])
 
 
-def latent_rows(p, cfg: TargetConfig, x_bsd, cos, sin):
-  """Cache rows [B, S, C]: normalized c_kv (R) followed by the rotated shared rope key (P)."""
-  a = x_bsd @ p["kv_a"]
-  c_kv = rms_norm(a[..., :cfg.kv_lora_rank], p["kv_a_norm"], cfg.lora_norm_eps)
-  k_pe = apply_rope(a[..., cfg.kv_lora_rank:], cos, sin)
+def latent_rows(cfg: TargetConfig, p, a_bsc, cos, sin):
+  """Cache rows [B, S, C] from a = x @ kv_a: normalized c_kv (R) followed by the rotated shared
+  rope key (P)."""
+  c_kv = rms_norm(a_bsc[..., :cfg.kv_lora_rank], p["kv_a_norm"], cfg.lora_norm_eps)
+  k_pe = apply_rope(a_bsc[..., cfg.kv_lora_rank:], cos, sin)
   return jnp.concatenate([c_kv, k_pe], axis=-1)
 
 
@@ -45,8 +60,9 @@ def split_q(cfg: TargetConfig, q_bshy, cos, sin):
 def prefill_attention(p, cfg: TargetConfig, x_bsd, positions_bs):
   """Naive causal MLA over the prompt itself (HF formulation). Returns (out [B,S,D], rows [B,S,C])."""
   cos, sin = cos_sin(cfg, positions_bs)
-  q_nope, q_pe = split_q(cfg, project_q(p, cfg, x_bsd), cos, sin)
-  rows = latent_rows(p, cfg, x_bsd, cos, sin)
+  q_in, a = input_dots(p, cfg, x_bsd)
+  q_nope, q_pe = split_q(cfg, project_q(p, cfg, q_in), cos, sin)
+  rows = latent_rows(cfg, p, a, cos, sin)
   c_kv, k_pe = rows[..., :cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank:]
   kv = jnp.einsum("bsr,rhk->bshk", c_kv, p["kv_b"])
   k_nope, v = kv[..., :cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim:]
@@ -69,8 +85,9 @@ def absorbed_attention(p, cfg: TargetConfig, x_bnd, positions_bn, layer_cache_bl
   Returns (out [B, N, D], updated layer cache [B, L, C]).
   """
   cos, sin = cos_sin(cfg, positions_bn)
-  q_nope, q_pe = split_q(cfg, project_q(p, cfg, x_bnd), cos, sin)
-  rows = latent_rows(p, cfg, x_bnd, cos, sin).astype(layer_cache_blc.dtype)
+  q_in, a = input_dots(p, cfg, x_bnd)
+  q_nope, q_pe = split_q(cfg, project_q(p, cfg, q_in), cos, sin)
+  rows = latent_rows(cfg, p, a, cos, sin).astype(layer_cache_blc.dtype)
   layer_cache_blc = write_rows(layer_cache_blc, rows, lengths_b)
   w_uk = p["kv_b"][..., :cfg.qk_nope_head_dim]  # [R, H, Dn]
   w_uv = p["kv_b"][..., cfg.qk_nope_head_dim:]  # [R, H, Dv]

@@ -10,17 +10,19 @@ import jax.numpy as jnp
 from kdtree_jax import sharding
 from kdtree_jax.target.config import TargetConfig
 from kdtree_jax.target.experts import Weighting, dense_glue_fits, expert_ffn, expert_ffn_dense
-from kdtree_jax.target.mlp import swiglu
+from kdtree_jax.target.mlp import swiglu, swiglu_down
 from kdtree_jax.target.moe_parallel import experts_ep, route_local
 
 
-def route(p, cfg: TargetConfig, x_td):
+def route(p, cfg: TargetConfig, x_td, logits=None):
   """Returns (expert ids [T, K] int32, weights [T, K] f32).
 
   Scores are sigmoid(x @ W_g) in f32; `bias` (e_score_correction_bias) shifts them for SELECTION
   only; the weights are the unbiased scores, optionally normalised, times routed_scaling_factor.
+  logits: x @ W_g [T, E] f32 when already computed (the packed layer's joint dot), else None.
   """
-  logits = _router_logits(x_td, p["router"])
+  if logits is None:
+    logits = _router_logits(x_td, p["router"])
   scores = jax.nn.sigmoid(logits)
   choice = scores + p["bias"].astype(jnp.float32)
   if cfg.n_group > 1:
@@ -59,11 +61,14 @@ def compare_rank(choice_te):
   return jnp.sum(beaten_by, axis=2, dtype=jnp.int32)
 
 
-def route_dense(p, cfg: TargetConfig, x_td):
+def route_dense(p, cfg: TargetConfig, x_td, logits=None):
   """`route` as [T, E] arrays: (each expert's place in the token's choice, int32, selected where
   < num_experts_per_tok; the unbiased scores, f32). The same choices as `route` (the same
-  comparison rank); the weights (normalised, scaled) are the consumer's (`expert_ffn_dense`)."""
-  scores = jax.nn.sigmoid(_router_logits(x_td, p["router"]))
+  comparison rank); the weights (normalised, scaled) are the consumer's (`expert_ffn_dense`).
+  logits: as in `route`."""
+  if logits is None:
+    logits = _router_logits(x_td, p["router"])
+  scores = jax.nn.sigmoid(logits)
   choice = scores + p["bias"].astype(jnp.float32)
   if cfg.n_group > 1:
     choice = _limit_groups(choice, cfg.n_group, cfg.topk_group)
@@ -105,24 +110,41 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
   x_td = x.reshape(-1, shape[-1])
   mesh = sharding.current_mesh()
   if mesh is not None:  # one psum for routed + shared where they split alike (moe_parallel)
+    if "router_gate_up" in p:
+      raise ValueError("packed target params (target/pack.py) are one device's layout; "
+                       "load them unpacked under a mesh")
     idx, w = route_local(lambda rp, x: route(rp, cfg, x), p, x_td, mesh)
     _record(routes, idx)
     return experts_ep(p, x_td, idx, w, mesh, impl=cfg.expert_backend).reshape(shape)
+  logits, shared = router_and_shared(p, x_td)
   if _dense_glue(cfg, x_td.shape[0]):
-    rank, scores = route_dense(p, cfg, x_td)
+    rank, scores = route_dense(p, cfg, x_td, logits)
     if routes is not None:  # the ids in top-k order (the same logits and rank, shared by XLA)
-      _record(routes, route(p, cfg, x_td)[0])
+      _record(routes, route(p, cfg, x_td, logits)[0])
     y = expert_ffn_dense(x_td, rank, scores, p["gate"], p["up"], p["down"],
                          Weighting(cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                    cfg.routed_scaling_factor),
                          impl=cfg.expert_backend)
   else:
-    idx, w = route(p, cfg, x_td)
+    idx, w = route(p, cfg, x_td, logits)
     _record(routes, idx)
     y = routed_experts(p, cfg, x_td, idx, w)
-  if "shared" in p:
-    y = y + swiglu(p["shared"], x_td).astype(jnp.float32)
+  if shared is not None:
+    y = y + shared.astype(jnp.float32)
   return y.astype(x.dtype).reshape(shape)
+
+
+def router_and_shared(p, x_td):
+  """(router logits [T, E] f32 or None: `route` computes them, the shared experts' output
+  [T, D] in x's dtype or None). Packed (target/pack.py "router_gate_up"): ONE dot for the router
+  and the shared gate | up, with the router's f32 accumulation (`_router_logits`); the gate and
+  up columns are rounded to x's dtype, as their own dot would."""
+  if "router_gate_up" not in p:
+    return None, (swiglu(p["shared"], x_td) if "shared" in p else None)
+  e = p["bias"].shape[0]
+  y = _router_logits(x_td, p["router_gate_up"])
+  gate, up = jnp.split(y[:, e:].astype(x_td.dtype), 2, axis=-1)
+  return y[:, :e], swiglu_down(gate, up, p["shared"]["down"])
 
 
 def _dense_glue(cfg: TargetConfig, t: int) -> bool:

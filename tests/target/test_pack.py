@@ -1,0 +1,122 @@
+"""target.pack's decode layout (q_a | kv_a, gate | up, router | shared gate | up as one dot each):
+the same logits as the per-layer weights through the HF-parity path (f32), on the HF fixtures
+(every fixture's MLA / routing variant), in prefill, one-token decode and tree decode; the packed
+prefill still matches HF's own logits; speculative decoding on packed params stays lossless."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdtree_jax
+from kdtree_jax.decoding import loop
+from kdtree_jax.decoding.spec_config import SpecConfig
+from kdtree_jax.draft import model as DM
+from kdtree_jax.draft.config import DraftConfig
+from kdtree_jax.pair import Pair
+from kdtree_jax.target import config as C
+from kdtree_jax.target import pack
+from kdtree_jax.target import params as P
+from kdtree_jax.target import transformer as T
+from kdtree_jax.target.cache import LatentCache
+
+FIXTURE_ROOT = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
+FIXTURES = sorted(d for d in (os.listdir(FIXTURE_ROOT) if os.path.isdir(FIXTURE_ROOT) else [])
+                  if os.path.exists(os.path.join(FIXTURE_ROOT, d, "reference.npz")))
+SAME_REL = 1e-6  # the packing reorders no sum's terms: f32 rounding at most
+HF_REL = 1e-4    # tests/target/test_hf_parity.py's tolerance against HF's own logits
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_packed_layout_replaces_the_per_layer_weights():
+  cfg = C.tiny()
+  params = P.init_params(jax.random.key(0), cfg, jnp.bfloat16)
+  packed = pack.pack_for_decode(params)
+  assert pack.is_packed(packed) and not pack.is_packed(params)
+  attn, mlp, moe = packed["layers"][1]["attn"], packed["layers"][0]["mlp"], packed["layers"][1]["moe"]
+  assert "q_a" not in attn and "kv_a" not in attn
+  assert attn["qkv_a"].shape == (cfg.hidden_size, cfg.q_lora_rank + cfg.cache_dim)
+  assert set(mlp) == {"gate_up", "down"}
+  assert "router" not in moe and set(moe["shared"]) == {"down"}
+  fs = params["layers"][1]["moe"]["shared"]["gate"].shape[1]
+  assert moe["router_gate_up"].shape == (cfg.hidden_size, cfg.n_routed_experts + 2 * fs)
+  assert "q_a" in params["layers"][1]["attn"]  # the input is not changed
+
+
+def test_an_f32_router_beside_bf16_weights_stays_apart():
+  cfg = C.tiny()
+  params = P.init_params(jax.random.key(0), cfg, jnp.bfloat16)
+  moe = dict(params["layers"][1]["moe"])
+  moe["router"] = moe["router"].astype(jnp.float32)
+  packed = pack.pack_layer(dict(params["layers"][1], moe=moe))["moe"]
+  assert packed["router"].dtype == jnp.float32 and "router_gate_up" not in packed
+  assert set(packed["shared"]) == {"gate_up", "down"}
+
+
+@pytest.fixture(scope="module", params=FIXTURES)
+def fixture_model(request):
+  path = os.path.join(FIXTURE_ROOT, request.param)
+  cfg, params = kdtree_jax.load_hf_checkpoint(path, dtype=jnp.float32)
+  with np.load(os.path.join(path, "reference.npz")) as z:
+    tokens, hf_logits = z["tokens"], z["logits"]
+  return request.param, cfg, params, pack.pack_for_decode(params), tokens, hf_logits
+
+
+def test_packed_prefill_matches_per_layer_and_hf(fixture_model):
+  name, cfg, params, packed, tokens, hf_logits = fixture_model
+  want = kdtree_jax.forward(cfg, params, tokens)
+  got = kdtree_jax.forward(cfg, packed, tokens)
+  assert rel(got, want) <= SAME_REL, name
+  assert rel(got, hf_logits) < HF_REL, name
+
+
+def _decode(cfg, params, tokens, split, tree_mask):
+  """Prefill tokens[:, :split], then decode the rest as one step of N tokens at consecutive
+  positions under tree_mask [N, N]. Returns (prefill logits, decode logits)."""
+  b, s = tokens.shape
+  cache = LatentCache.zeros(cfg, b, s + 4, jnp.float32)
+  first, cache, _ = T.prefill(cfg, params, cache, jnp.asarray(tokens[:, :split]))
+  cache = cache.replace(lengths=jnp.full((b,), split, jnp.int32))
+  n = s - split
+  pos = jnp.broadcast_to(split + jnp.arange(n, dtype=jnp.int32), (b, n))
+  mask = jnp.broadcast_to(jnp.asarray(tree_mask), (b, n, n))
+  step, _, _ = jax.jit(lambda c, t: T.decode(cfg, params, c, t, pos, mask))(
+      cache, jnp.asarray(tokens[:, split:]))
+  return first, step
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_packed_decode_matches_per_layer(fixture_model, n):
+  """One-token (ar) and 5-node (chain: causal mask) decode steps after a prefill."""
+  name, cfg, params, packed, tokens, _ = fixture_model
+  split = tokens.shape[1] - n
+  mask = np.tril(np.ones((n, n), bool))
+  want = _decode(cfg, params, tokens, split, mask)
+  got = _decode(cfg, packed, tokens, split, mask)
+  for g, w in zip(got, want):
+    assert rel(g, w) <= SAME_REL, name
+
+
+@pytest.mark.slow
+def test_speculative_decoding_on_packed_params_is_lossless():
+  """ar / chain / ddtree on the packed target (loader.load_pair's layout) emit the greedy tokens
+  of ar on the per-layer params."""
+  tcfg = C.tiny(eos_token_id=None, bos_token_id=None, pad_token_id=None)
+  tp = P.init_params(jax.random.key(4), tcfg, jnp.float32, std=0.15)
+  dcfg = DraftConfig.tiny(hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,
+                          mask_token_id=tcfg.vocab_size - 1, target_layer_ids=(0, 2),
+                          num_target_layers=3, block_size=6)
+  dp = DM.init_draft_params(jax.random.key(104), dcfg, tcfg.hidden_size, 2)
+  pair = Pair(tcfg, tp, dcfg, dp)
+  packed = pair.replace(tparams=pack.pack_for_decode(tp))
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+  spec = lambda m: SpecConfig(mode=m, budget=5, max_new_tokens=16, block_size=6)
+  want = loop.generate(pair, spec("ar"), prompts, max_len=48).tokens
+  for mode in ("ar", "chain", "ddtree"):
+    assert loop.generate(packed, spec(mode), prompts, max_len=48).tokens == want, mode
