@@ -108,13 +108,7 @@ def make_set(b, n, h, l, seed):
   cache = jax.random.normal(kc, (b, l, C), jnp.bfloat16)
   rng = np.random.default_rng(seed)
   lengths = [l - n] + [int(rng.integers(l // 2, l - n + 1)) for _ in range(b - 1)]
-  mask = np.zeros((b, n, n), bool)
-  for bb in range(b):
-    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
-    for i in range(n):
-      j = i
-      while j >= 0:
-        mask[bb, i, j], j = True, parent[j]
+  mask = masks.random_tree_mask(rng, b, n)
   return q, cache, jnp.asarray(lengths, jnp.int32), jnp.asarray(mask)
 
 

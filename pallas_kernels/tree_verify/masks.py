@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 
 from pallas_kernels.tree_verify.tuning import BLOCK_M, num_row_tiles
 
@@ -52,3 +53,16 @@ def pack_tree_mask(tree_mask, heads):
   n = tree_mask.shape[-1]
   m_pad = num_row_tiles(n, heads) * BLOCK_M
   return PackedTreeMask(tree_mask_words(tree_mask, heads, m_pad), n, heads)
+
+
+def random_tree_mask(rng: np.random.Generator, b: int, n: int) -> np.ndarray:
+  """[B, N, N] bool test / benchmark tree: node i sees itself and its ancestors, each node's
+  parent drawn uniformly among the earlier nodes (node 0 is the root)."""
+  mask = np.zeros((b, n, n), bool)
+  for bb in range(b):
+    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    for i in range(n):
+      j = i
+      while j >= 0:
+        mask[bb, i, j], j = True, parent[j]
+  return mask

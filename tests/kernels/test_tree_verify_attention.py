@@ -21,25 +21,12 @@ def GPU(values):  # pylint: disable=invalid-name
 C, R = 576, 512
 
 
-def random_tree_mask(rng, b, n):
-  """[B, N, N] bool: node i sees its ancestors and itself (random parent among earlier nodes)."""
-  mask = np.zeros((b, n, n), bool)
-  for bb in range(b):
-    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
-    for i in range(n):
-      j = i
-      while j >= 0:
-        mask[bb, i, j] = True
-        j = parent[j]
-  return mask
-
-
 def make_inputs(b, n, h, l, lengths, seed=0, dtype=jnp.bfloat16, c=C):
   """Random q [B, N, H, C], cache [B, L, C], lengths [B], tree mask [B, N, N]."""
   kq, kc = jax.random.split(jax.random.key(seed))
   q = jax.random.normal(kq, (b, n, h, c), jnp.float32).astype(dtype)
   cache = jax.random.normal(kc, (b, l, c), jnp.float32).astype(dtype)
-  mask = random_tree_mask(np.random.default_rng(seed), b, n)
+  mask = masks.random_tree_mask(np.random.default_rng(seed), b, n)
   return q, cache, jnp.asarray(lengths, jnp.int32), jnp.asarray(mask)
 
 
@@ -107,7 +94,7 @@ class TestMasksAndMerge:
 
   @pytest.mark.parametrize("n,h", [(1, 8), (5, 3), (40, 2), (64, 1)])
   def test_tree_mask_words(self, n, h):
-    mask = random_tree_mask(np.random.default_rng(n), 2, n)
+    mask = masks.random_tree_mask(np.random.default_rng(n), 2, n)
     m_pad = 64 * -(-(n * h) // 64)
     words = np.asarray(masks.tree_mask_words(jnp.asarray(mask), h, m_pad)).view(np.uint32)
     assert words.shape == (2, masks.num_words(n) + masks.EXTRA_WORDS, m_pad)
