@@ -8,6 +8,9 @@
 #   moe_tests   grouped-matmul kernel GPU tests (bf16 + INT4, every code path once, 9 Mosaic
 #               compiles; the old shape x path grid needs --gpu-full-grid, not run here)
 #   moe_bench   pallas_kernels/grouped_matmul/bench.py: routed FFN per T, tuning sweep, whole MoE layer
+#   moe_tune    pallas_kernels/grouped_matmul/bench.py --parts mlp_tune: the INT4 expert FFN's gated
+#               and down calls at T=16 (4 experts), 1 (1), 65 (36) per tuning variant (fixed-cost
+#               options, more K splits, dequant batches, fewer stages), per-call Mosaic us; moe_tune:150
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 1, 9, 65: one MoE layer
 #               of bench_k26_full per kernel, sorted vs dense glue (rows of
 #               one T together, T=1 first); each variant's optimized HLO in raw/moe_layer_hlo/
@@ -56,6 +59,8 @@ run_part() {
                  tests/kernels/test_grouped_matmul_kernel.py ;;
     moe_bench) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench \
                  --out "$RAW/bench_moe.jsonl" ;;
+    moe_tune) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench --parts mlp_tune \
+                 --out "$RAW/bench_moe_tune.jsonl" ;;
     moe_layer) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench --parts layer \
                  --tokens 1,9,65 --hlo_dir "$RAW/moe_layer_hlo" --out "$RAW/bench_moe_layer.jsonl" ;;
     verify) one_gpu timeout "$secs" bash -c "timeout 160 python3 -m pytest -q -rs --durations=5 -m gpu \

@@ -1,10 +1,13 @@
 """Routed experts on one GPU's share of K2.6 (top-8 over 384 experts, 48 held here), CUPTI-timed.
 
-Three parts, in order of value (a time box loses the least):
+Parts, in order of value (a time box loses the least):
   1. `ffn`: the routed-expert FFN (3 grouped GEMMs + glue) at T in --tokens, bf16 and INT4,
      our kernel vs XLA `ragged_dot` vs JAX's `ragged_dot_mgpu`: experts touched, weight bytes
      needed, us, TB/s and % of the copy bandwidth measured in the same run.
   2. `tune`: one grouped GEMM (gate, INT4 and bf16) at T in --tune_tokens for each --tunings.
+  2b. `mlp_tune`: the INT4 routed-expert FFN's two kernel calls (gated gate|up, then down, one
+     work list) at --mlp_cases (T, local experts touched) for each --mlp_variants (changes to
+     both calls' default tunings), per-call Mosaic us from CUPTI (not in the default --parts).
   3. `layer`: the whole MoE layer (router + routed + shared + glue) vs its weight-streaming floor,
      per --layer_variants (sorted vs dense glue), launches and glue us each.
 Every output is checked against the f32 XLA reference first. One JSON line per row in --out.
@@ -26,11 +29,11 @@ from kdtree_jax.checkpoint import int4
 from kdtree_jax.target import config as C
 from kdtree_jax.target import experts, moe
 from kdtree_jax.target import params as P
-from pallas_kernels.grouped_matmul import Tuning, grouped_matmul
-from pallas_kernels.grouped_matmul.tuning import default_tuning
+from pallas_kernels.grouped_matmul import Tuning, expert_mlp, grouped_matmul
+from pallas_kernels.grouped_matmul.tuning import default_tuning, scale_splits
 
 _T = flags.DEFINE_list("tokens", ["1", "9", "17", "33", "65"], "Token counts (verify widths).")
-_TUNE_T = flags.DEFINE_list("tune_tokens", ["1", "65"], "Token counts of the tuning sweep.")
+_TUNE_T = flags.DEFINE_list("tune_tokens", ["1", "16", "65"], "Token counts of the tuning sweep.")
 _E = flags.DEFINE_integer("experts", 384, "Experts the router scores.")
 _EL = flags.DEFINE_integer("local", 48, "Experts held on this GPU (the first `local`).")
 _K = flags.DEFINE_integer("topk", 8, "Experts per token.")
@@ -43,7 +46,18 @@ _TUNINGS = flags.DEFINE_list(
                 "r16n128k256s4", "r8n64k256s4x7w1", "r8n64k256s4x7w2"],
     "Tuning sweep: 'default' or rR nBN kBK sSTAGES [xSPLITS] [wSLOTS] [smem], then 'wide' for "
     "INT4 32-bit tile loads (bf16 rows use kBK/2 and ignore 'wide').")
-_PARTS = flags.DEFINE_list("parts", ["ffn", "tune", "layer"], "Parts to run, in this order.")
+_MLP_CASES = flags.DEFINE_list(
+    "mlp_cases", ["16:4", "1:1", "65:36"],
+    "mlp_tune: T:E, T tokens (T*K rows, T of them local pairs) on E local experts touched "
+    "(ar: 1:1; a ddtree 15 verify touched ~3.5 on bench_k26_full; T=65: ~36).")
+_MLP_VARIANTS = flags.DEFINE_list(
+    "mlp_variants", ["default", "once+ismem", "once+ismem+x2", "once+ismem+x4", "once+ismem+dq4",
+                     "once+ismem+s2", "once", "ismem"],
+    "mlp_tune: '+'-joined changes to both calls' default tunings: once (store_once), ismem "
+    "(items_smem), dqN (dequant_batch N), kBK (block_k), sN (stages), xN (scale_splits: ~N x "
+    "the K splits, slots for ~2 CTAs per SM), wide (int4_wide_loads); 'default' alone: none.")
+_PARTS = flags.DEFINE_list("parts", ["ffn", "tune", "layer"],
+                           "Parts to run, in this order (also: mlp_tune).")
 _OUT = flags.DEFINE_string("out", "runs/bench_moe.jsonl", "JSON lines output.")
 _HLO_DIR = flags.DEFINE_string(
     "hlo_dir", "", "If set, the `layer` part writes each variant's optimized HLO per T there "
@@ -191,6 +205,75 @@ def part_tune(ceil, sink, rows):
         _emit(rows, row, sink)
 
 
+def mlp_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
+  """--mlp_variants: `name`'s changes applied to the default tuning t of a [K -> N] call."""
+  for part in name.split("+"):
+    if part == "default":
+      continue
+    if part in ("once", "ismem", "wide"):
+      field = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads"}[part]
+      t = dataclasses.replace(t, **{field: True})
+    elif part[:2] == "dq":
+      t = dataclasses.replace(t, dequant_batch=int(part[2:]))
+    elif part[0] == "k":
+      t = dataclasses.replace(t, block_k=int(part[1:]))
+    elif part[0] == "s":
+      t = dataclasses.replace(t, stages=int(part[1:]))
+    elif part[0] == "x":
+      t = scale_splits(t, k, n, int(part[1:]))
+    else:
+      raise ValueError(f"--mlp_variants: unknown change {part!r} in {name!r}")
+  return t
+
+
+def _mlp_sizes(t, touched):
+  """Rows per local expert: T local pairs (one GPU's share of T x K) over `touched` experts
+  spread across the stack, as even as the count allows."""
+  sizes = np.zeros(_EL.value, np.int32)
+  where = np.linspace(0, _EL.value - 1, touched).round().astype(int)
+  sizes[where] = t // touched
+  sizes[where[:t % touched]] += 1
+  return jnp.asarray(sizes)
+
+
+def part_mlp_tune(ceil, sink, rows):
+  """The INT4 expert FFN's gated and down calls per --mlp_cases x --mlp_variants vs XLA."""
+  gate, up, down = [(w.packed, w.scale) for w in _weights("int4")]
+  d, f = _D.value, _F.value
+  for case in _MLP_CASES.value:
+    t, touched = map(int, case.split(":"))
+    m = t * _K.value
+    sizes = _mlp_sizes(t, touched)
+    x = jax.random.normal(jax.random.key(9 + t), (m, d), jnp.bfloat16)
+    ref = expert_mlp(x, gate, up, down, sizes, backend="xla")[0]
+    need = touched * _expert_bytes("int4")
+    backend = "pallas" if jax.default_backend() == "gpu" else "interpret"  # CPU: a smoke run
+    interp = backend == "interpret"
+    defaults = (default_tuning(m, _EL.value, d, f, True, interpret=interp, gated=True),
+                default_tuning(m, _EL.value, f, d, True, interpret=interp))
+    for name in _MLP_VARIANTS.value:
+      row = dict(part="mlp_tune", fmt="int4", tuning=name, T=t, experts_touched=touched,
+                 bytes_needed=need)
+      try:
+        tg, td = mlp_variant(name, defaults[0], d, f), mlp_variant(name, defaults[1], f, d)
+        row.update(gate_tuning=str(tg), down_tuning=str(td))
+        fn = jax.jit(lambda x, ws, s, tg=tg, td=td: expert_mlp(
+            x, *ws, s, backend=backend, tunings=(tg, td)).sum(axis=0))
+        args = (x, (gate, up, down), sizes)
+        row["rel_err"] = _rel(fn(*args)[:t], ref[:t])
+        row["us"] = _time_us(fn, *args)
+        kernels = timing.kernel_breakdown(fn, args)
+        row.update({f"{n_.split('_mosaic')[0]}_us": round(us, 2) for n_, _, us in kernels
+                    if n_.startswith("gmm_")})  # per call: gmm_int4_gated_us, gmm_int4_us
+      except Exception as ex:  # one failing variant must not hide the rest
+        row["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+      else:
+        row["tbps"] = need / row["us"] / 1e6
+        row["pct_copy"] = 100 * row["tbps"] / ceil["copy_tbps"]
+        row["x_floor"] = row["us"] / (need / ceil["copy_tbps"] / 1e6)
+      _emit(rows, row, sink)
+
+
 def _typical_tokens(p, cfg, t, tries=64):
   """Random x [T, D] whose routing touches the expected number of local experts (rounded; the
   first key that does, else the closest): at T=1 one expert of 48, not the 0 one draw gave."""
@@ -287,7 +370,10 @@ def _table(rows):
 
 def _note(r):
   """The layer rows' floor ratio, launches, glue and Mosaic us, and error vs the baseline."""
-  if "x_floor" not in r:
+  if "gmm_int4_us" in r:  # mlp_tune: per-call Mosaic us, error vs XLA
+    return (f"gated {r.get('gmm_int4_gated_us', float('nan')):.1f} us  down "
+            f"{r['gmm_int4_us']:.1f} us  x floor {r['x_floor']:.2f}  rel_err {r['rel_err']:.1e}")
+  if "launches" not in r:
     return ""
   return (f"x floor {r['x_floor']:.2f}  launches {r['launches']:g} glue {r['glue_us']:.1f} us "
           f"mosaic {r['mosaic_us']:.1f} us  rel_err {r['rel_err']:.1e}")
@@ -303,7 +389,8 @@ def main(_):
   with open(_OUT.value, "w") as sink:
     sink.write(json.dumps(dict(part="ceilings", **ceil)) + "\n")
     for part in _PARTS.value:
-      {"ffn": part_ffn, "tune": part_tune, "layer": part_layer}[part](ceil, sink, rows)
+      {"ffn": part_ffn, "tune": part_tune, "mlp_tune": part_mlp_tune,
+       "layer": part_layer}[part](ceil, sink, rows)
       print(f"[{time.time() - t0:.0f} s] part {part} done", flush=True)
   _table(rows)
 

@@ -65,22 +65,31 @@ def _load_int4(q_smem, j, wide: bool):
   return plgpu.layout_cast(q, plgpu.Layout.WGMMA)
 
 
-def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtype, wide):
+def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtype, wide,
+               batch=1):
   """One K step: per 64-column chunk, dequantise W^T in registers and issue wgmma.
 
-  w_stage None: the registers are wgmma's A operand. Else two swizzled SMEM buffers [BN, 64]
-  that the chunks alternate through (the A-from-SMEM variant; GPU interpret mode needs it).
+  `batch` chunks are dequantised before their wgmmas are issued (more independent loads and
+  conversions in flight per wgmma wait); a batch's wgmmas overlap the next batch's dequantise.
+  w_stage None: the registers are wgmma's A operand. Else 2 x batch swizzled SMEM buffers
+  [BN, 64] that the chunks cycle through (the A-from-SMEM variant; GPU interpret mode needs it).
   """
-  for j in range(block_k // CHUNK):
-    q = _load_int4(q_smem, j, wide)
-    w = q.astype(dtype) * _chunk_scales(s_smem, j, q.shape, group, block_k).astype(dtype)
+  n_chunks = block_k // CHUNK
+  for j0 in range(0, n_chunks, batch):
+    ws = []
+    for j in range(j0, min(j0 + batch, n_chunks)):
+      q = _load_int4(q_smem, j, wide)
+      w = q.astype(dtype) * _chunk_scales(s_smem, j, q.shape, group, block_k).astype(dtype)
+      if w_stage is not None:
+        buf = j % (2 * batch)
+        w_stage[buf] = w
+        w = w_stage.at[buf]
+      ws.append(w)
     if w_stage is not None:
-      w_stage[j % 2] = w
       plgpu.commit_smem()
-      w = w_stage.at[j % 2]
-    x_t = x_smem.at[:, pl.ds(CHUNK * j, CHUNK)].transpose((1, 0))
-    plgpu.wgmma(acc_ref, w, x_t)
-    plgpu.wgmma_wait(1)  # chunk j-1 done: its registers / staging buffer may be reused
+    for j, w in zip(range(j0, n_chunks), ws):
+      plgpu.wgmma(acc_ref, w, x_smem.at[:, pl.ds(CHUNK * j, CHUNK)].transpose((1, 0)))
+    plgpu.wgmma_wait(len(ws))  # the batch before is done: its registers / buffers are free
   plgpu.wgmma_wait(0)  # the pipeline reuses x_smem's slot after this step
 
 
@@ -90,8 +99,9 @@ def _bf16_step(acc_ref, x_smem, w_smem):
   plgpu.wgmma_wait(0)
 
 
-def _store_rows(o_smem, o_ref, win, lo, size, col0, t: Tuning):
-  """Rows [lo, lo + size) of the staged [R, BN] tile -> out rows win + lo.. (power-of-two TMAs)."""
+def _store_rows(o_smem, o_ref, win, lo, size, col0, t: Tuning, wait=True):
+  """Rows [lo, lo + size) of the staged [R, BN] tile -> out rows win + lo.. (power-of-two TMAs);
+  `wait`: until the stores have read o_smem (else the caller waits once for several)."""
   start = lo
   rows = 1 << (t.rows.bit_length() - 1)  # the largest power of two <= R
   while rows >= 1:
@@ -101,6 +111,24 @@ def _store_rows(o_smem, o_ref, win, lo, size, col0, t: Tuning):
                               o_ref.at[pl.ds(win + start, rows), pl.ds(col0, t.block_n)])
     start = start + (size & rows)
     rows //= 2
+  if wait:
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _store_parts(parts, o_smems, o_refs, win, lo, size, col0, t: Tuning):
+  """Each value part through its own SMEM tile to HBM: one at a time (SMEM store, fence, TMA
+  stores, wait), or `t.store_once`: every SMEM store, one fence, every TMA store, one wait."""
+  if not t.store_once:
+    for part, o_smem, o_ref in zip(parts, o_smems, o_refs):
+      o_smem.transpose((1, 0))[...] = part
+      plgpu.commit_smem()
+      _store_rows(o_smem, o_ref, win, lo, size, col0, t)
+    return
+  for part, o_smem in zip(parts, o_smems):
+    o_smem.transpose((1, 0))[...] = part
+  plgpu.commit_smem()
+  for o_smem, o_ref in zip(o_smems, o_refs):
+    _store_rows(o_smem, o_ref, win, lo, size, col0, t, wait=False)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -142,6 +170,16 @@ def _slots(t: Tuning, n_items: int) -> int:
   return min(t.slots or n_items, n_items)
 
 
+def _items_in_smem(t: Tuning, n_items: int) -> bool:
+  """t.items_smem where the padded list fits one TMA box (<= 256 items)."""
+  return t.items_smem and _padded_items(n_items) <= 256
+
+
+def _padded_items(n_items: int) -> int:
+  """Items rounded up to a multiple of 4 (a TMA row of int32 is a multiple of 16 bytes)."""
+  return -(-n_items // 4) * 4
+
+
 def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int):
   per_stack = 2 if int4 else 1
   n_stacks = 2 if gated else 1
@@ -152,8 +190,13 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int):
   def body(work_ref, x_ref, *refs):
     stacks = [refs[i * per_stack:(i + 1) * per_stack] for i in range(n_stacks)]
     rest = refs[n_stacks * per_stack:]
-    o_refs, o_smems, w_stage = rest[:n_out], rest[n_out:2 * n_out], rest[2 * n_out:]
-    w_stage = w_stage[0] if w_stage else None
+    o_refs, o_smems, extra = rest[:n_out], rest[n_out:2 * n_out], list(rest[2 * n_out:])
+    w_stage = extra.pop(0) if int4 and t.a_operand == "smem" else None
+    if _items_in_smem(t, n_items):  # one TMA of the whole list, then SMEM reads per item
+      items_smem, items_bar = extra
+      plgpu.copy_gmem_to_smem(work_ref, items_smem, items_bar)
+      plgpu.barrier_wait(items_bar)
+      work_ref = items_smem
     slot, ni, si = lax.axis_index("w"), lax.axis_index("n"), lax.axis_index("s")
     k0 = si * k_steps
 
@@ -164,7 +207,7 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int):
             tiles = w_smem[j * per_stack:(j + 1) * per_stack]
             if int4:
               _int4_step(acc_ref, x_smem, *tiles, w_stage, group=group, block_k=t.block_k,
-                         dtype=dtype, wide=t.int4_wide_loads)
+                         dtype=dtype, wide=t.int4_wide_loads, batch=t.dequant_batch)
             else:
               _bf16_step(acc_ref, x_smem, *tiles)
 
@@ -183,10 +226,8 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int):
       vals = (_silu_mul(*accs),) if gated and t.splits == 1 else accs
       n_parts = 2 if t.splits > 1 else 1
       parts = [p for v in vals for p in _bf16_parts(v, n_parts, o_smems[0].dtype)]
-      for part, o_smem, o_ref in zip(parts, o_smems, o_refs):
-        o_smem.transpose((1, 0))[...] = part
-        plgpu.commit_smem()
-        _store_rows(o_smem, o_ref.at[si], win, lo, size, ni * t.block_n, t)
+      _store_parts(parts, o_smems, [o.at[si] for o in o_refs], win, lo, size, ni * t.block_n,
+                   t)
 
     def visit(item):
       grp, win, lo, size = (work_ref[i, item] for i in range(4))
@@ -236,13 +277,20 @@ def grouped_matmul_mgpu(x_mk, stacks, items, *, tuning: Tuning, interpret=False)
   n_out = _num_values(gated, tuning) * (2 if split else 1)
   scratch = [plgpu.SMEM((tuning.rows, tuning.block_n), x_mk.dtype)] * n_out
   if int4 and tuning.a_operand == "smem":
-    scratch.append(plgpu.SMEM((2, tuning.block_n, CHUNK), x_mk.dtype, transforms=_SWIZZLED))
+    scratch.append(plgpu.SMEM((2 * tuning.dequant_batch, tuning.block_n, CHUNK), x_mk.dtype,
+                              transforms=_SWIZZLED))
+  n_items = items.shape[1]
+  if _items_in_smem(tuning, n_items):
+    pad = _padded_items(n_items) - n_items
+    items = jnp.pad(items, ((0, 0), (0, pad))) if pad else items  # padding: size-0 items
+    scratch += [plgpu.SMEM(items.shape, jnp.int32), plgpu.Barrier()]
   fn = plgpu.kernel(
-      _make_body(k, group or 0, int4, gated, x_mk.dtype, tuning, items.shape[1]),
+      _make_body(k, group or 0, int4, gated, x_mk.dtype, tuning, n_items),
       out_type=(jax.ShapeDtypeStruct((tuning.splits, x.shape[0], n), x_mk.dtype),) * n_out,
       scratch_types=scratch,
       grid=(_slots(tuning, items.shape[1]), n // tuning.block_n, tuning.splits),
       grid_names=("w", "n", "s"),
+      kernel_name=f"gmm_{'int4' if int4 else 'bf16'}{'_gated' if gated else ''}",
       interpret=plgpu.InterpretGPUParams() if interpret else None)
   outs = fn(items, x, *(a for st in stacks for a in st))
   if not split:

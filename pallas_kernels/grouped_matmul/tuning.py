@@ -20,6 +20,14 @@ class Tuning:
     item bound (8 at T=1) far exceeds the live items (~1), most CTAs would launch only to exit.
   int4_wide_loads: INT4 only: read the weight tile with 32-bit loads (8 values, Mosaic's
     WGMMA_UPCAST_4X layout) and relayout to WGMMA in registers, instead of one-byte loads.
+  store_once: the epilogue stores every value part (gate / up, hi / lo: up to 4) to SMEM, fences
+    once, issues every TMA store and waits once, instead of a store-fence-TMA-wait round per part.
+  dequant_batch: INT4 only: 64-column chunks dequantised before their wgmmas are issued (1:
+    chunk j+1's dequantise overlaps chunk j's MMA; 2 or 4: more loads and conversions in flight
+    between waits, 16 more registers per chunk per thread).
+  items_smem: each CTA copies the work list to SMEM with one TMA before its first item, so the
+    slots loop reads each item's 4 fields from SMEM instead of a dependent GMEM round trip per
+    item (T=1: 8 items per CTA, 1 live).
   """
   rows: int = 32
   block_n: int = 128
@@ -29,6 +37,9 @@ class Tuning:
   splits: int = 1
   slots: int = 0
   int4_wide_loads: bool = False
+  store_once: bool = False
+  dequant_batch: int = 1
+  items_smem: bool = False
 
   def __post_init__(self):
     if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -43,6 +54,8 @@ class Tuning:
       raise ValueError(f"{self.splits=} must be >= 1")
     if self.slots < 0:
       raise ValueError(f"{self.slots=} must be >= 0")
+    if self.dequant_batch not in (1, 2, 4) or self.block_k % (64 * self.dequant_batch):
+      raise ValueError(f"{self.dequant_batch=} must be 1, 2 or 4 and divide block_k / 64")
     if self.a_operand not in ("registers", "smem"):
       raise ValueError(f"{self.a_operand=} must be 'registers' or 'smem'")
 
@@ -83,3 +96,15 @@ def default_tuning(m: int, g: int, k: int, n: int, int4: bool, interpret: bool =
   slots = max(1, (2 * NUM_SMS) // ((n // block_n) * splits)) if splits > 1 else 0
   return Tuning(rows=rows, block_k=block_k, block_n=block_n, splits=splits, slots=slots,
                 a_operand="smem" if interpret else "registers")
+
+
+def scale_splits(t: Tuning, k: int, n: int, factor: int, ctas_per_sm: int = 2) -> Tuning:
+  """t with about `factor` x its K splits (the smallest divisor of the K steps >= splits x
+  factor, at most 32) and the slots loop sized so ~ctas_per_sm CTAs per SM run (all when few
+  items are live): more CTAs, each with fewer K steps, for calls whose live items cannot fill
+  the SMs (T=1: one expert; a ddtree verify: ~4 experts, no split by default)."""
+  steps = k // t.block_k
+  want = min(t.splits * factor, steps, 32)
+  splits = min(d for d in range(want, steps + 1) if steps % d == 0)
+  slots = max(1, (ctas_per_sm * NUM_SMS) // ((n // t.block_n) * splits)) if splits > 1 else 0
+  return dataclasses.replace(t, splits=splits, slots=slots if splits > 1 else t.slots)

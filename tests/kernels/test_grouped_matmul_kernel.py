@@ -17,7 +17,7 @@ from pallas_kernels.grouped_matmul import expert_mlp as pallas_expert_mlp
 from pallas_kernels.grouped_matmul import (Tuning, gated_grouped_matmul, grouped_matmul,
                                            grouped_matmul_reference,
                                            int4_grouped_matmul_reference, work)
-from pallas_kernels.grouped_matmul.tuning import default_tuning
+from pallas_kernels.grouped_matmul.tuning import default_tuning, scale_splits
 
 
 def _items_brute_force(sizes, rows):
@@ -359,3 +359,87 @@ def test_bad_input_errors():
   with pytest.raises(ValueError, match="backend"):
     grouped_matmul(x, (w,), gs, backend="triton")
   assert grouped_matmul_reference(x, w, gs).shape == (8, 128)
+
+
+# The fixed-cost options of issue 12's small-T analysis (store_once, items_smem, dequant_batch):
+# interpret mode on ragged sizes (gated split-K through the slots loop, and plain), lowering for
+# an abstract H200 at K2.6's shapes, and once on the GPU.
+LEAN = dict(store_once=True, items_smem=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opts", [dict(store_once=True), dict(items_smem=True),
+                                  dict(LEAN, dequant_batch=2), dict(LEAN, dequant_batch=4)])
+def test_fixed_cost_options_interpret_match_reference(opts):
+  sizes, m, k, n = [30, 0, 50, 3, 10], 100, 512, 128
+  x, _, q_a = _operands(m, k, n, len(sizes), 32, seed=12)
+  _, _, q_b = _operands(m, k, n, len(sizes), 32, seed=13)
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = Tuning(rows=32, block_n=64, block_k=256, stages=2, a_operand="smem", **opts)
+  _check(grouped_matmul(x, q_a, gs, backend="interpret", tuning=t),
+         grouped_matmul(x, q_a, gs, backend="xla"), sum(sizes))
+  t = dataclasses.replace(t, splits=2, slots=2)
+  _check(gated_grouped_matmul(x, q_a, q_b, gs, backend="interpret", tuning=t),
+         gated_grouped_matmul(x, q_a, q_b, gs, backend="xla"), sum(sizes))
+
+
+def test_scale_splits_spreads_one_expert_over_more_ctas():
+  """T=1 gated K2.6 call: default 7 splits (224 CTAs) -> 14 at x2, 28 at x4, slots >= 1;
+  T=16 (no split by default) -> 2 with slots for ~2 CTAs per SM; factors past the K steps cap."""
+  t1 = default_tuning(8, 48, 7168, 2048, True, gated=True)
+  assert (t1.splits, t1.slots) == (7, 1)
+  assert [scale_splits(t1, 7168, 2048, f).splits for f in (2, 4, 8)] == [14, 28, 28]
+  t16 = default_tuning(128, 48, 7168, 2048, True, gated=True)
+  x2 = scale_splits(t16, 7168, 2048, 2)
+  assert (t16.splits, x2.splits, x2.slots) == (1, 2, 4)
+  down = scale_splits(default_tuning(8, 48, 2048, 7168, True), 2048, 7168, 4)
+  assert (down.splits, down.slots) == (8, 1)
+
+
+def _lower_expert_mlp_h200(m, tunings, e_l=48, d=7168, f=2048):
+  """expert_mlp's two kernels at K2.6's INT4 shapes lowered for an abstract H200 (CPU host)."""
+  sd = jax.ShapeDtypeStruct
+  stack = lambda n, k: (sd((e_l, n, k), jnp.int4), sd((e_l, k // 32, n), jnp.bfloat16))
+  fn = lambda x, g, u, dn, s: pallas_expert_mlp(x, g, u, dn, s, backend="pallas",
+                                                tunings=tunings)
+  h200 = jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                abstract_device=h200)):
+    return jax.jit(fn).trace(sd((m, d), jnp.bfloat16), stack(f, d), stack(f, d), stack(d, f),
+                             sd((e_l,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _bench_tunings(name, m, e_l=48, d=7168, f=2048):
+  # pylint: disable-next=import-outside-toplevel
+  from pallas_kernels.grouped_matmul.bench import mlp_variant
+  return (mlp_variant(name, default_tuning(m, e_l, d, f, True, gated=True), d, f),
+          mlp_variant(name, default_tuning(m, e_l, f, d, True), f, d))
+
+
+def test_lean_options_lower_for_h200():
+  text = _lower_expert_mlp_h200(8, _bench_tunings("once+ismem+dq4+x2", 8))
+  assert "gmm_int4_gated_mosaic_gpu" in text and "gmm_int4_mosaic_gpu" in text  # both calls
+
+
+@pytest.mark.slow
+def test_bench_mlp_variants_lower_for_h200():
+  """Every mlp_tune row the bench times (default --mlp_variants x --mlp_cases) lowers: the GPU
+  run spends no time on one that cannot compile."""
+  # pylint: disable-next=import-outside-toplevel
+  from pallas_kernels.grouped_matmul import bench
+  for case in bench._MLP_CASES.default:  # pylint: disable=protected-access
+    m = int(case.split(":")[0]) * 8
+    for name in bench._MLP_VARIANTS.default:  # pylint: disable=protected-access
+      assert "mosaic_gpu" in _lower_expert_mlp_h200(m, _bench_tunings(name, m)), (case, name)
+
+
+@pytest.mark.gpu
+def test_gated_kernel_gpu_lean_options_match_reference():
+  """store_once + items_smem + dequant_batch 4 on the GPU: gated split-K with the slots loop."""
+  sizes, m, k, n = RAGGED
+  x, _, q_a = _operands(m, k, n, len(sizes), 32, seed=3)
+  _, _, q_b = _operands(m, k, n, len(sizes), 32, seed=4)
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = _ragged_tuning("int4", splits=2, slots=2, dequant_batch=4, **LEAN)
+  _check(gated_grouped_matmul(x, q_a, q_b, gs, backend="pallas", tuning=t),
+         gated_grouped_matmul(x, q_a, q_b, gs, backend="xla"), sum(sizes))
