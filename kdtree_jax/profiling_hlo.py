@@ -129,3 +129,72 @@ def format_structure(s: dict, layers: int, title: str) -> str:
   if not s["shared"]:
     lines.append("  no matmuls share an input")
   return "\n".join(lines)
+
+
+_CALLEES = re.compile(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)|"
+                      r"branch_computations=\{([^}]*)\}")
+COMMAND_BUFFER_PREFIX = "command_buffer"  # the computations XLA outlines per CUDA graph
+_LAUNCH_OPS = ("fusion", "custom-call", "dot", "convolution", "sort", "copy", "while",
+               "conditional", "all-reduce", "all-gather", "dynamic-update-slice", "scatter")
+
+
+def _callees(instr: Instr) -> list:
+  out = []
+  for one, many in _CALLEES.findall(instr.attrs):
+    out += [one] if one else _OPERAND.findall(many)
+  return out
+
+
+def command_buffer_report(hlo_text: str) -> dict:
+  """How much of each `while` loop runs inside XLA command buffers (CUDA graphs), from the
+  optimised HLO: XLA outlines each captured sequence into a computation named
+  `command_buffer*` and calls it. Per while loop: is it itself inside a command buffer, how many
+  command-buffer calls one iteration makes (graph launches), and the launch-like instructions
+  its body runs OUTSIDE any command buffer (each a host launch per iteration, and a point where
+  one graph ends and the next begins), by kind / custom-call target.
+  {command_buffers, whiles: [{while, computation, in_command_buffer, graph_calls, outside}]}."""
+  comps = parse(hlo_text)
+  graphs = {c for c in comps if c.startswith(COMMAND_BUFFER_PREFIX)}
+  fusion_bodies = _fusion_bodies(comps)
+  inside = set()
+  stack = list(graphs)
+  while stack:  # everything a command buffer calls runs in it
+    c = stack.pop()
+    for i in comps.get(c, ()):
+      for callee in _callees(i):
+        if callee not in inside:
+          inside.add(callee)
+          stack.append(callee)
+  whiles = []
+  for comp, instrs in comps.items():
+    for w in (i for i in instrs if i.opcode == "while"):
+      body = re.search(r"body=%([\w.\-]+)", w.attrs).group(1)
+      graph_calls, outside, seen, todo = 0, collections.Counter(), set(), [body]
+      while todo:  # the body and what it calls, outside fusions and command buffers
+        c = todo.pop()
+        if c in seen or c in fusion_bodies:
+          continue
+        seen.add(c)
+        for i in comps.get(c, ()):
+          callees = _callees(i)
+          if i.opcode == "call" and any(x in graphs for x in callees):
+            graph_calls += 1
+            continue
+          if i.opcode in _LAUNCH_OPS:
+            outside[_kind(i) if i.opcode in ("fusion", "custom-call") else i.opcode] += 1
+          if i.opcode != "fusion":
+            todo += callees
+      whiles.append(dict(name=w.name, computation=comp,
+                         in_command_buffer=comp in graphs or comp in inside,
+                         graph_calls=graph_calls, outside=dict(outside.most_common())))
+  return dict(command_buffers=len(graphs), whiles=whiles)
+
+
+def format_command_buffers(report: dict, title: str) -> str:
+  lines = [f"{title}: {report['command_buffers']} command-buffer computations"]
+  for w in report["whiles"]:
+    where = "inside a command buffer" if w["in_command_buffer"] else "host-driven"
+    top = ", ".join(f"{k} {n}" for k, n in list(w["outside"].items())[:8]) or "none"
+    lines.append(f"  while {w['name']} ({where}): per iteration {w['graph_calls']} graph "
+                 f"launches; launch-like ops outside graphs: {top}")
+  return "\n".join(lines)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from ml_collections import config_flags
 
-from kdtree_jax import profiling, roofline, runtime, throughput, timing
+from kdtree_jax import profiling, profiling_hlo, roofline, runtime, throughput, timing
 from kdtree_jax.bench_state import bench_state
 from kdtree_jax.decoding import loop
 from kdtree_jax.decoding.spec_config import SpecConfig
@@ -125,6 +125,20 @@ def compile_modes(m, c, specs, deadline, rec):
     if part == "loop":
       loops[spec.mode] = exe
   return loops
+
+
+def graph_report(mode, exe, rec):
+  """How much of the compiled loop runs in command buffers (from its optimised HLO): whether
+  the while loop is captured, graph launches per step, what runs outside the graphs."""
+  if exe is None:
+    return
+  try:
+    rep = profiling_hlo.command_buffer_report(exe.as_text())
+  except Exception as e:  # pylint: disable=broad-except  (a report, not a measurement)
+    print(f"command-buffer report {mode}: {type(e).__name__}: {e}", flush=True)
+    return
+  rec.add("command_buffers", mode=mode, **rep)
+  print(profiling_hlo.format_command_buffers(rep, f"{mode} loop"), flush=True)
 
 
 def _budget(spec):
@@ -240,6 +254,8 @@ def summary(rows) -> str:
   for r in (r for r in rows if r.get("status", "ok") != "ok"):
     out.append(f"NOT DONE: {r['kind']} {r.get('mode')} {r.get('budget')} {r.get('part', '')}: "
                f"{r['status']}")
+  for r in (r for r in rows if r["kind"] == "command_buffers"):
+    out.append(profiling_hlo.format_command_buffers(r, f"{r['mode']} loop"))
   return "\n".join(out)
 
 
@@ -255,6 +271,8 @@ def run_parts(m, c, deadline, rec):
   loops = compile_modes(m, c, [_spec(c, mode) for mode in modes], deadline, rec)
   if _COMPILE_ONLY.value:
     return
+  for mode in modes:
+    graph_report(mode, loops[mode], rec)
   # The phase tables (Mosaic's CUPTI hook) before the throughput traces (jax.profiler's): after
   # a jax.profiler trace, the next Mosaic CUPTI trace aborted the process ("activity records
   # were dropped", H200, 2026-12-01); the other order ran in the third session.

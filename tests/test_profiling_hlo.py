@@ -38,3 +38,69 @@ ENTRY %main (p: f32[4]) -> (f32[4], s8[0]) {
   assert cc.type == "(f32[4], s8[0])"
   s = profiling_hlo.launch_structure(hlo)
   assert s["matmuls"] == 1 and s["shared"] == []
+
+
+_LOOP_HLO = """HloModule m
+
+%fused_neg (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+%command_buffer (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  ROOT %f = f32[4]{0} fusion(%p0), kind=kLoop, calls=%fused_neg
+}
+
+%command_buffer.1 (p1: f32[4]) -> f32[4] {
+  %p1 = f32[4]{0} parameter(0)
+  ROOT %f1 = f32[4]{0} fusion(%p1), kind=kLoop, calls=%fused_neg
+}
+
+%body (s: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%s), index=1
+  %c = f32[4]{0} call(%x), to_apply=%command_buffer
+  %k = f32[4]{0} custom-call(%c), custom_call_target="mosaic_gpu_v2"
+  %k2 = f32[4]{0} custom-call(%k), custom_call_target="mosaic_gpu_v2"
+  %c2 = f32[4]{0} call(%k2), to_apply=%command_buffer.1
+  %i = s32[] get-tuple-element(%s), index=0
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %c2)
+}
+
+%cond (s2: (s32[], f32[4])) -> pred[] {
+  %s2 = (s32[], f32[4]{0}) parameter(0)
+  %i2 = s32[] get-tuple-element(%s2), index=0
+  %lim = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i2, %lim), direction=LT
+}
+
+ENTRY %main (a: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %a = (s32[], f32[4]{0}) parameter(0)
+  ROOT %w = (s32[], f32[4]{0}) while(%a), condition=%cond, body=%body
+}
+"""
+
+
+def test_command_buffer_report_host_driven_loop():
+  """A loop whose body is two graphs split by two Mosaic custom calls: host-driven, 2 graph
+  launches per iteration, the custom calls named as what runs outside the graphs."""
+  rep = profiling_hlo.command_buffer_report(_LOOP_HLO)
+  assert rep["command_buffers"] == 2
+  (w,) = rep["whiles"]
+  assert w["name"] == "w" and not w["in_command_buffer"]
+  assert w["graph_calls"] == 2 and w["outside"] == {"custom-call mosaic_gpu_v2": 2}
+  assert "host-driven" in profiling_hlo.format_command_buffers(rep, "loop")
+
+
+def test_command_buffer_report_loop_inside_a_graph():
+  """The same loop moved into a command buffer (XLA's WHILE command): reported as captured."""
+  text = _LOOP_HLO.replace("ENTRY %main", "%command_buffer.2").replace(
+      "ROOT %w", "ROOT %w") + """
+ENTRY %main2 (a2: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %a2 = (s32[], f32[4]{0}) parameter(0)
+  ROOT %cw = (s32[], f32[4]{0}) call(%a2), to_apply=%command_buffer.2
+}
+"""
+  (w,) = profiling_hlo.command_buffer_report(text)["whiles"]
+  assert w["in_command_buffer"]
