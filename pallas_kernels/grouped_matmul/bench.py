@@ -29,8 +29,8 @@ from kdtree_jax.checkpoint import int4
 from kdtree_jax.target import config as C
 from kdtree_jax.target import experts, moe
 from kdtree_jax.target import params as P
-from pallas_kernels.grouped_matmul import Tuning, expert_mlp, grouped_matmul
-from pallas_kernels.grouped_matmul.tuning import default_tuning, scale_splits
+from pallas_kernels.grouped_matmul import Tuning, expert_mlp, grouped_matmul, kernel, work
+from pallas_kernels.grouped_matmul.tuning import apply_variant, default_tuning
 
 _T = flags.DEFINE_list("tokens", ["1", "9", "17", "33", "65"], "Token counts (verify widths).")
 _TUNE_T = flags.DEFINE_list("tune_tokens", ["1", "16", "65"], "Token counts of the tuning sweep.")
@@ -50,12 +50,18 @@ _MLP_CASES = flags.DEFINE_list(
     "mlp_cases", ["16:4", "1:1", "65:36"],
     "mlp_tune: T:E, T tokens (T*K rows, T of them local pairs) on E local experts touched "
     "(ar: 1:1; a ddtree 15 verify touched ~3.5 on bench_k26_full; T=65: ~36).")
+# mlp_tune's tuning.apply_variant names per case: few live items (T < 33: fixed costs, CTAs per
+# expert, dequantise ILP) and many (occupancy: rows, stages).
+MLP_VARIANTS = {
+    "few": ("default", "once+ismem", "once+ismem+dq4", "once+ismem+x2", "once+ismem+x4c4+s2"),
+    "many": ("default", "once+ismem+r16", "once+ismem+s2", "once+ismem+r16+s2",
+             "once+ismem+dq4+r16+s2"),
+}
 _MLP_VARIANTS = flags.DEFINE_list(
-    "mlp_variants", ["default", "once+ismem", "once+ismem+x2", "once+ismem+x4", "once+ismem+dq4",
-                     "once+ismem+s2", "once", "ismem"],
-    "mlp_tune: '+'-joined changes to both calls' default tunings: once (store_once), ismem "
-    "(items_smem), dqN (dequant_batch N), kBK (block_k), sN (stages), xN (scale_splits: ~N x "
-    "the K splits, slots for ~2 CTAs per SM), wide (int4_wide_loads); 'default' alone: none.")
+    "mlp_variants", [],
+    "mlp_tune: tuning.apply_variant names for every case ('+'-joined changes to both calls' "
+    "default tunings: once, ismem, dqN, rN, kBK, sN, xN[cC], wide; 'default': none); empty: "
+    f"MLP_VARIANTS['few'] below T=33, ['many'] from it: {MLP_VARIANTS}.")
 _PARTS = flags.DEFINE_list("parts", ["ffn", "tune", "layer"],
                            "Parts to run, in this order (also: mlp_tune).")
 _OUT = flags.DEFINE_string("out", "runs/bench_moe.jsonl", "JSON lines output.")
@@ -205,27 +211,6 @@ def part_tune(ceil, sink, rows):
         _emit(rows, row, sink)
 
 
-def mlp_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
-  """--mlp_variants: `name`'s changes applied to the default tuning t of a [K -> N] call."""
-  for part in name.split("+"):
-    if part == "default":
-      continue
-    if part in ("once", "ismem", "wide"):
-      field = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads"}[part]
-      t = dataclasses.replace(t, **{field: True})
-    elif part[:2] == "dq":
-      t = dataclasses.replace(t, dequant_batch=int(part[2:]))
-    elif part[0] == "k":
-      t = dataclasses.replace(t, block_k=int(part[1:]))
-    elif part[0] == "s":
-      t = dataclasses.replace(t, stages=int(part[1:]))
-    elif part[0] == "x":
-      t = scale_splits(t, k, n, int(part[1:]))
-    else:
-      raise ValueError(f"--mlp_variants: unknown change {part!r} in {name!r}")
-  return t
-
-
 def _mlp_sizes(t, touched):
   """Rows per local expert: T local pairs (one GPU's share of T x K) over `touched` experts
   spread across the stack, as even as the count allows."""
@@ -251,12 +236,16 @@ def part_mlp_tune(ceil, sink, rows):
     interp = backend == "interpret"
     defaults = (default_tuning(m, _EL.value, d, f, True, interpret=interp, gated=True),
                 default_tuning(m, _EL.value, f, d, True, interpret=interp))
-    for name in _MLP_VARIANTS.value:
+    for name in _MLP_VARIANTS.value or MLP_VARIANTS["few" if t < 33 else "many"]:
       row = dict(part="mlp_tune", fmt="int4", tuning=name, T=t, experts_touched=touched,
                  bytes_needed=need)
       try:
-        tg, td = mlp_variant(name, defaults[0], d, f), mlp_variant(name, defaults[1], f, d)
+        tg, td = apply_variant(name, defaults[0], d, f), apply_variant(name, defaults[1], f, d)
         row.update(gate_tuning=str(tg), down_tuning=str(td))
+        n_items = work.num_items(m, _EL.value, tg.rows)
+        for call, tun, k_, n_ in (("gate", tg, d, f), ("down", td, f, d)):
+          shape = kernel.launch_shape(k_, n_, n_items, True, call == "gate", tun)
+          row.update({f"{call}_{key}": v for key, v in shape.items()})
         fn = jax.jit(lambda x, ws, s, tg=tg, td=td: expert_mlp(
             x, *ws, s, backend=backend, tunings=(tg, td)).sum(axis=0))
         args = (x, (gate, up, down), sizes)

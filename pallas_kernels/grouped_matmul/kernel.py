@@ -244,6 +244,21 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int):
   return body
 
 
+def launch_shape(k: int, n: int, n_items: int, int4: bool, gated: bool, t: Tuning) -> dict:
+  """What one call launches: CTAs (grid), K steps per CTA and item, SMEM bytes per CTA (the
+  pipeline ring + output tiles; a CTA/SM bound of the 227 KB). For analyses and bench rows."""
+  steps = k // t.block_k // t.splits
+  stages = min(t.stages, steps)
+  w_tile = t.block_n * t.block_k // 2 + max(t.block_k // 32, 1) * t.block_n * 2 if int4 else \
+      t.block_n * t.block_k * 2
+  ring = stages * (t.rows * t.block_k * 2 + (2 if gated else 1) * w_tile)
+  out = _num_values(gated, t) * (2 if t.splits > 1 else 1) * t.rows * t.block_n * 2
+  stage = 2 * t.dequant_batch * t.block_n * CHUNK * 2 if int4 and t.a_operand == "smem" else 0
+  smem = ring + out + stage
+  return dict(ctas=_slots(t, n_items) * (n // t.block_n) * t.splits, k_steps=steps,
+              smem_kb=round(smem / 1024, 1), ctas_per_sm_smem=(227 * 1024) // smem)
+
+
 def _pad_rows(x_mk):
   """Rows rounded up to a multiple of 8 (the tiled TMA of x needs it once M > 8)."""
   m = x_mk.shape[0]

@@ -1,8 +1,12 @@
 """Tuning knobs of the grouped expert matmul and the shape heuristic that picks them."""
 
 import dataclasses
+import re
 
 NUM_SMS = 132  # H200 SXM
+# The `apply_variant` name default_tuning applies to every call ("default": none). Issue 12's
+# candidates are measured by `bench.py --parts mlp_tune` (gpu_measure.sh part moe_tune).
+DEFAULT_VARIANT = "default"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +98,9 @@ def default_tuning(m: int, g: int, k: int, n: int, int4: bool, interpret: bool =
   splits = _splits(m, g, k, n // block_n, block_k)  # gated: gate and up partials apart
   # Split-K means few live items: ~2 CTAs per SM that loop over the items, not one per bound.
   slots = max(1, (2 * NUM_SMS) // ((n // block_n) * splits)) if splits > 1 else 0
-  return Tuning(rows=rows, block_k=block_k, block_n=block_n, splits=splits, slots=slots,
-                a_operand="smem" if interpret else "registers")
+  t = Tuning(rows=rows, block_k=block_k, block_n=block_n, splits=splits, slots=slots,
+             a_operand="smem" if interpret else "registers")
+  return apply_variant(DEFAULT_VARIANT, t, k, n)
 
 
 def scale_splits(t: Tuning, k: int, n: int, factor: int, ctas_per_sm: int = 2) -> Tuning:
@@ -108,3 +113,26 @@ def scale_splits(t: Tuning, k: int, n: int, factor: int, ctas_per_sm: int = 2) -
   splits = min(d for d in range(want, steps + 1) if steps % d == 0)
   slots = max(1, (ctas_per_sm * NUM_SMS) // ((n // t.block_n) * splits)) if splits > 1 else 0
   return dataclasses.replace(t, splits=splits, slots=slots if splits > 1 else t.slots)
+
+
+def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
+  """A named change of a [K -> N] call's tuning t (the bench's --mlp_variants; promote one by
+  making it DEFAULT_VARIANT): '+'-joined parts, applied in order:
+  once: store_once; ismem: items_smem; wide: int4_wide_loads; dqN: dequant_batch N;
+  rN: rows N (both calls of one work list must share it); kBK: block_k BK; sN: stages N;
+  xN[cC]: scale_splits by N for ~C CTAs per SM (2);
+  default: no change."""
+  flags = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads"}
+  for part in name.split("+"):
+    if part == "default":
+      continue
+    if part in flags:
+      t = dataclasses.replace(t, **{flags[part]: True})
+    elif m := re.fullmatch(r"x(\d+)(?:c(\d+))?", part):
+      t = scale_splits(t, k, n, int(m[1]), int(m[2] or 2))
+    elif m := re.fullmatch(r"(dq|k|s|r)(\d+)", part):
+      field = {"dq": "dequant_batch", "k": "block_k", "s": "stages", "r": "rows"}[m[1]]
+      t = dataclasses.replace(t, **{field: int(m[2])})
+    else:
+      raise ValueError(f"unknown tuning change {part!r} in {name!r}")
+  return t

@@ -17,7 +17,7 @@ from pallas_kernels.grouped_matmul import expert_mlp as pallas_expert_mlp
 from pallas_kernels.grouped_matmul import (Tuning, gated_grouped_matmul, grouped_matmul,
                                            grouped_matmul_reference,
                                            int4_grouped_matmul_reference, work)
-from pallas_kernels.grouped_matmul.tuning import default_tuning, scale_splits
+from pallas_kernels.grouped_matmul.tuning import apply_variant, default_tuning, scale_splits
 
 
 def _items_brute_force(sizes, rows):
@@ -396,6 +396,18 @@ def test_scale_splits_spreads_one_expert_over_more_ctas():
   assert (down.splits, down.slots) == (8, 1)
 
 
+def test_apply_variant_parses_every_change():
+  t = default_tuning(128, 48, 7168, 2048, True, gated=True)
+  v = apply_variant("once+ismem+dq4+k512+s3+wide+r32", t, 7168, 2048)
+  assert (v.store_once, v.items_smem, v.dequant_batch, v.block_k, v.stages, v.int4_wide_loads,
+          v.rows) == (True, True, 4, 512, 3, True, 32)
+  assert apply_variant("default", t, 7168, 2048) == t
+  c4 = apply_variant("x4c4", t, 7168, 2048)
+  assert (c4.splits, c4.slots) == (4, 4)  # 4 x 132 CTAs // (32 N tiles x 4 splits)
+  with pytest.raises(ValueError, match="unknown"):
+    apply_variant("once+fast", t, 7168, 2048)
+
+
 def _lower_expert_mlp_h200(m, tunings, e_l=48, d=7168, f=2048):
   """expert_mlp's two kernels at K2.6's INT4 shapes lowered for an abstract H200 (CPU host)."""
   sd = jax.ShapeDtypeStruct
@@ -410,10 +422,8 @@ def _lower_expert_mlp_h200(m, tunings, e_l=48, d=7168, f=2048):
 
 
 def _bench_tunings(name, m, e_l=48, d=7168, f=2048):
-  # pylint: disable-next=import-outside-toplevel
-  from pallas_kernels.grouped_matmul.bench import mlp_variant
-  return (mlp_variant(name, default_tuning(m, e_l, d, f, True, gated=True), d, f),
-          mlp_variant(name, default_tuning(m, e_l, f, d, True), f, d))
+  return (apply_variant(name, default_tuning(m, e_l, d, f, True, gated=True), d, f),
+          apply_variant(name, default_tuning(m, e_l, f, d, True), f, d))
 
 
 def test_lean_options_lower_for_h200():
@@ -428,9 +438,9 @@ def test_bench_mlp_variants_lower_for_h200():
   # pylint: disable-next=import-outside-toplevel
   from pallas_kernels.grouped_matmul import bench
   for case in bench._MLP_CASES.default:  # pylint: disable=protected-access
-    m = int(case.split(":")[0]) * 8
-    for name in bench._MLP_VARIANTS.default:  # pylint: disable=protected-access
-      assert "mosaic_gpu" in _lower_expert_mlp_h200(m, _bench_tunings(name, m)), (case, name)
+    t = int(case.split(":")[0])
+    for name in bench.MLP_VARIANTS["few" if t < 33 else "many"]:
+      assert "mosaic_gpu" in _lower_expert_mlp_h200(8 * t, _bench_tunings(name, 8 * t)), (t, name)
 
 
 @pytest.mark.gpu
