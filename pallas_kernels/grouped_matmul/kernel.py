@@ -19,7 +19,10 @@ the same x tiles and silu(gate) * up in the epilogue. `Tuning.splits` > 1 splits
 grid axis (few items cannot fill 132 SMs) into partials (f32 as bf16 hi + lo) that the caller
 sums (a gated call then returns the gate and up partials: the SiLU-multiply needs the sums).
 The work list (work.py) is an operand: one MoE layer builds it once for its gated and down calls.
-The grid's first axis is one CTA column per item, or `Tuning.slots` columns looping over them.
+The grid's first axis is one CTA column per item, or `Tuning.slots` columns looping over them
+(`Tuning.items_smem`: the list is read from SMEM after one TMA). `Tuning.store_once` fences and
+waits once for every epilogue part; `Tuning.dequant_batch` dequantises several 64-column chunks
+per wgmma wait. `launch_shape` says what a call launches (CTAs, K steps, SMEM per CTA).
 """
 
 import functools

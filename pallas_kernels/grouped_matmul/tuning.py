@@ -120,7 +120,8 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   making it DEFAULT_VARIANT): '+'-joined parts, applied in order:
   once: store_once; ismem: items_smem; wide: int4_wide_loads; dqN: dequant_batch N;
   rN: rows N (both calls of one work list must share it); kBK: block_k BK; sN: stages N;
-  xN[cC]: scale_splits by N for ~C CTAs per SM (2);
+  xN[cC]: scale_splits by N for ~C CTAs per SM (2); wN: slots for ~N CTAs per SM (a
+  persistent grid: no launched-and-exiting CTAs for dead items ahead of live ones);
   default: no change."""
   flags = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads"}
   for part in name.split("+"):
@@ -130,6 +131,8 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
       t = dataclasses.replace(t, **{flags[part]: True})
     elif m := re.fullmatch(r"x(\d+)(?:c(\d+))?", part):
       t = scale_splits(t, k, n, int(m[1]), int(m[2] or 2))
+    elif m := re.fullmatch(r"w(\d+)", part):  # the slots loop for ~N CTAs per SM, same splits
+      t = dataclasses.replace(t, slots=max(1, int(m[1]) * NUM_SMS // (n // t.block_n * t.splits)))
     elif m := re.fullmatch(r"(dq|k|s|r)(\d+)", part):
       field = {"dq": "dequant_batch", "k": "block_k", "s": "stages", "r": "rows"}[m[1]]
       t = dataclasses.replace(t, **{field: int(m[2])})

@@ -404,6 +404,8 @@ def test_apply_variant_parses_every_change():
   assert apply_variant("default", t, 7168, 2048) == t
   c4 = apply_variant("x4c4", t, 7168, 2048)
   assert (c4.splits, c4.slots) == (4, 4)  # 4 x 132 CTAs // (32 N tiles x 4 splits)
+  w4 = apply_variant("w4", t, 7168, 2048)
+  assert (w4.splits, w4.slots) == (1, 16)  # T=16: 512 CTAs looping over 56 items
   with pytest.raises(ValueError, match="unknown"):
     apply_variant("once+fast", t, 7168, 2048)
 
