@@ -92,10 +92,17 @@ def lower_programs(m, c, spec):
           "loop": loop.steps_device.lower(pair, state, jnp.int32(0), **kw)}, max_len
 
 
-def _compile(lowered):
+def _compile(lowered, options=None):
   with timing.CompileCounter() as cc:
-    exe = lowered.compile()
+    exe = lowered.compile(compiler_options=options)
   return exe, cc.as_dict()
+
+
+NOGRAPH = "_nograph"  # a loop compiled again without command buffers: {mode}_nograph
+
+
+def _nograph_modes(c):
+  return set(c.bench.get("nograph_loop_modes", ()))
 
 
 def compile_modes(m, c, specs, deadline, rec):
@@ -113,8 +120,12 @@ def compile_modes(m, c, specs, deadline, rec):
       print(f"compile {spec.mode:>6}: lowering failed: {e}", flush=True)
       loops[spec.mode] = None
       continue
+    if spec.mode in _nograph_modes(c):
+      lowered["loop" + NOGRAPH] = lowered["loop"]
     jobs += [(spec, part, low, max_len, (t0 - deadline.left()) / 2) for part, low in lowered.items()]
-  outs = deadline.box_all([lambda low=j[2]: _compile(low) for j in jobs], c.bench.compile_box_s)
+  outs = deadline.box_all([lambda j=j: _compile(j[2], timing.NO_COMMAND_BUFFERS if
+                                                j[1].endswith(NOGRAPH) else None) for j in jobs],
+                          c.bench.compile_box_s)
   for (spec, part, _, max_len, lower_s), (out, secs, status) in zip(jobs, outs):
     exe, counts = out if out else (None, {})
     rec.add("compile", mode=spec.mode, budget=_budget(spec), part=part, seconds=lower_s + secs,
@@ -122,8 +133,8 @@ def compile_modes(m, c, specs, deadline, rec):
             concurrent=len(jobs), **counts)
     print(f"compile {spec.mode:>6} {part:>7}: lower {lower_s:6.1f} s + compile {secs:7.1f} s "
           f"({status}, {len(jobs)} at once) {counts}", flush=True)
-    if part == "loop":
-      loops[spec.mode] = exe
+    if part.startswith("loop"):
+      loops[spec.mode + part.removeprefix("loop")] = exe
   return loops
 
 
@@ -192,7 +203,8 @@ def host_gap_row(rows, mode, budget, phase_rows, ctx):
   (mode, budget) at `ctx` and the phase table's step_nograph row (dicts), or None when either is
   missing."""
   loop_row = next((r for r in rows if r["kind"] == "throughput" and r.get("ctx") == ctx
-                   and r["mode"] == mode and r["budget"] == budget), None)
+                   and r["mode"] == mode and r["budget"] == budget
+                   and r.get("command_buffers", True)), None)
   step = next((r for r in phase_rows if r["phase"] == "step_nograph" and r["timer"] == "cupti"),
               None)
   if loop_row is None or step is None:
@@ -202,15 +214,17 @@ def host_gap_row(rows, mode, budget, phase_rows, ctx):
               method=GAP_METHOD)
 
 
-def throughput_rows(m, c, spec, compiled_loop, deadline, rec):
-  """Throughput vs context with the compiled loop. Returns False on timeout (not on an error)."""
+def throughput_rows(m, c, spec, compiled_loop, deadline, rec, command_buffers=True):
+  """Throughput vs context with the compiled loop. Returns False on timeout (not on an error).
+  command_buffers=False: the loop compiled without them (rows say so; no host-gap rows)."""
   tcfg, tp, dcfg, dp, dtype = m
   run = lambda pair, st, until: compiled_loop(pair, st, jnp.int32(until))
   out, secs, status = deadline.box(lambda: throughput.time_contexts(
       Pair(tcfg, tp, dcfg, dp), spec, list(c.bench.ctxs), dtype, gen=c.bench.gen, run=run))
+  label = spec.mode if command_buffers else spec.mode + NOGRAPH
   for r in out or []:
-    rec.add("throughput", **r)
-    print(f"ctx={r['ctx']:>7} {spec.mode:>6}: {r['ms_per_step']:8.3f} ms/step "
+    rec.add("throughput", **r, command_buffers=command_buffers)
+    print(f"ctx={r['ctx']:>7} {label:>6}: {r['ms_per_step']:8.3f} ms/step "
           f"{r['accepted_per_step']:5.2f} tok/step {r['tokens_per_s']:9.1f} tok/s "
           f"device-busy {_num(r['kernel_us'])} us, kernels summed {_num(r['kernel_sum_us'])} us, "
           f"{_num(r['kernels_per_step'])} kernels, gap {_num(r['host_gap_us'])} us/step"
@@ -239,7 +253,8 @@ def summary(rows) -> str:
   out.append("throughput: ctx mode budget ms/step tok/step tok/s busy_us gap_us "
              "(gap = loop ms/step - device-busy per step, jax.profiler trace)")
   for r in (r for r in rows if r["kind"] == "throughput" and "ctx" in r):
-    out.append(f"  {r['ctx']:>7} {r['mode']:>6} {str(r['budget']):>4} {r['ms_per_step']:9.3f} "
+    mode = r["mode"] + ("" if r.get("command_buffers", True) else NOGRAPH)
+    out.append(f"  {r['ctx']:>7} {mode:>6} {str(r['budget']):>4} {r['ms_per_step']:9.3f} "
                f"{r['accepted_per_step']:5.2f} {r['tokens_per_s']:9.1f} {_num(r['kernel_us'])} "
                f"{_num(r['host_gap_us'])}{' SUSPECT' if r.get('gap_suspect') else ''}")
   out.append("host gap from the no-command-buffer step: mode budget ctx loop_ms kernel_ms gap_us")
@@ -285,6 +300,10 @@ def run_parts(m, c, deadline, rec):
   for mode in modes:  # cheap once compiled: seconds per mode
     if loops[mode] is not None and not throughput_rows(m, c, _spec(c, mode), loops[mode],
                                                        deadline, rec):
+      return
+  for mode in (x for x in modes if loops.get(x + NOGRAPH) is not None):
+    if not throughput_rows(m, c, _spec(c, mode), loops[mode + NOGRAPH], deadline, rec,
+                           command_buffers=False):
       return
   host_gaps(c, rec)
   for b in budgets[1:]:  # without the attention / moe split (two more 60-layer compiles each)
