@@ -236,8 +236,9 @@ def part_mlp_tune(ceil, sink, rows):
     need = touched * _expert_bytes("int4")
     backend = "pallas" if jax.default_backend() == "gpu" else "interpret"  # CPU: a smoke run
     interp = backend == "interpret"
-    defaults = (default_tuning(m, _EL.value, d, f, True, interpret=interp, gated=True),
-                default_tuning(m, _EL.value, f, d, True, interpret=interp))
+    defaults = (default_tuning(m, _EL.value, d, f, True, interpret=interp, gated=True,  # today's
+                               variant="default"),  # base, whatever DEFAULT_VARIANTS promotes
+                default_tuning(m, _EL.value, f, d, True, interpret=interp, variant="default"))
     for name in _MLP_VARIANTS.value or MLP_VARIANTS["few" if t < 33 else "many"]:
       row = dict(part="mlp_tune", fmt="int4", tuning=name, T=t, experts_touched=touched,
                  bytes_needed=need)

@@ -4,9 +4,12 @@ import dataclasses
 import re
 
 NUM_SMS = 132  # H200 SXM
-# The `apply_variant` name default_tuning applies to every call ("default": none). Issue 12's
-# candidates are measured by `bench.py --parts mlp_tune` (gpu_measure.sh part moe_tune).
-DEFAULT_VARIANT = "default"
+# The `apply_variant` names default_tuning applies ("default": none) to INT4 calls of few rows
+# (M < FEW_ROWS: T < 33 tokens of top-8, fixed costs and few live experts) and of many. Issue
+# 12's candidates are measured by `bench.py --parts mlp_tune` (gpu_measure.sh part moe_tune),
+# whose 'few' / 'many' variant sets split at the same T: promote a row by naming it here.
+FEW_ROWS = 33 * 8
+DEFAULT_VARIANTS = {"few": "default", "many": "default"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +82,14 @@ def _splits(m: int, g: int, k: int, n_tiles: int, block_k: int) -> int:
 
 
 def default_tuning(m: int, g: int, k: int, n: int, int4: bool, interpret: bool = False,
-                   gated: bool = False) -> Tuning:
+                   gated: bool = False, variant: str | None = None) -> Tuning:
   """R from the expected rows per touched expert (+7 for the 8-aligned window), capped at 64.
 
   INT4 weight tiles are 4x smaller than bf16 ones, so INT4 takes 4x longer K steps for the same
   bytes per step (bf16 [128, 128] = INT4 [128, 256] x 2 in SMEM terms; both fit 4 stages).
   block_n 64 measured faster than 128 for INT4 (H200, T=65: 144 vs 153 us; WORKSPACE.md).
+  variant: an `apply_variant` name on top (None: DEFAULT_VARIANTS by M for INT4, none for
+  bf16; "default": none).
   """
   per_expert = -(-m // max(min(g, m), 1)) + 7
   rows = 8
@@ -100,7 +105,9 @@ def default_tuning(m: int, g: int, k: int, n: int, int4: bool, interpret: bool =
   slots = max(1, (2 * NUM_SMS) // ((n // block_n) * splits)) if splits > 1 else 0
   t = Tuning(rows=rows, block_k=block_k, block_n=block_n, splits=splits, slots=slots,
              a_operand="smem" if interpret else "registers")
-  return apply_variant(DEFAULT_VARIANT, t, k, n)
+  if variant is None:  # the promoted variants were measured on INT4 calls only
+    variant = DEFAULT_VARIANTS["few" if m < FEW_ROWS else "many"] if int4 else "default"
+  return apply_variant(variant, t, k, n)
 
 
 def scale_splits(t: Tuning, k: int, n: int, factor: int, ctas_per_sm: int = 2) -> Tuning:
@@ -117,7 +124,7 @@ def scale_splits(t: Tuning, k: int, n: int, factor: int, ctas_per_sm: int = 2) -
 
 def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   """A named change of a [K -> N] call's tuning t (the bench's --mlp_variants; promote one by
-  making it DEFAULT_VARIANT): '+'-joined parts, applied in order:
+  naming it in DEFAULT_VARIANTS): '+'-joined parts, applied in order:
   once: store_once; ismem: items_smem; wide: int4_wide_loads; dqN: dequant_batch N;
   rN: rows N (both calls of one work list must share it); kBK: block_k BK; sN: stages N;
   xN[cC]: scale_splits by N for ~C CTAs per SM (2); wN: slots for ~N CTAs per SM (a

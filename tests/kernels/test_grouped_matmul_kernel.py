@@ -17,6 +17,7 @@ from pallas_kernels.grouped_matmul import expert_mlp as pallas_expert_mlp
 from pallas_kernels.grouped_matmul import (Tuning, gated_grouped_matmul, grouped_matmul,
                                            grouped_matmul_reference,
                                            int4_grouped_matmul_reference, work)
+from pallas_kernels.grouped_matmul import tuning as tuning_module
 from pallas_kernels.grouped_matmul.tuning import apply_variant, default_tuning, scale_splits
 
 
@@ -408,6 +409,20 @@ def test_apply_variant_parses_every_change():
   assert (w4.splits, w4.slots) == (1, 16)  # T=16: 512 CTAs looping over 56 items
   with pytest.raises(ValueError, match="unknown"):
     apply_variant("once+fast", t, 7168, 2048)
+
+
+def test_default_variants_promote_per_row_count(monkeypatch):
+  """A variant named in DEFAULT_VARIANTS is what default_tuning gives INT4 calls of few (M <
+  FEW_ROWS) or many rows; bf16 calls and variant='default' keep the base tuning."""
+  monkeypatch.setattr(tuning_module, "DEFAULT_VARIANTS",
+                      {"few": "once+ismem+x2", "many": "once+ismem+r16+s2"})
+  few = default_tuning(8, 48, 7168, 2048, True, gated=True)
+  many = default_tuning(520, 48, 7168, 2048, True, gated=True)
+  base = default_tuning(8, 48, 7168, 2048, True, gated=True, variant="default")
+  assert few == apply_variant("once+ismem+x2", base, 7168, 2048) and few.splits == 14
+  assert (many.rows, many.stages, many.store_once) == (16, 2, True)
+  assert default_tuning(8, 48, 7168, 2048, False) == \
+      default_tuning(8, 48, 7168, 2048, False, variant="default")
 
 
 def _lower_expert_mlp_h200(m, tunings, e_l=48, d=7168, f=2048):
