@@ -193,6 +193,21 @@ def test_topk_logprobs():
   np.testing.assert_array_equal(np.asarray(tie_ids), [[0, 1, 2, 3]] * 2)
 
 
+@pytest.mark.parametrize("v,k,chunk", [(4096, 16, 512), (2048, 64, 128), (1536, 3, 256),
+                                        (1000, 8, 128)])  # last: V % chunk != 0 (one top_k)
+def test_chunked_top_k_is_exact(v, k, chunk):
+  """The two-stage top-k against a stable numpy sort: same values, same ids, ties (many
+  repeated values across and inside blocks) to the lower id."""
+  rng = np.random.default_rng(v + k)
+  x = rng.integers(-20, 20, size=(5, v)).astype(np.float32)  # heavy ties
+  x[0] = 0.0  # every value tied
+  x[1, ::chunk] = 50.0  # the winners at block starts, one per block
+  vals, ids = tree.chunked_top_k(jnp.asarray(x), k, chunk)
+  order = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+  np.testing.assert_array_equal(np.asarray(ids), order)
+  np.testing.assert_array_equal(np.asarray(vals), np.take_along_axis(x, order, -1))
+
+
 def test_bad_budget():
   with pytest.raises(ValueError, match="budget"):
     tree.build_ddtree(jnp.zeros((3, 5)), 0)
