@@ -25,6 +25,9 @@
 #   k26_core    the same with the phase tables of ar and ddtree 15, loops at 46k only
 #   xla_options scripts/probe_xla_options.py: bench_k26_full's fused step (ar, ddtree 15) compiled
 #               per XLA option set (cuBLAS vs Triton GEMMs, ...), CUPTI kernel ms each (~200 s)
+#   target_layout  the same fused step (ar, ddtree 15), default options, target params per layer
+#               vs target.pack's packed layout (one dot for q_a|kv_a, router|shared gate|up):
+#               CUPTI kernel ms and launches of each, side by side (target_layout:240)
 #   draft_share the same for k26_dflash_share only (bench_k26_full's draft, issue 17's must-show)
 #   draft_waves bench_draft.py on k26_dflash_share only: draft_block with the ctx kernel at 1, 2 and
 #               3 programs per SM (memory parallelism of a latency-bound read), no tests (~70 s)
@@ -80,6 +83,8 @@ run_part() {
     k26_core) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --time_budget_s $(( secs - 20 )) ;;
     xla_options) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" ;;
+    target_layout) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
+                --variants default --layouts per_layer,packed ;;
     draft_waves) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 \
                 --drafts k26_dflash_share --out_dir "$RAW" --ctx_impls \
                 pallas:p131:64:8:3+block+packed,pallas:p263:64:8:3+block+packed,pallas:p263:64:4:3+block+packed,pallas:p395:64:4:2+block+packed,pallas:p263:128:8:2+block+packed ;;

@@ -6,7 +6,8 @@ M=1 dots XLA emits as reduce fusions; Triton vs cuBLAS GEMMs at 16 rows), not a 
 winner becomes a `runtime.RuntimeConfig` default only after it is measured here.
 
   python scripts/probe_xla_options.py --config configs/bench_k26_full.py --out_dir runs/xla_opts
-  (GPU: bash scripts/gpu_measure.sh $OUT xla_options:300)
+  (GPU: bash scripts/gpu_measure.sh $OUT xla_options:300; the target's per-layer vs packed
+  layout (target.pack), default options: bash scripts/gpu_measure.sh $OUT target_layout:240)
 """
 import functools
 import json
@@ -22,6 +23,7 @@ from kdtree_jax import forced_accept
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.loader import DTYPES, load_draft, load_target
 from kdtree_jax.pair import Pair
+from kdtree_jax.target.pack import pack_for_decode
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "bench_k26_full.py")
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Bench config.")
@@ -30,6 +32,9 @@ _MODES = flags.DEFINE_list("modes", ["ar", "ddtree"], "Step programs (ddtree at 
 _VARIANTS = flags.DEFINE_list("variants", ["default", "no_triton_gemm", "triton_gemm_any",
                                            "all_triton"],
                               "Option sets: '+'-joined names of VARIANTS.")
+_LAYOUTS = flags.DEFINE_list("layouts", ["per_layer"], "Target param layouts, each timed with "
+                             "every variant: per_layer (load_target's) and/or packed "
+                             "(target.pack: load_pair's and bench_k26_full's).")
 runtime.define_flags()
 
 VARIANTS = {  # name -> XLA DebugOptions fields for compiler_options
@@ -57,8 +62,8 @@ def _spec(c, mode):
                     target_choice=forced_accept.target_choice(c.forced_accept))
 
 
-def probe_mode(pair, c, mode, dtype, variants):
-  """[{mode, variant, options, ms, launches, top}] for one mode's step program."""
+def probe_mode(pair, c, mode, dtype, variants, layout="per_layer"):
+  """[{mode, layout, variant, options, ms, launches, top}] for one mode's step program."""
   spec = _spec(c, mode)
   state = profiling.bench_state(pair.tcfg, pair.dcfg, spec, 1, c.bench.profile_ctx, dtype)
   seen = profiling.phase_structs(pair, spec, state)
@@ -69,8 +74,8 @@ def probe_mode(pair, c, mode, dtype, variants):
   rows = []
   feed = lambda args, out: (args[0], args[1], out)
   for v, (exe, secs, status) in zip(variants, outs):
-    row = dict(mode=mode, budget=spec.budget if mode == "ddtree" else None, variant=v,
-               options=options(v), compile_s=secs, status=status)
+    row = dict(mode=mode, budget=spec.budget if mode == "ddtree" else None, layout=layout,
+               variant=v, options=options(v), compile_s=secs, status=status)
     if status == "ok":
       args = (pair.tparams, pair.dparams, clone(state))
       wall, args = timing.wall_ms(exe, args, feed, reps=5)
@@ -87,21 +92,25 @@ def main(_):
   dtype = DTYPES[c.dtype]
   tcfg, tp = load_target(c.target, dtype)
   dcfg, dp = load_draft(c.draft, tcfg, dtype)
-  pair = Pair(tcfg, tp, dcfg, dp)
+  pairs = {"per_layer": Pair(tcfg, tp, dcfg, dp)}
+  if "packed" in _LAYOUTS.value:
+    pairs["packed"] = Pair(tcfg, pack_for_decode(tcfg, tp), dcfg, dp)
   os.makedirs(_OUT.value, exist_ok=True)
   rows = []
   with open(os.path.join(_OUT.value, "xla_options.jsonl"), "w") as f:
     for mode in _MODES.value:
-      for r in probe_mode(pair, c, mode, dtype, _VARIANTS.value):
-        rows.append(r)
-        f.write(json.dumps(r) + "\n")
-        f.flush()
+      for layout in _LAYOUTS.value:
+        for r in probe_mode(pairs[layout], c, mode, dtype, _VARIANTS.value, layout):
+          rows.append(r)
+          f.write(json.dumps(r) + "\n")
+          f.flush()
   print(f"\nstep kernel time per XLA option set (ctx {c.bench.profile_ctx}; CUPTI, first trace)")
-  print(f"{'mode':>6} {'variant':<34} {'ms':>8} {'wall ms':>8} {'launches':>8}  top kernels (us)")
+  print(f"{'mode':>6} {'layout':<9} {'variant':<34} {'ms':>8} {'wall ms':>8} {'launches':>8}  "
+        "top kernels (us)")
   for r in rows:
     tops = ", ".join(f"{n} {us:.0f}" for n, _, us in r.get("top", [])[:4])
     ms = f"{r['ms']:8.3f}" if r.get("ms") else f"{r['status']:>8}"
-    print(f"{r['mode']:>6} {r['variant']:<34} {ms} {r.get('wall_ms', 0):8.3f} "
+    print(f"{r['mode']:>6} {r['layout']:<9} {r['variant']:<34} {ms} {r.get('wall_ms', 0):8.3f} "
           f"{r.get('launches') or 0:8.0f}  {tops}")
 
 

@@ -15,16 +15,17 @@ import pallas_kernels
 from kdtree_jax import sharding
 from kdtree_jax.target.config import TargetConfig
 from kdtree_jax.target.norm import rms_norm
+from kdtree_jax.target.pack import dot_t
 from kdtree_jax.target.rope import apply_rope, cos_sin
 from pallas_kernels.tree_verify.api import resolve_backend
 
 
 def input_dots(p, cfg: TargetConfig, x_bsd):
   """(q_in, kv_a_out): x @ q_a [B, S, Rq] (or the queries [B, S, H, Dn + P] without the q LoRA)
-  and x @ kv_a [B, S, R + P]; one dot over p["qkv_a"] (q_a | kv_a, target/pack.py) when packed,
-  else two."""
-  if "qkv_a" in p:
-    y = x_bsd @ p["qkv_a"]
+  and x @ kv_a [B, S, R + P]; one dot over p["qkv_a_t"] ((q_a | kv_a)^T, target/pack.py) when
+  packed, else two."""
+  if "qkv_a_t" in p:
+    y = dot_t(x_bsd, p["qkv_a_t"])
     q_in, a = y[..., :-cfg.cache_dim], y[..., -cfg.cache_dim:]
     if cfg.q_lora_rank is None:
       q_in = q_in.reshape(*q_in.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
@@ -64,8 +65,12 @@ def prefill_attention(p, cfg: TargetConfig, x_bsd, positions_bs):
   q_nope, q_pe = split_q(cfg, project_q(p, cfg, q_in), cos, sin)
   rows = latent_rows(cfg, p, a, cos, sin)
   c_kv, k_pe = rows[..., :cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank:]
-  kv = jnp.einsum("bsr,rhk->bshk", c_kv, p["kv_b"])
-  k_nope, v = kv[..., :cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim:]
+  if "w_uk" in p:
+    k_nope = jnp.einsum("bsr,hrk->bshk", c_kv, p["w_uk"])
+    v = jnp.einsum("bsr,hvr->bshv", c_kv, p["w_uv"])
+  else:
+    kv = jnp.einsum("bsr,rhk->bshk", c_kv, p["kv_b"])
+    k_nope, v = kv[..., :cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim:]
   s = (jnp.einsum("bqhk,bshk->bhqs", q_nope, k_nope)
        + jnp.einsum("bqhp,bsp->bhqs", q_pe, k_pe)).astype(jnp.float32) * cfg.softmax_scale
   n = x_bsd.shape[1]
@@ -89,13 +94,26 @@ def absorbed_attention(p, cfg: TargetConfig, x_bnd, positions_bn, layer_cache_bl
   q_nope, q_pe = split_q(cfg, project_q(p, cfg, q_in), cos, sin)
   rows = latent_rows(cfg, p, a, cos, sin).astype(layer_cache_blc.dtype)
   layer_cache_blc = write_rows(layer_cache_blc, rows, lengths_b)
-  w_uk = p["kv_b"][..., :cfg.qk_nope_head_dim]  # [R, H, Dn]
-  w_uv = p["kv_b"][..., cfg.qk_nope_head_dim:]  # [R, H, Dv]
-  q_abs = jnp.einsum("bnhk,rhk->bnhr", q_nope, w_uk)
-  q = jnp.concatenate([q_abs, q_pe], axis=-1).astype(layer_cache_blc.dtype)
+  q = jnp.concatenate([absorb_q(p, cfg, q_nope), q_pe], axis=-1).astype(layer_cache_blc.dtype)
   u = verify_attention(cfg, q, layer_cache_blc, lengths_b, tree_mask_bnn, backend)
-  o = jnp.einsum("bnhr,rhv->bnhv", u.astype(x_bnd.dtype), w_uv)
+  o = unabsorb_u(p, cfg, u.astype(x_bnd.dtype))
   return jnp.einsum("bnhv,hvd->bnd", o, p["o"]), layer_cache_blc
+
+
+def absorb_q(p, cfg: TargetConfig, q_nope_bnhk):
+  """q_nope through kv_b's key half -> [B, N, H, R]: over p["w_uk"] [H, R, Dn] when packed (the
+  heads major: no per-step slice or transpose of kv_b), else kv_b[..., :Dn] [R, H, Dn]."""
+  if "w_uk" in p:
+    return jnp.einsum("bnhk,hrk->bnhr", q_nope_bnhk, p["w_uk"])
+  return jnp.einsum("bnhk,rhk->bnhr", q_nope_bnhk, p["kv_b"][..., :cfg.qk_nope_head_dim])
+
+
+def unabsorb_u(p, cfg: TargetConfig, u_bnhr):
+  """The attention's latent output through kv_b's value half -> [B, N, H, Dv]: over p["w_uv"]
+  [H, Dv, R] when packed, else kv_b[..., Dn:] [R, H, Dv]."""
+  if "w_uv" in p:
+    return jnp.einsum("bnhr,hvr->bnhv", u_bnhr, p["w_uv"])
+  return jnp.einsum("bnhr,rhv->bnhv", u_bnhr, p["kv_b"][..., cfg.qk_nope_head_dim:])
 
 
 def verify_attention(cfg: TargetConfig, q_bnhc, cache_blc, lengths_b, tree_mask_bnn, backend,

@@ -11,6 +11,7 @@ from kdtree_jax import sharding
 from kdtree_jax.target.config import TargetConfig
 from kdtree_jax.target.experts import Weighting, dense_glue_fits, expert_ffn, expert_ffn_dense
 from kdtree_jax.target.mlp import swiglu, swiglu_down
+from kdtree_jax.target.pack import dot_t
 from kdtree_jax.target.moe_parallel import experts_ep, route_local
 
 
@@ -75,14 +76,15 @@ def route_dense(p, cfg: TargetConfig, x_td, logits=None):
   return compare_rank(choice), scores
 
 
-def _router_logits(x_td, router_de):
+def _router_logits(x_td, router_de, dot=jnp.dot):
   """x @ W_g in f32. HF computes it on f32 copies; for 16-bit x and W every product is exact in
   f32, so a 16-bit matmul with f32 accumulation is the same sum (order aside) without the f32
-  copies or a 6-pass HIGHEST matmul. f32 inputs keep the f32 HIGHEST matmul (parity fixtures)."""
+  copies or a 6-pass HIGHEST matmul. f32 inputs keep the f32 HIGHEST matmul (parity fixtures).
+  dot: pack.dot_t for an out-major [E, D] weight."""
   if x_td.dtype.itemsize == 2 and router_de.dtype == x_td.dtype:
-    return jnp.dot(x_td, router_de, preferred_element_type=jnp.float32)
-  return jnp.dot(x_td.astype(jnp.float32), router_de.astype(jnp.float32),
-                 precision=jax.lax.Precision.HIGHEST)
+    return dot(x_td, router_de, preferred_element_type=jnp.float32)
+  return dot(x_td.astype(jnp.float32), router_de.astype(jnp.float32),
+             precision=jax.lax.Precision.HIGHEST)
 
 
 def _limit_groups(choice_te, n_group, topk_group):
@@ -110,7 +112,7 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
   x_td = x.reshape(-1, shape[-1])
   mesh = sharding.current_mesh()
   if mesh is not None:  # one psum for routed + shared where they split alike (moe_parallel)
-    if "router_gate_up" in p:
+    if "router_gate_up_t" in p:
       raise ValueError("packed target params (target/pack.py) are one device's layout; "
                        "load them unpacked under a mesh")
     idx, w = route_local(lambda rp, x: route(rp, cfg, x), p, x_td, mesh)
@@ -136,13 +138,13 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
 
 def router_and_shared(p, x_td):
   """(router logits [T, E] f32 or None: `route` computes them, the shared experts' output
-  [T, D] in x's dtype or None). Packed (target/pack.py "router_gate_up"): ONE dot for the router
-  and the shared gate | up, with the router's f32 accumulation (`_router_logits`); the gate and
-  up columns are rounded to x's dtype, as their own dot would."""
-  if "router_gate_up" not in p:
+  [T, D] in x's dtype or None). Packed (target/pack.py "router_gate_up_t"): ONE dot for the
+  router and the shared gate | up, with the router's f32 accumulation (`_router_logits`); the
+  gate and up columns are rounded to x's dtype, as their own dot would."""
+  if "router_gate_up_t" not in p:
     return None, (swiglu(p["shared"], x_td) if "shared" in p else None)
   e = p["bias"].shape[0]
-  y = _router_logits(x_td, p["router_gate_up"])
+  y = _router_logits(x_td, p["router_gate_up_t"], dot=dot_t)
   gate, up = jnp.split(y[:, e:].astype(x_td.dtype), 2, axis=-1)
   return y[:, :e], swiglu_down(gate, up, p["shared"]["down"])
 

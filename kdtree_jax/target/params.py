@@ -6,6 +6,7 @@ Dense layers (i < first_k_dense_replace) have "mlp"; MoE layers have "moe" with
 router [D, E], bias [E] (f32, selection only), gate/up [E_l, D, F], down [E_l, F, D], shared {...}
 (E_l = cfg.experts_held: all E, or one GPU's share for benchmarks). `int4_experts=True` makes the
 routed stacks random INT4 (`model.int4.Int4Weight`), as a K2.6 checkpoint holds them.
+One device's decode reads target/pack.py's layout of the same weights (joined dots, built at load).
 """
 
 import jax

@@ -37,15 +37,19 @@ def rel(a, b):
 def test_packed_layout_replaces_the_per_layer_weights():
   cfg = C.tiny()
   params = P.init_params(jax.random.key(0), cfg, jnp.bfloat16)
-  packed = pack.pack_for_decode(params)
+  packed = pack.pack_for_decode(cfg, params)
   assert pack.is_packed(packed) and not pack.is_packed(params)
-  attn, mlp, moe = packed["layers"][1]["attn"], packed["layers"][0]["mlp"], packed["layers"][1]["moe"]
-  assert "q_a" not in attn and "kv_a" not in attn
-  assert attn["qkv_a"].shape == (cfg.hidden_size, cfg.q_lora_rank + cfg.cache_dim)
-  assert set(mlp) == {"gate_up", "down"}
+  attn, moe = packed["layers"][1]["attn"], packed["layers"][1]["moe"]
+  mlp = packed["layers"][0]["mlp"]
+  assert "q_a" not in attn and "kv_a" not in attn and "kv_b" not in attn
+  assert attn["qkv_a_t"].shape == (cfg.q_lora_rank + cfg.cache_dim, cfg.hidden_size)
+  h, r = cfg.num_attention_heads, cfg.kv_lora_rank
+  assert attn["w_uk"].shape == (h, r, cfg.qk_nope_head_dim)
+  assert attn["w_uv"].shape == (h, cfg.v_head_dim, r)
+  assert set(mlp) == {"gate_up_t", "down"}
   assert "router" not in moe and set(moe["shared"]) == {"down"}
   fs = params["layers"][1]["moe"]["shared"]["gate"].shape[1]
-  assert moe["router_gate_up"].shape == (cfg.hidden_size, cfg.n_routed_experts + 2 * fs)
+  assert moe["router_gate_up_t"].shape == (cfg.n_routed_experts + 2 * fs, cfg.hidden_size)
   assert "q_a" in params["layers"][1]["attn"]  # the input is not changed
 
 
@@ -54,9 +58,9 @@ def test_an_f32_router_beside_bf16_weights_stays_apart():
   params = P.init_params(jax.random.key(0), cfg, jnp.bfloat16)
   moe = dict(params["layers"][1]["moe"])
   moe["router"] = moe["router"].astype(jnp.float32)
-  packed = pack.pack_layer(dict(params["layers"][1], moe=moe))["moe"]
-  assert packed["router"].dtype == jnp.float32 and "router_gate_up" not in packed
-  assert set(packed["shared"]) == {"gate_up", "down"}
+  packed = pack.pack_layer(cfg, dict(params["layers"][1], moe=moe))["moe"]
+  assert packed["router"].dtype == jnp.float32 and "router_gate_up_t" not in packed
+  assert set(packed["shared"]) == {"gate_up_t", "down"}
 
 
 @pytest.fixture(scope="module", params=FIXTURES)
@@ -65,7 +69,7 @@ def fixture_model(request):
   cfg, params = kdtree_jax.load_hf_checkpoint(path, dtype=jnp.float32)
   with np.load(os.path.join(path, "reference.npz")) as z:
     tokens, hf_logits = z["tokens"], z["logits"]
-  return request.param, cfg, params, pack.pack_for_decode(params), tokens, hf_logits
+  return request.param, cfg, params, pack.pack_for_decode(cfg, params), tokens, hf_logits
 
 
 def test_packed_prefill_matches_per_layer_and_hf(fixture_model):
@@ -114,7 +118,7 @@ def test_speculative_decoding_on_packed_params_is_lossless():
                           num_target_layers=3, block_size=6)
   dp = DM.init_draft_params(jax.random.key(104), dcfg, tcfg.hidden_size, 2)
   pair = Pair(tcfg, tp, dcfg, dp)
-  packed = pair.replace(tparams=pack.pack_for_decode(tp))
+  packed = pair.replace(tparams=pack.pack_for_decode(tcfg, tp))
   prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
   spec = lambda m: SpecConfig(mode=m, budget=5, max_new_tokens=16, block_size=6)
   want = loop.generate(pair, spec("ar"), prompts, max_len=48).tokens
