@@ -10,8 +10,11 @@ weights, the ctx K/V, the target lm_head), once per ctx attention implementation
 xla = chunked XLA dots over the whole capacity; pallas[:chunk:block_k:warps:stages] = the fused
 Triton kernel, rows < ctx_len only, default_tuning's fields where left out; +block = the
 block's own keys as one more program of that kernel instead of an XLA part; +packed = params
-through model.pack_for_decode, q|k|v and gate|up weights side by side: one dot each; +cublas =
-compiled with XLA's Triton GEMMs off). Both are
+through model.pack_for_decode, q|k|v and gate|up weights side by side: one dot each; with
++block+packed the kernel reads q and the block's K/V from the q|k|v dot's packed output and a
+second kernel merges its partials into the o_proj input (draft_block's packed_io, the default);
++splitio = the older form, packed_io=False: q, k, v sliced and transposed for the kernel, its
+partials merged by XLA; +cublas = compiled with XLA's Triton GEMMs off). Both are
 the decode path's own functions (kdtree_jax/draft/model.py). Drafts (--drafts): k26_dflash_share
 = bench_k26_full's draft (published K2.6 DFlash shape sliced 1/8: 6 layers, 8 q / 1 kv heads,
 F 2304, 6 taps), bench_k26 = a Qwen3-8B-DFlash-sized draft (3 layers, 32/8 heads, F 12288,
@@ -52,15 +55,17 @@ flags.DEFINE_list("ctx_impls", [
     "xla", "pallas", "pallas+block", "pallas+packed", "pallas+block+packed",
     "pallas+block+packed+cublas", "pallas:p132", "pallas:p131+block", "pallas:p131:128+block",
     "pallas:p131+block+packed", "pallas:p131:128+block+packed", "pallas:p131:64:8:3+block+packed",
-    "pallas:p66:128+block",
+    "pallas:p66:128+block", "pallas+block+packed+splitio",
     "pallas:512:128", "pallas:512:128+block", "pallas:512:32", "pallas:512:64:4",
     "pallas:512:64:8:3"],
                   "draft_block ctx attention: xla, or pallas[:chunk or pPROGRAMS[:block_k"
-                  "[:num_warps[:num_stages]]]][+block][+packed][+cublas] (GPU only; left out: "
+                  "[:num_warps[:num_stages]]]][+block][+packed][+splitio][+cublas] (GPU only; "
+                  "left out: "
                   "ctx_attention.default_tuning's; +block: the block's own keys as one more "
                   "program of the kernel, model.draft_block(block_in_kernel=True); +packed: "
                   "params through model.pack_for_decode: q|k|v and gate|up in one dot each; "
-                  "+cublas: compiled with XLA's Triton GEMMs off, cuBLAS for every dot)")
+                  "+splitio: draft_block(packed_io=False), the kernel's older I/O; +cublas: "
+                  "compiled with XLA's Triton GEMMs off, cuBLAS for every dot)")
 flags.DEFINE_list("ctx_kv", ["xla", "nomerge", "packed"],
                   "draft_ctx K/V projections: xla (two dots per layer; XLA may merge them), "
                   "nomerge (compiled with XLA's DotMerger off), packed (model.pack_ctx_kv: one "
@@ -195,18 +200,43 @@ def bench_ctx(cfg, params, b, ctx, reps, steps, variant="xla"):
   return (t_many - t_few) / (steps - few), timer, per_step, ops
 
 
+def hlo_names(kernel_name):
+  """Optimized-HLO names a CUPTI kernel name may come from: XLA:GPU names a fusion's kernel
+  after the instruction with '.' -> '_' (input_reduce_fusion.16 runs as
+  input_reduce_fusion_16)."""
+  return [kernel_name, re.sub(r"_(\d+)$", r".\1", kernel_name)]
+
+
+def fused_ops(hlo_text, computation):
+  """The distinct opcodes inside a fused computation, in order (what the kernel computes:
+  'convert,multiply,reduce,rsqrt')."""
+  m = re.search(r"^%?" + re.escape(computation) + r" [^\n]*\{\n(.*?)^\}", hlo_text, re.M | re.S)
+  if not m:
+    return ""
+  ops = re.findall(r"= \S+ (\w[\w-]*)\(", m.group(1))
+  skip = {"parameter", "constant", "bitcast", "broadcast", "tuple", "get-tuple-element"}
+  return ",".join(dict.fromkeys(o for o in ops if o not in skip))
+
+
 def kernel_ops(hlo_text, kernels, top):
-  """{kernel name: "out <- operands (op_name)"} of the optimized HLO instruction of that name,
-  for the `top` slowest kernels (so a CUPTI name like gemm_fusion_dot_86 says which dot it is:
-  bf16[1,16,4608] <- bf16[1,16,7168] bf16[7168,4608])."""
+  """{kernel name: "out <- operands (op_name) [fused ops]"} of the optimized HLO instruction of
+  that name, for the `top` slowest kernels (so a CUPTI name like gemm_fusion_dot_86 says which
+  dot it is: bf16[1,16,4608] <- bf16[1,16,7168] bf16[7168,4608], and fusion_228 which ops it
+  fuses)."""
   shape_of = dict(re.findall(r"%([\w.\-]+) = (\w+\[[\d,]*\])", hlo_text))
   found = {}
   for name, _, _ in kernels[:top]:
-    m = re.search(r"%" + re.escape(name) + r" = (\S+\[[\d,]*\])\S* \w+\(([^)]*)\)(.*)", hlo_text)
-    if m:
-      ins = " ".join(shape_of.get(a, "?") for a in re.findall(r"%([\w.\-]+)", m.group(2)))
-      op = re.search(r'op_name="([^"]*)"', m.group(3))
-      found[name] = f"{m.group(1)} <- {ins} ({op.group(1)[-60:] if op else ''})"
+    for hlo_name in hlo_names(name):
+      m = re.search(r"%" + re.escape(hlo_name) + r" = (\S+\[[\d,]*\])\S* \w+\(([^)]*)\)(.*)",
+                    hlo_text)
+      if m:
+        ins = " ".join(shape_of.get(a, "?") for a in re.findall(r"%([\w.\-]+)", m.group(2)))
+        op = re.search(r'op_name="([^"]*)"', m.group(3))
+        calls = re.search(r"calls=%([\w.\-]+)", m.group(3))
+        inner = fused_ops(hlo_text, calls.group(1)) if calls else ""
+        found[name] = (f"{m.group(1)} <- {ins} ({op.group(1)[-60:] if op else ''})"
+                       + (f" [{inner}]" if inner else ""))
+        break
   return found
 
 
@@ -230,8 +260,9 @@ def parse_ctx_impl(name):
   ('num_stages', 3)), {'block', 'packed'}); 'pallas:p131' -> tuning (('programs', 131),): 131
   programs per kv head sharing the rows below ctx_len; fields left out keep default_tuning's."""
   name, *extras = name.split("+")
-  if set(extras) - {"block", "packed", "cublas"}:
-    raise ValueError(f"unknown ctx_impl suffix in {name!r}: +block, +packed, +cublas only")
+  if set(extras) - {"block", "packed", "splitio", "cublas"}:
+    raise ValueError(f"unknown ctx_impl suffix in {name!r}: +block, +packed, +splitio, +cublas "
+                     "only")
   impl, *fields = name.split(":")
   split = bool(fields) and fields[0].startswith("p")  # p132: tuning.programs = 132
   fields = [int(f.lstrip("p")) for f in fields]
@@ -254,7 +285,7 @@ def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
   options = CUBLAS_GEMMS if "cublas" in extras else None
   prog = jax.jit(lambda p, c, t, s, e, h: model.draft_block(
       p, cfg, c, t, s, e, h, ctx_impl=impl, kernel_chunk=chunk, kernel_tuning=tuning,
-      block_in_kernel="block" in extras))
+      block_in_kernel="block" in extras, packed_io="splitio" not in extras))
   args = (params, cache, block, start, embed, head)
   compiled = prog.lower(*args).compile(options)  # timed as is: one compile per impl
   text = compiled.as_text()

@@ -31,6 +31,10 @@
 #   draft_share the same for k26_dflash_share only (bench_k26_full's draft, issue 17's must-show)
 #   draft_waves bench_draft.py on k26_dflash_share only: draft_block with the ctx kernel at 1, 2 and
 #               3 programs per SM (memory parallelism of a latency-bound read), no tests (~70 s)
+#   draft_io    the draft's packed-I/O GPU tests (ctx kernel reading the q|k|v dot's output, Triton
+#               merge), then bench_draft.py on k26_dflash_share: draft_block with the older kernel
+#               I/O (+splitio) beside today's default (draft_ctx packed only; every kernel listed
+#               with its HLO ops); draft_io:120 (~90 s)
 #   draft       the draft ctx kernel's GPU tests, then scripts/bench_draft.py: the two draft phases of
 #               both drafts (k26_dflash_share first; each draft's rows written when it is done),
 #               draft_ctx per K/V projection form (--ctx_kv), draft_block per ctx attention impl /
@@ -88,6 +92,10 @@ run_part() {
     draft_waves) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 \
                 --drafts k26_dflash_share --out_dir "$RAW" --ctx_impls \
                 pallas:p131:64:8:3+block+packed,pallas:p263:64:8:3+block+packed,pallas:p263:64:4:3+block+packed,pallas:p395:64:4:2+block+packed,pallas:p263:128:8:2+block+packed ;;
+    draft_io) one_gpu timeout "$secs" bash -c "timeout 45 python3 -m pytest -q -rs -m gpu \
+                tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
+                --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv packed --top 40 \
+                --ctx_impls pallas+block+packed+splitio,pallas+block+packed" ;;
     draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py; python3 scripts/bench_draft.py --ctx 46000 --out_dir $RAW" ;;
     draft_share) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \

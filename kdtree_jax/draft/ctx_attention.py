@@ -14,6 +14,10 @@ With Tuning.programs the grid is that many programs per kv head sharing the tile
 ctx_len evenly instead of fixed chunks (one wave on the SMs at any context length). Given the
 block's own K/V (draft_block's block_in_kernel), one more program attends to them, so the
 caller merges one set of partials and runs no XLA attention for the block.
+packed_block_partials takes q and the block's K/V straight from the draft layer's packed arrays
+(q heads as an [S, U, Y] block reshaped to S*U rows in the kernel, k and v heads as strided
+[S, Y] blocks), and merge_to_heads merges the partials in one more launch, writing the o_proj
+input layout, in place of XLA's slices, transposes and multi-kernel merge.
 
 Only the length mask is applied (full-attention layers); sliding-window layers take the XLA
 path. Letters: B batch, G kv heads, L cache rows, Y head_dim (the package glossary), and this
@@ -115,6 +119,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, n_chunks, split
   first, end, limit = _tile_range(len_ref[0], j, n_chunks, k_ref.shape[0], block_k, split)
   end = jnp.where(j < n_chunks, end, first)  # the block's program reads no cache rows
   q = q_ref[...]
+  q = q.reshape(-1, q.shape[-1])  # packed_block: [S, U, Y] heads of the block -> [S*U, Y] rows
   M, Y = q.shape
 
   def tile(t, carry):
@@ -134,6 +139,33 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, n_chunks, split
   lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
+def _call(len_b, q, q_spec, k_bgly, v_bgly, blk, blk_specs, M, *, scale, tuning, interpret):
+  """The pallas_call over grid (B, G, programs): q of kv head g by q_spec ([M, Y], or [S, U, Y]
+  reshaped to M rows in the kernel), the cache by tuning's programs or chunks, the block's K/V
+  (blk, by blk_specs: [S, Y] each) as one more program if given -> (o [B, G, P, M, Y] in the
+  cache dtype, lse [B, G, P, M] f32)."""
+  B, G, L, Y = k_bgly.shape
+  split = tuning.programs is not None
+  n, c = (tuning.programs, L) if split else (L // tuning.chunk, tuning.chunk)
+  rows = lambda x: x[:, :, None] if split else x.reshape(B, G, n, c, Y)  # [B, G, n or 1, c, Y]
+  kv_spec = pl.BlockSpec((None, None, None, c, Y), lambda b, g, j: (
+      b, g, 0 if split else jnp.minimum(j, n - 1), 0, 0))
+  row_spec = pl.BlockSpec((None, None, None, M), lambda b, g, j: (b, g, j, 0))
+  programs = n + (1 if blk else 0)
+  return pl.pallas_call(
+      functools.partial(_kernel, scale=scale, block_k=tuning.block_k, n_chunks=n, split=split),
+      grid=(B, G, programs),
+      in_specs=[pl.BlockSpec((1,), lambda b, g, j: (b,)), q_spec, kv_spec, kv_spec, *blk_specs],
+      out_specs=[pl.BlockSpec((None, None, None, M, Y), lambda b, g, j: (b, g, j, 0, 0)),
+                 row_spec],
+      out_shape=[jax.ShapeDtypeStruct((B, G, programs, M, Y), k_bgly.dtype),
+                 jax.ShapeDtypeStruct((B, G, programs, M), jnp.float32)],
+      compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps,
+                                              num_stages=tuning.num_stages),
+      interpret=interpret, name="draft_ctx_attention",
+  )(len_b.astype(jnp.int32), q, rows(k_bgly), rows(v_bgly), *blk)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "tuning", "interpret"))
 def ctx_partials(q_bgmy, k_bgly, v_bgly, ctx_len_b, kb_bgsy=None, vb_bgsy=None, *, scale,
                  tuning: Tuning = Tuning(), interpret=False):
@@ -143,30 +175,87 @@ def ctx_partials(q_bgmy, k_bgly, v_bgly, ctx_len_b, kb_bgsy=None, vb_bgsy=None, 
   such a program). With the block's own K/V kb, vb [B, G, S, Y] (every block key visible to
   every query: non-causal, full attention), one more partial N + 1 over them (a program of its
   own, so the caller merges one set of partials)."""
-  B, G, M, Y = q_bgmy.shape
-  L = k_bgly.shape[2]
-  split = tuning.programs is not None
-  n, c = (tuning.programs, L) if split else (L // tuning.chunk, tuning.chunk)
-  rows = lambda x: x[:, :, None] if split else x.reshape(B, G, n, c, Y)  # [B, G, n or 1, c, Y]
-  k, v = rows(k_bgly), rows(v_bgly)
-  kv_spec = pl.BlockSpec((None, None, None, c, Y), lambda b, g, j: (
-      b, g, 0 if split else jnp.minimum(j, n - 1), 0, 0))
-  row_spec = pl.BlockSpec((None, None, None, M), lambda b, g, j: (b, g, j, 0))
-  blk = () if kb_bgsy is None else (kb_bgsy.astype(k.dtype), vb_bgsy.astype(k.dtype))
+  M, Y = q_bgmy.shape[2:]
+  dt = k_bgly.dtype
+  blk = () if kb_bgsy is None else (kb_bgsy.astype(dt), vb_bgsy.astype(dt))
   blk_specs = [pl.BlockSpec((None, None, *x.shape[2:]), lambda b, g, j: (b, g, 0, 0))
                for x in blk]
-  programs = n + (1 if blk else 0)
+  q_spec = pl.BlockSpec((None, None, M, Y), lambda b, g, j: (b, g, 0, 0))
+  return _call(ctx_len_b, q_bgmy.astype(dt), q_spec, k_bgly, v_bgly, blk, blk_specs, M,
+               scale=scale, tuning=tuning, interpret=interpret)
+
+
+def supports_packed_block(qk_bshy, kv_heads) -> bool:
+  """packed_block_partials' shapes: bf16, S >= 16 and U = H/G query heads per kv head powers of
+  two (Triton blocks), Y a multiple of 16."""
+  S, HG, Y = qk_bshy.shape[1:]
+  U = (HG - kv_heads) // kv_heads
+  pow2 = lambda x: x >= 1 and x & (x - 1) == 0
+  return (qk_bshy.dtype == jnp.bfloat16 and S >= 16 and pow2(S) and pow2(U) and Y % 16 == 0
+          and S * U % 16 == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("kv_heads", "scale", "tuning", "interpret"))
+def packed_block_partials(qk_bshy, qkv_bshy, k_bgly, v_bgly, ctx_len_b, *, kv_heads, scale,
+                          tuning: Tuning = Tuning(), interpret=False):
+  """ctx_partials with the block's keys, reading q and the block's K/V where the projections
+  left them (no slice, transpose or copy between): qk [B, S, H+G, Y] = the normed, roped q | k
+  heads, qkv [B, S, H+2G, Y] = the q|k|v dot's output (its v heads). Program rows are the
+  S*U queries of kv head g in (s, u) order: o [B, G, P, S*U, Y], lse [B, G, P, S*U]; the last
+  program P-1 takes the block's keys."""
+  B, S, HG, Y = qk_bshy.shape
+  G = kv_heads
+  H = HG - G
+  U = H // G
+  dt = k_bgly.dtype
+  qk, qkv = qk_bshy.astype(dt), qkv_bshy.astype(dt)
+  q_spec = pl.BlockSpec((None, S, U, Y), lambda b, g, j: (b, 0, g, 0))  # heads g*U .. g*U+U-1
+  head = lambda first: pl.BlockSpec((None, S, None, Y), lambda b, g, j: (b, 0, first + g, 0))
+  return _call(ctx_len_b, qk, q_spec, k_bgly, v_bgly, (qk, qkv), (head(H), head(H + G)),
+               S * U, scale=scale, tuning=tuning, interpret=interpret)
+
+
+def split_pieces(n):
+  """[(start, size)]: n as power-of-two pieces, largest first (Triton loads power-of-two
+  blocks): 132 -> [(0, 128), (128, 4)]."""
+  pieces, start = [], 0
+  for bit in reversed(range(n.bit_length())):
+    if n >> bit & 1:
+      pieces.append((start, 1 << bit))
+      start += 1 << bit
+  return pieces
+
+
+def _merge_kernel(o_ref, lse_ref, out_ref):
+  """One query row: o_ref [P, Y] normalised partials, lse_ref [P] their log-sum-exps (-inf: a
+  program that saw no key) -> out [Y] = sum_p o_p exp(lse_p - m) / sum_p exp(lse_p - m)."""
+  pieces = split_pieces(lse_ref.shape[0])
+  lses = [lse_ref[pl.ds(start, size)] for start, size in pieces]
+  m = functools.reduce(jnp.maximum, [jnp.max(x) for x in lses])
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  ws = [jnp.exp(x - m_safe) for x in lses]
+  den = functools.reduce(jnp.add, [jnp.sum(w) for w in ws])
+  acc = functools.reduce(jnp.add, [
+      jnp.sum(w[:, None] * o_ref[pl.ds(start, size), :].astype(jnp.float32), axis=0)
+      for w, (start, size) in zip(ws, pieces)])
+  out_ref[...] = (acc / jnp.where(den > 0, den, 1.0)).astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "dtype", "interpret"))
+def merge_to_heads(o_bgpmy, lse_bgpm, *, heads, dtype, interpret=False):
+  """packed_block_partials' P partials per query row merged through their log-sum-exps, in one
+  launch (one program per row), written straight into the o_proj input layout [B, S, H*Y] in
+  `dtype` (row s*U + u of kv head g = head g*U + u of block token s)."""
+  B, G, P, M, Y = o_bgpmy.shape
+  U = heads // G
+  S = M // U
   return pl.pallas_call(
-      functools.partial(_kernel, scale=scale, block_k=tuning.block_k, n_chunks=n, split=split),
-      grid=(B, G, programs),
-      in_specs=[pl.BlockSpec((1,), lambda b, g, j: (b,)),
-                pl.BlockSpec((None, None, M, Y), lambda b, g, j: (b, g, 0, 0)),
-                kv_spec, kv_spec, *blk_specs],
-      out_specs=[pl.BlockSpec((None, None, None, M, Y), lambda b, g, j: (b, g, j, 0, 0)),
-                 row_spec],
-      out_shape=[jax.ShapeDtypeStruct((B, G, programs, M, Y), k_bgly.dtype),
-                 jax.ShapeDtypeStruct((B, G, programs, M), jnp.float32)],
-      compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps,
-                                              num_stages=tuning.num_stages),
-      interpret=interpret, name="draft_ctx_attention",
-  )(ctx_len_b.astype(jnp.int32), q_bgmy.astype(k_bgly.dtype), k, v, *blk)
+      _merge_kernel,
+      grid=(B, G, M),
+      in_specs=[pl.BlockSpec((None, None, P, None, Y), lambda b, g, m: (b, g, 0, m, 0)),
+                pl.BlockSpec((None, None, P, None), lambda b, g, m: (b, g, 0, m))],
+      out_specs=pl.BlockSpec((None, None, Y), lambda b, g, m: (b, m // U, g * U + m % U)),
+      out_shape=jax.ShapeDtypeStruct((B, S, heads * Y), dtype),
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret, name="draft_ctx_merge",
+  )(o_bgpmy, lse_bgpm)

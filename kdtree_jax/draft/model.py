@@ -28,7 +28,11 @@ layer per step (the H200 showed one ~57 us `loop_pad_fusion` per layer at L = 46
 init_draft_cache rounds the capacity up to whole chunks. ctx_impl='pallas' runs the ctx part as
 one fused kernel instead (ctx_attention.py: no f32 scores in HBM, rows < ctx_len only), and
 with block_in_kernel the block's own keys as one more program of it; 'auto' (the default, so
-the decode's) is the kernel on a single GPU and the XLA form elsewhere (resolve_ctx_impl).
+the decode's) is the kernel on a single GPU and the XLA form elsewhere (resolve_ctx_impl). On
+pack_for_decode'd layers with the block in the kernel, packed_io (the default) lets the kernel
+read q and the block's K/V where the q|k|v dot and the q/k norm + rope fusion left them, and a
+second small kernel merge its partials straight into the o_proj input, so no slice, transpose
+or XLA merge runs between the two dots (attend_packed_kernel).
 """
 
 from __future__ import annotations
@@ -309,18 +313,25 @@ def _merged_attention(q_bshy, parts, scale, kv_heads):
   return o.astype(q_bshy.dtype)
 
 
+def _qk_packed(lp, cfg, h_bsd, pos_bs):
+  """A packed layer's (qk, qkv): qkv [B, S, H+2G, Y] = the one dot over lp["qkv_proj"], qk
+  [B, S, H+G, Y] = its q and k heads normed and roped together (one fusion, not two)."""
+  B, S, _ = h_bsd.shape
+  H, G, Y = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+  qkv = (h_bsd @ lp["qkv_proj"]).reshape(B, S, H + 2 * G, Y)
+  norm = jnp.concatenate([jnp.broadcast_to(lp["q_norm"], (H, Y)),
+                          jnp.broadcast_to(lp["k_norm"], (G, Y))])
+  return rope(rms_norm(qkv[:, :, :H + G], norm, cfg.rms_norm_eps), pos_bs, cfg.rope_theta), qkv
+
+
 def _qkv(lp, cfg, h_bsd, pos_bs):
   """q (q_norm + rope) [B, S, H, Y] and the block's k (k_norm + rope), v [B, S, G, Y]: one dot
   over lp["qkv_proj"] when the layer is packed (pack_for_decode), else three."""
   B, S, _ = h_bsd.shape
   H, Y = cfg.num_attention_heads, cfg.head_dim
-  if "qkv_proj" in lp:  # q and k heads normed and roped together (one fusion, not two)
-    G = cfg.num_key_value_heads
-    qkv = (h_bsd @ lp["qkv_proj"]).reshape(B, S, H + 2 * G, Y)
-    norm = jnp.concatenate([jnp.broadcast_to(lp["q_norm"], (H, Y)),
-                            jnp.broadcast_to(lp["k_norm"], (G, Y))])
-    qk = rope(rms_norm(qkv[:, :, :H + G], norm, cfg.rms_norm_eps), pos_bs, cfg.rope_theta)
-    return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + G:]
+  if "qkv_proj" in lp:
+    qk, qkv = _qk_packed(lp, cfg, h_bsd, pos_bs)
+    return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + cfg.num_key_value_heads:]
   q = (h_bsd @ lp["q_proj"]).reshape(B, S, H, Y)
   k, v = _kv(lp, cfg, h_bsd, pos_bs)
   return rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), pos_bs, cfg.rope_theta), k, v
@@ -335,13 +346,37 @@ def _mlp(lp, h_bsd):
   return (jax.nn.silu(gate) * up) @ lp["down_proj"]
 
 
-def _layer(lp, cfg, x_bsd, q_pos_bs, key_sets):
-  """One draft decoder layer: block queries over key_sets(kb, vb), the key sets (see xla_part)
-  of the ctx and of the block's own K/V kb, vb [B, G, S, Y]."""
+def attend_key_sets(key_sets):
+  """An attention for _layer: block queries over key_sets(kb, vb), the key sets (see xla_part)
+  of the ctx and of the block's own K/V kb, vb [B, G, S, Y], merged by _merged_attention."""
+  def attend(lp, cfg, h_bsd, q_pos_bs):
+    q, kb, vb = _qkv(lp, cfg, h_bsd, q_pos_bs)
+    parts = key_sets(jnp.swapaxes(kb, 1, 2), jnp.swapaxes(vb, 1, 2))
+    return _merged_attention(q, parts, cfg.head_dim ** -0.5, cfg.num_key_value_heads)
+  return attend
+
+
+def attend_packed_kernel(k_bgly, v_bgly, ctx_len_b, tuning, interpret):
+  """An attention for _layer (packed layers, every block key visible): the ctx kernel reads q
+  and the block's K/V straight from _qk_packed's arrays (ctx_attention.packed_block_partials)
+  and a second kernel merges its partials into the o_proj input (merge_to_heads): no slice,
+  transpose or XLA merge between the q|k|v dot and the o_proj dot."""
+  def attend(lp, cfg, h_bsd, q_pos_bs):
+    qk, qkv = _qk_packed(lp, cfg, h_bsd, q_pos_bs)
+    G = cfg.num_key_value_heads
+    o, lse = ctx_attention.packed_block_partials(
+        qk, qkv, k_bgly, v_bgly, ctx_len_b, kv_heads=G, scale=cfg.head_dim ** -0.5,
+        tuning=tuning, interpret=interpret)
+    return ctx_attention.merge_to_heads(o, lse, heads=cfg.num_attention_heads,
+                                        dtype=qkv.dtype, interpret=interpret)
+  return attend
+
+
+def _layer(lp, cfg, x_bsd, q_pos_bs, attend):
+  """One draft decoder layer; attend(lp, cfg, h, q_pos) -> o [B, S, H*Y] is its attention
+  (attend_key_sets or attend_packed_kernel)."""
   h = rms_norm(x_bsd, lp["input_layernorm"], cfg.rms_norm_eps)
-  q, kb, vb = _qkv(lp, cfg, h, q_pos_bs)
-  parts = key_sets(jnp.swapaxes(kb, 1, 2), jnp.swapaxes(vb, 1, 2))
-  o = _merged_attention(q, parts, cfg.head_dim ** -0.5, cfg.num_key_value_heads)
+  o = attend(lp, cfg, h, q_pos_bs)
   x_bsd = x_bsd + o @ lp["o_proj"]
   h = rms_norm(x_bsd, lp["post_attention_layernorm"], cfg.rms_norm_eps)
   return x_bsd + _mlp(lp, h)
@@ -393,13 +428,14 @@ def resolve_ctx_impl(ctx_impl: str) -> str:
   return "pallas" if jax.default_backend() == "gpu" and jax.device_count() == 1 else "xla"
 
 
-def _key_sets(cfg, cache, i, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_chunk, kernel_tuning,
-              block_in_kernel):
-  """Layer i's key_sets(kb, vb) for _layer: the ctx part through the fused kernel (ctx_impl
-  'pallas', or 'interpret' = its CPU interpret mode) for full-attention layers whose shapes it
-  supports, else XLA in chunks; the block part by XLA, or as one more program of the kernel
+def _attention(cfg, cache, i, lp, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_chunk,
+               kernel_tuning, block_in_kernel, packed_io):
+  """Layer i's attend for _layer: the ctx part through the fused kernel (ctx_impl 'pallas', or
+  'interpret' = its CPU interpret mode) for full-attention layers whose shapes it supports,
+  else XLA in chunks; the block part by XLA, or as one more program of the kernel
   (block_in_kernel, where every block key is visible: non-causal, no window, and the kernel
-  takes the block's rows). kernel_tuning: (field, value) pairs replacing default_tuning's."""
+  takes the block's rows); with packed_io too and a packed layer, attend_packed_kernel.
+  kernel_tuning: (field, value) pairs replacing default_tuning's."""
   k, v, window = cache.k[i], cache.v[i], cfg.window(i)
   B, G, L, Y = k.shape
   S = q_pos_bs.shape[1]
@@ -413,17 +449,22 @@ def _key_sets(cfg, cache, i, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_chunk, 
     interpret = ctx_impl == "interpret"
     kb_like = jax.ShapeDtypeStruct((B, G, S, Y), k.dtype)
     if block_in_kernel and blk_ok is None and (interpret or ctx_attention.supports_block(kb_like)):
-      return lambda kb, vb: [kernel_part(k, v, cache.ctx_len, tuning, interpret, kb, vb)]
+      qk_like = jax.ShapeDtypeStruct((B, S, cfg.num_attention_heads + G, Y), k.dtype)
+      if packed_io and "qkv_proj" in lp and (
+          interpret or ctx_attention.supports_packed_block(qk_like, G)):
+        return attend_packed_kernel(k, v, cache.ctx_len, tuning, interpret)
+      return attend_key_sets(
+          lambda kb, vb: [kernel_part(k, v, cache.ctx_len, tuning, interpret, kb, vb)])
     ctx = kernel_part(k, v, cache.ctx_len, tuning, interpret)
   else:
     ok = _both(live_b1c, _window_ok(q_pos_bs[:, :, None], cache.pos[:, None, :], window))
     ctx = xla_part(k, v, ok, chunk)
-  return lambda kb, vb: [ctx, xla_part(kb, vb, blk_ok)]
+  return attend_key_sets(lambda kb, vb: [ctx, xla_part(kb, vb, blk_ok)])
 
 
 def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, start_b, embed_vd,
                 head_dv, ctx_chunk=CTX_CHUNK, ctx_impl="auto", kernel_chunk=None,
-                kernel_tuning=(), block_in_kernel=True):
+                kernel_tuning=(), block_in_kernel=True, packed_io=True):
   """One non-causal block [bonus, MASK...] at positions start.. over the ctx cache -> [B, S, V] f32.
 
   Ctx keys are the cache rows < ctx_len, in chunks of ctx_chunk rows when that divides the
@@ -432,7 +473,11 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   programs of kernel_chunk rows (None: ctx_attention.default_tuning's choice; kernel_tuning:
   (field, value) pairs overriding its other fields); 'auto' (the decode default): see
   resolve_ctx_impl. block_in_kernel: the block's own keys as one more program of the kernel
-  (where every block key is visible) instead of an XLA part merged after it.
+  (where every block key is visible) instead of an XLA part merged after it. packed_io (with
+  block_in_kernel, pack_for_decode'd params): the kernel reads q and the block's K/V from the
+  q|k|v dot's packed output and a second kernel merges its partials into the o_proj input
+  (attend_packed_kernel); False: the older form (q, k, v sliced and transposed for the kernel,
+  its partials merged by XLA).
   """
   ctx_impl = resolve_ctx_impl(ctx_impl)
   B, S = block_tokens_bs.shape
@@ -442,9 +487,9 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   chunk = ctx_chunk if L % ctx_chunk == 0 else None
   live = (jnp.arange(L)[None, :] < cache.ctx_len[:, None])[:, None, :]  # [B, 1, L]
   for i, lp in enumerate(params["layers"]):
-    key_sets = _key_sets(cfg, cache, i, q_pos, live, ctx_impl, chunk, kernel_chunk,
-                         kernel_tuning, block_in_kernel)
-    x = _layer(lp, cfg, x, q_pos, key_sets)
+    attend = _attention(cfg, cache, i, lp, q_pos, live, ctx_impl, chunk, kernel_chunk,
+                        kernel_tuning, block_in_kernel, packed_io)
+    x = _layer(lp, cfg, x, q_pos, attend)
   return _logits(params, cfg, x, head_dv)
 
 
@@ -471,5 +516,6 @@ def draft_train_forward(params, cfg: DraftConfig, ctx_taps_bsz, anchors_ba, bloc
     ctx_ok = _both(before, _window_ok(q_pos[:, :, None], ctx_pos[:, None, :], cfg.window(i)))
     ctx = xla_part(jnp.swapaxes(ctx_k, 1, 2), jnp.swapaxes(ctx_v, 1, 2), ctx_ok)
     blk_ok = _block_mask(cfg, i, q_pos, same)
-    x = _layer(lp, cfg, x, q_pos, lambda kb, vb, ctx=ctx, ok=blk_ok: [ctx, xla_part(kb, vb, ok)])
+    x = _layer(lp, cfg, x, q_pos,
+               attend_key_sets(lambda kb, vb, ctx=ctx, ok=blk_ok: [ctx, xla_part(kb, vb, ok)]))
   return _logits(params, cfg, x, head_dv).reshape(B, A, W, -1)

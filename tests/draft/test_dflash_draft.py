@@ -569,6 +569,115 @@ def test_ctx_impl_auto_and_tuning_overrides():
   np.testing.assert_array_equal(run(), want)  # auto = xla here
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(2, 1), (8, 2)])
+def test_packed_io_matches_numpy(tmp_path, heads, kv_heads):
+  """draft_block's default kernel I/O (packed_io: the ctx kernel, interpret mode, reads q and the
+  block's K/V from the q|k|v dot's packed output; merge_to_heads merges its partials into the
+  o_proj input) on pack_for_decode'd params equals the float64 numpy draft (f32, 1e-5), with
+  one or two kv heads (U = 2 or 4 query heads each) and ctx rows split over 3 programs."""
+  cfg = draft.DraftConfig.tiny(block_size=16, num_attention_heads=heads,
+                               num_key_value_heads=kv_heads)
+  params, W, embed, head = setup(cfg, tmp_path)
+  packed = model.pack_for_decode(params)
+  rng = np.random.default_rng(6)
+  B, T = 2, 40
+  taps = rng.normal(size=(B, T, cfg.n_taps * cfg.hidden_size)).astype(np.float32)
+  cache = model.init_draft_cache(cfg, B, 64, jnp.float32)
+  cache = model.materialize_context(packed, cfg, cache, jnp.asarray(taps),
+                                    jnp.broadcast_to(jnp.arange(T), (B, T)), jnp.array([37, 5]))
+  tokens = model.make_block(cfg, jnp.array([5, 9]))
+  run = functools.partial(model.draft_block, packed, cfg, cache, tokens, cache.ctx_len,
+                          jnp.asarray(embed), jnp.asarray(head), ctx_impl="interpret",
+                          kernel_tuning=(("programs", 3), ("block_k", 16)))
+  assert "draft_ctx_merge" in str(jax.make_jaxpr(run)())  # the packed path is the one taken
+  assert "draft_ctx_merge" not in str(jax.make_jaxpr(functools.partial(run, packed_io=False))())
+  logits = run()
+  for b, n in enumerate(np.asarray(cache.ctx_len)):
+    ref = np_draft(W, cfg, taps[b, :n].astype(np.float64), np.arange(n), np.asarray(tokens[b]),
+                   n, embed.astype(np.float64), head.astype(np.float64))
+    close(logits[b], ref)
+
+
+def test_merge_to_heads_matches_numpy():
+  """merge_to_heads (interpret mode): P normalised partials per query row (a program that saw
+  no key: lse = -inf, o = 0) merged through their log-sum-exps equal a float64 numpy merge, and
+  row s*U + u of kv head g lands at head g*U + u of token s of the [B, S, H*Y] output."""
+  B, G, U, S, Y, P = 2, 2, 4, 4, 32, 7
+  rng = np.random.default_rng(11)
+  o = rng.normal(size=(B, G, P, S * U, Y)).astype(np.float32)
+  lse = (3 * rng.normal(size=(B, G, P, S * U))).astype(np.float32)
+  lse[:, :, 2] = -np.inf  # one program past ctx_len
+  o[:, :, 2] = 0
+  got = ctx_attention.merge_to_heads(jnp.asarray(o), jnp.asarray(lse), heads=G * U,
+                                     dtype=jnp.float32, interpret=True)
+  assert got.shape == (B, S, G * U * Y) and got.dtype == jnp.float32
+  w = np.exp(lse.astype(np.float64) - lse.max(axis=2, keepdims=True))
+  want = (o * w[..., None]).sum(2) / w.sum(2)[..., None]  # [B, G, S*U, Y]
+  want = want.reshape(B, G, S, U, Y).transpose(0, 2, 1, 3, 4).reshape(B, S, G * U * Y)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_io_lowers_for_h200():
+  """At bench_k26_full's draft shape (8 q heads / 1 kv head of 128, block 16, 46080 cache rows,
+  bf16) draft_block takes the packed kernel I/O by default and lowers to Triton for an abstract
+  H200: the ctx kernel and the merge kernel, no XLA merge."""
+  from jax._src import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  cfg = draft.DraftConfig.tiny(hidden_size=256, num_hidden_layers=1, num_attention_heads=8,
+                               num_key_value_heads=1, head_dim=128, intermediate_size=256,
+                               vocab_size=512, mask_token_id=511, block_size=16,
+                               layer_types=("full_attention",))
+  sd = jax.ShapeDtypeStruct
+  assert ctx_attention.supports_packed_block(sd((1, 16, 9, 128), jnp.bfloat16), 1)
+  assert not ctx_attention.supports_packed_block(sd((1, 16, 9, 128), jnp.float32), 1)
+  assert not ctx_attention.supports_packed_block(sd((1, 12, 9, 128), jnp.bfloat16), 1)  # S=12
+  assert not ctx_attention.supports_packed_block(sd((1, 16, 16, 128), jnp.bfloat16), 4)  # U=3
+  params = jax.eval_shape(lambda: model.pack_for_decode(model.init_draft_params(
+      jax.random.key(0), cfg, cfg.hidden_size, cfg.n_taps, jnp.bfloat16)))
+  cache = jax.eval_shape(lambda: model.init_draft_cache(cfg, 1, 46016, jnp.bfloat16))
+  args = (params, cache, sd((1, 16), jnp.int32), sd((1,), jnp.int32),
+          sd((512, 256), jnp.bfloat16), sd((256, 512), jnp.bfloat16))
+  dev = mesh_lib.AbstractDevice("NVIDIA H200", 132, "gpu")
+  for packed_io in (True, False):
+    f = functools.partial(model.draft_block, cfg=cfg, ctx_impl="pallas", packed_io=packed_io)
+    f = lambda p, c, t, s, e, h, f=f: f(p, cache=c, block_tokens_bs=t, start_b=s, embed_vd=e,
+                                        head_dv=h)
+    with jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
+      text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "draft_ctx_attention" in text
+    assert ("draft_ctx_merge" in text) == packed_io
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernel: GPU only")
+@pytest.mark.parametrize("ctx", [46000, 3000, 0])
+def test_packed_io_compiled_matches_float64(ctx):
+  """The compiled packed kernel I/O at bench_k26_full's draft heads (8 q / 1 kv head of 128,
+  block 16, bf16, default tuning: 131 ctx programs + the block's): q and the block's K/V read
+  from a packed [B, S, H+2G, Y] array, merged by merge_to_heads into [B, S, H*Y], equal a
+  float64 softmax over ctx rows < ctx_len plus every block row (rel L2 <= 1e-2, bf16 inputs)."""
+  B, G, H, S, E = 2, 1, 8, 16, 128
+  C = model.cache_rows(max(ctx, 1) + S)
+  ks = jax.random.split(jax.random.key(12), 3)
+  rnd = lambda kk, *s: jax.random.normal(kk, s, jnp.float32).astype(jnp.bfloat16)
+  qkv, k, v = rnd(ks[0], B, S, H + 2 * G, E), rnd(ks[1], B, G, C, E), rnd(ks[2], B, G, C, E)
+  lens = jnp.array([ctx, ctx // 3], jnp.int32)
+  tuning = ctx_attention.default_tuning(B, G, H // G * S, C)
+  assert ctx_attention.supports_packed_block(qkv[:, :, :H + G], G)
+  o, lse = ctx_attention.packed_block_partials(qkv[:, :, :H + G], qkv, k, v, lens, kv_heads=G,
+                                               scale=E ** -0.5, tuning=tuning)
+  got = np.asarray(ctx_attention.merge_to_heads(o, lse, heads=H, dtype=jnp.float32),
+                   np.float64).reshape(B, S, H, E)
+  q64, k64, v64 = (np.asarray(x, np.float64) for x in (qkv, k, v))
+  for b, n in enumerate(np.asarray(lens)):
+    keys = np.concatenate([k64[b, 0, :n], q64[b, :, H]], axis=0)  # [n + S, E]
+    vals = np.concatenate([v64[b, 0, :n], q64[b, :, H + G]], axis=0)
+    s = np.einsum("she,ke->shk", q64[b, :, :H], keys) * E ** -0.5
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("shk,ke->she", p / p.sum(-1, keepdims=True), vals)
+    assert np.linalg.norm(got[b] - want) <= 1e-2 * np.linalg.norm(want)
+
+
 def test_pack_for_decode_matches():
   """pack_for_decode'd params (q|k|v and gate|up in one dot each, ctx K/V in one dot) give the
   same context write and block logits as the per-layer weights (f32), on full and sliding
