@@ -53,15 +53,15 @@ _MLP_CASES = flags.DEFINE_list(
 # mlp_tune's tuning.apply_variant names per case: few live items (T < 33: fixed costs, CTAs per
 # expert, dequantise ILP) and many (occupancy: rows, stages).
 MLP_VARIANTS = {
-    "few": ("default", "once+ismem", "once+ismem+w4", "once+ismem+dq4", "once+ismem+x2",
+    "few": ("default", "once+ismem", "once+ismem+dq4", "once+ismem+half", "once+ismem+x2",
             "once+ismem+x4c4+s2"),
-    "many": ("default", "once+ismem+r16", "once+ismem+s2", "once+ismem+r16+s2",
-             "once+ismem+dq4+r16+s2"),
+    "many": ("default", "once+ismem+r16+s2", "once+ismem+half+r16+s2", "once+ismem+dq4+r16+s2"),
 }
 _MLP_VARIANTS = flags.DEFINE_list(
     "mlp_variants", [],
     "mlp_tune: tuning.apply_variant names for every case ('+'-joined changes to both calls' "
-    "default tunings: once, ismem, dqN, rN, kBK, sN, xN[cC], wN, wide; 'default': none); "
+    "default tunings: once, ismem, half, dqN, rN, kBK, sN, xN[cC], wN, wide; 'default': "
+    "none); "
     "empty: "
     f"MLP_VARIANTS['few'] below T=33, ['many'] from it: {MLP_VARIANTS}.")
 _PARTS = flags.DEFINE_list("parts", ["ffn", "tune", "layer"],

@@ -32,6 +32,10 @@ class Tuning:
   dequant_batch: INT4 only: 64-column chunks dequantised before their wgmmas are issued (1:
     chunk j+1's dequantise overlaps chunk j's MMA; 2 or 4: more loads and conversions in flight
     between waits, 16 more registers per chunk per thread).
+  scale_halves: INT4 only: dequantise and issue wgmma per 32 K columns (x tiles in a 64-byte
+    swizzle) so each piece has one scale row: no per-element select between the two 32-row scale
+    groups of a 64-column chunk (16 of ~125 instructions per chunk and thread), twice the wgmma
+    calls. Not with int4_wide_loads.
   items_smem: each CTA copies the work list to SMEM with one TMA before its first item, so the
     slots loop reads each item's 4 fields from SMEM instead of a dependent GMEM round trip per
     item (T=1: 8 items per CTA, 1 live).
@@ -47,6 +51,7 @@ class Tuning:
   store_once: bool = False
   dequant_batch: int = 1
   items_smem: bool = False
+  scale_halves: bool = False
 
   def __post_init__(self):
     if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -63,6 +68,8 @@ class Tuning:
       raise ValueError(f"{self.slots=} must be >= 0")
     if self.dequant_batch not in (1, 2, 4) or self.block_k % (64 * self.dequant_batch):
       raise ValueError(f"{self.dequant_batch=} must be 1, 2 or 4 and divide block_k / 64")
+    if self.scale_halves and self.int4_wide_loads:
+      raise ValueError("scale_halves (32-column pieces) does not take int4_wide_loads")
     if self.a_operand not in ("registers", "smem"):
       raise ValueError(f"{self.a_operand=} must be 'registers' or 'smem'")
 
@@ -125,12 +132,14 @@ def scale_splits(t: Tuning, k: int, n: int, factor: int, ctas_per_sm: int = 2) -
 def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   """A named change of a [K -> N] call's tuning t (the bench's --mlp_variants; promote one by
   naming it in DEFAULT_VARIANTS): '+'-joined parts, applied in order:
-  once: store_once; ismem: items_smem; wide: int4_wide_loads; dqN: dequant_batch N;
+  once: store_once; ismem: items_smem; wide: int4_wide_loads; half: scale_halves;
+  dqN: dequant_batch N;
   rN: rows N (both calls of one work list must share it); kBK: block_k BK; sN: stages N;
   xN[cC]: scale_splits by N for ~C CTAs per SM (2); wN: slots for ~N CTAs per SM (a
   persistent grid: no launched-and-exiting CTAs for dead items ahead of live ones);
   default: no change."""
-  flags = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads"}
+  flags = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads",
+           "half": "scale_halves"}
   for part in name.split("+"):
     if part == "default":
       continue

@@ -362,15 +362,17 @@ def test_bad_input_errors():
   assert grouped_matmul_reference(x, w, gs).shape == (8, 128)
 
 
-# The fixed-cost options of issue 12's small-T analysis (store_once, items_smem, dequant_batch):
-# interpret mode on ragged sizes (gated split-K through the slots loop, and plain), lowering for
-# an abstract H200 at K2.6's shapes, and once on the GPU.
+# The options of issue 12's decode-shape analysis (store_once, items_smem, dequant_batch,
+# scale_halves): interpret mode on ragged sizes (gated split-K through the slots loop, and
+# plain), lowering for an abstract H200 at K2.6's shapes, and on the GPU.
 LEAN = dict(store_once=True, items_smem=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("opts", [dict(store_once=True), dict(items_smem=True),
-                                  dict(LEAN, dequant_batch=2), dict(LEAN, dequant_batch=4)])
+                                  dict(LEAN, dequant_batch=2), dict(LEAN, dequant_batch=4),
+                                  dict(scale_halves=True), dict(LEAN, scale_halves=True,
+                                                                dequant_batch=4)])
 def test_fixed_cost_options_interpret_match_reference(opts):
   sizes, m, k, n = [30, 0, 50, 3, 10], 100, 512, 128
   x, _, q_a = _operands(m, k, n, len(sizes), 32, seed=12)
@@ -461,12 +463,14 @@ def test_bench_mlp_variants_lower_for_h200():
 
 
 @pytest.mark.gpu
-def test_gated_kernel_gpu_lean_options_match_reference():
-  """store_once + items_smem + dequant_batch 4 on the GPU: gated split-K with the slots loop."""
+@pytest.mark.parametrize("opts", [dict(LEAN, dequant_batch=4), dict(scale_halves=True)])
+def test_gated_kernel_gpu_lean_options_match_reference(opts):
+  """store_once + items_smem + dequant_batch 4, and 32-column pieces (scale_halves), on the
+  GPU: gated split-K with the slots loop."""
   sizes, m, k, n = RAGGED
   x, _, q_a = _operands(m, k, n, len(sizes), 32, seed=3)
   _, _, q_b = _operands(m, k, n, len(sizes), 32, seed=4)
   gs = jnp.asarray(sizes, jnp.int32)
-  t = _ragged_tuning("int4", splits=2, slots=2, dequant_batch=4, **LEAN)
+  t = _ragged_tuning("int4", splits=2, slots=2, **opts)
   _check(gated_grouped_matmul(x, q_a, q_b, gs, backend="pallas", tuning=t),
          gated_grouped_matmul(x, q_a, q_b, gs, backend="xla"), sum(sizes))
