@@ -1,5 +1,6 @@
 """Tests for the tree-verify attention kernel (Mosaic GPU; interpret mode on CPU) and its reference."""
 
+import functools
 import itertools
 
 import jax
@@ -55,11 +56,21 @@ def naive_numpy(q, cache, lengths, mask, scale):
   return out, lse
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "tuning"))
+def _kernel_call(q, cache, lengths, mask, *, scale, tuning):
+  return api.tree_verify_attention(q, cache, lengths, mask, scale=scale, backend=BACKEND,
+                                   return_lse=True, tuning=tuning)
+
+
+# One XLA program per case for each side (not one per jnp op of the wrappers, run eagerly): the
+# GPU set's time goes to compiling.
+_reference_call = jax.jit(reference.tree_verify_attention_reference, static_argnames=("scale",))
+
+
 def check_against_reference(q, cache, lengths, mask, tuning=None, scale=0.05):
   """Runs the kernel backend, compares with the f32 reference; returns (out, lse)."""
-  out, lse = api.tree_verify_attention(q, cache, lengths, mask, scale=scale, backend=BACKEND,
-                                       return_lse=True, tuning=tuning)
-  ref_o, ref_l = reference.tree_verify_attention_reference(q, cache, lengths, mask, scale=scale)
+  out, lse = _kernel_call(q, cache, lengths, mask, scale=scale, tuning=tuning)
+  ref_o, ref_l = _reference_call(q, cache, lengths, mask, scale=scale)
   assert out.shape == ref_o.shape and out.dtype == q.dtype
   assert not np.isnan(np.asarray(out, np.float32)).any()
   assert not np.isnan(np.asarray(lse)).any()
