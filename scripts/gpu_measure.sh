@@ -33,8 +33,9 @@
 #               3 programs per SM (memory parallelism of a latency-bound read), no tests (~70 s)
 #   draft_io    the draft's packed-I/O GPU tests (ctx kernel reading the q|k|v dot's output, Triton
 #               merge), then bench_draft.py on k26_dflash_share: draft_block with the older kernel
-#               I/O (+splitio) beside today's default (draft_ctx packed only; every kernel listed
-#               with its HLO ops); draft_io:120 (~90 s)
+#               I/O (+splitio) beside today's default and the q/k norm + rope in the kernel
+#               (+qkkernel) (draft_ctx packed only; every kernel listed with its HLO ops);
+#               draft_io:120 (~90 s)
 #   draft       the draft ctx kernel's GPU tests, then scripts/bench_draft.py: the two draft phases of
 #               both drafts (k26_dflash_share first; each draft's rows written when it is done),
 #               draft_ctx per K/V projection form (--ctx_kv), draft_block per ctx attention impl /
@@ -72,7 +73,7 @@ run_part() {
                  --out "$RAW/bench_moe_tune.jsonl" ;;
     moe_layer) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench --parts layer \
                  --tokens 1,9,65 --hlo_dir "$RAW/moe_layer_hlo" --out "$RAW/bench_moe_layer.jsonl" ;;
-    verify) one_gpu timeout "$secs" bash -c "timeout 160 python3 -m pytest -q -rs --durations=5 -m gpu \
+    verify) one_gpu timeout "$secs" bash -c "timeout 170 python3 -m pytest -q -rs --durations=15 -m gpu \
                 tests/kernels/test_tree_verify_attention.py tests/sharding/test_verify_attention_sharded.py; \
                 python3 -m pallas_kernels.tree_verify.bench --probe_variants=false --skip_xla \
                 --budget_s=$(( secs - 180 )) --json_out=$RAW/bench_verify_attention.jsonl" ;;
@@ -95,7 +96,7 @@ run_part() {
     draft_io) one_gpu timeout "$secs" bash -c "timeout 45 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
                 --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv packed --top 40 \
-                --ctx_impls pallas+block+packed+splitio,pallas+block+packed" ;;
+                --ctx_impls pallas+block+packed+splitio,pallas+block+packed,pallas+block+packed+qkkernel" ;;
     draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py; python3 scripts/bench_draft.py --ctx 46000 --out_dir $RAW" ;;
     draft_share) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
