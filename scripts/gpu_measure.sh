@@ -5,12 +5,13 @@
 # cut off before that, raw/ comes back as it is).
 #   bash scripts/gpu_measure.sh OUT_DIR PART[:SECONDS] ...
 # Parts (single-GPU parts see GPU 0 only):
-#   moe_tests   grouped-matmul kernel GPU tests (bf16 + INT4, every code path once, 9 Mosaic
+#   moe_tests   grouped-matmul kernel GPU tests (bf16 + INT4, every code path once, 11 Mosaic
 #               compiles; the old shape x path grid needs --gpu-full-grid, not run here)
 #   moe_bench   pallas_kernels/grouped_matmul/bench.py: routed FFN per T, tuning sweep, whole MoE layer
 #   moe_tune    pallas_kernels/grouped_matmul/bench.py --parts mlp_tune: the INT4 expert FFN's gated
 #               and down calls at T=16 (4 experts), 1 (1), 65 (36) per tuning variant (fixed-cost
-#               options, more K splits, dequant batches, fewer stages), per-call Mosaic us; moe_tune:150
+#               options, 32-column pieces, more K splits, dequant batches, fewer stages, rows),
+#               per-call Mosaic us; 16 programs: moe_tune:170
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 1, 9, 65: one MoE layer
 #               of bench_k26_full per kernel, sorted vs dense glue (rows of
 #               one T together, T=1 first); each variant's optimized HLO in raw/moe_layer_hlo/
