@@ -14,7 +14,8 @@ through model.pack_for_decode, q|k|v and gate|up weights side by side: one dot e
 +block+packed the kernel reads q and the block's K/V from the q|k|v dot's packed output and a
 second kernel merges its partials into the o_proj input (draft_block's packed_io, the default);
 +splitio = the older form, packed_io=False: q, k, v sliced and transposed for the kernel, its
-partials merged by XLA; +cublas = compiled with XLA's Triton GEMMs off). Both are
+partials merged by XLA; +qkkernel = packed_io with qk_in_kernel: the kernel also applies the
+q/k norms and rope to the dot's raw heads; +cublas = compiled with XLA's Triton GEMMs off). Both are
 the decode path's own functions (kdtree_jax/draft/model.py). Drafts (--drafts): k26_dflash_share
 = bench_k26_full's draft (published K2.6 DFlash shape sliced 1/8: 6 layers, 8 q / 1 kv heads,
 F 2304, 6 taps), bench_k26 = a Qwen3-8B-DFlash-sized draft (3 layers, 32/8 heads, F 12288,
@@ -56,15 +57,17 @@ flags.DEFINE_list("ctx_impls", [
     "pallas+block+packed+cublas", "pallas:p132", "pallas:p131+block", "pallas:p131:128+block",
     "pallas:p131+block+packed", "pallas:p131:128+block+packed", "pallas:p131:64:8:3+block+packed",
     "pallas:p66:128+block", "pallas+block+packed+splitio",
+    "pallas+block+packed+qkkernel",
     "pallas:512:128", "pallas:512:128+block", "pallas:512:32", "pallas:512:64:4",
     "pallas:512:64:8:3"],
                   "draft_block ctx attention: xla, or pallas[:chunk or pPROGRAMS[:block_k"
-                  "[:num_warps[:num_stages]]]][+block][+packed][+splitio][+cublas] (GPU only; "
+                  "[:num_warps[:num_stages]]]][+block][+packed][+splitio][+qkkernel][+cublas] (GPU only; "
                   "left out: "
                   "ctx_attention.default_tuning's; +block: the block's own keys as one more "
                   "program of the kernel, model.draft_block(block_in_kernel=True); +packed: "
                   "params through model.pack_for_decode: q|k|v and gate|up in one dot each; "
-                  "+splitio: draft_block(packed_io=False), the kernel's older I/O; +cublas: "
+                  "+splitio: draft_block(packed_io=False), the kernel's older I/O; +qkkernel: "
+                  "draft_block(qk_in_kernel=True), q/k norm and rope in the kernel; +cublas: "
                   "compiled with XLA's Triton GEMMs off, cuBLAS for every dot)")
 flags.DEFINE_list("ctx_kv", ["xla", "nomerge", "packed"],
                   "draft_ctx K/V projections: xla (two dots per layer; XLA may merge them), "
@@ -260,9 +263,9 @@ def parse_ctx_impl(name):
   ('num_stages', 3)), {'block', 'packed'}); 'pallas:p131' -> tuning (('programs', 131),): 131
   programs per kv head sharing the rows below ctx_len; fields left out keep default_tuning's."""
   name, *extras = name.split("+")
-  if set(extras) - {"block", "packed", "splitio", "cublas"}:
-    raise ValueError(f"unknown ctx_impl suffix in {name!r}: +block, +packed, +splitio, +cublas "
-                     "only")
+  if set(extras) - {"block", "packed", "splitio", "qkkernel", "cublas"}:
+    raise ValueError(f"unknown ctx_impl suffix in {name!r}: +block, +packed, +splitio, "
+                     "+qkkernel, +cublas only")
   impl, *fields = name.split(":")
   split = bool(fields) and fields[0].startswith("p")  # p132: tuning.programs = 132
   fields = [int(f.lstrip("p")) for f in fields]
@@ -285,7 +288,8 @@ def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
   options = CUBLAS_GEMMS if "cublas" in extras else None
   prog = jax.jit(lambda p, c, t, s, e, h: model.draft_block(
       p, cfg, c, t, s, e, h, ctx_impl=impl, kernel_chunk=chunk, kernel_tuning=tuning,
-      block_in_kernel="block" in extras, packed_io="splitio" not in extras))
+      block_in_kernel="block" in extras, packed_io="splitio" not in extras,
+      qk_in_kernel="qkkernel" in extras))
   args = (params, cache, block, start, embed, head)
   compiled = prog.lower(*args).compile(options)  # timed as is: one compile per impl
   text = compiled.as_text()

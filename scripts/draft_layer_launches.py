@@ -2,7 +2,8 @@
 machine's backend (on a CPU: CPU HLO, labelled so; XLA:GPU fuses differently, so the counts show
 which launches a change removes, not the GPU's counts), for the older kernel I/O
 (packed_io=False: q, k, v sliced and transposed for the ctx kernel, its partials merged by XLA)
-and the packed one (the default). Off a GPU the Triton kernels have no lowering, so each is
+the packed one (the default) and the packed one with the q/k norm and rope in the kernel
+(qk_in_kernel). Off a GPU the Triton kernels have no lowering, so each is
 replaced by an opaque stand-in of the same operands and results (a host callback: one
 custom-call, as the kernel is one launch). Per layer = the program of 3 layers minus that of 2
 (embedding, head and the first layer cancel).
@@ -46,7 +47,12 @@ def _kernels_stood_in():
   return stack
 
 
-def _block_hlo(layers, packed_io):
+FORMS = {"split I/O (packed_io=False)": dict(packed_io=False),
+         "packed I/O (default)": dict(),
+         "packed I/O + qk_in_kernel": dict(qk_in_kernel=True)}
+
+
+def _block_hlo(layers, form):
   """Optimised HLO text of draft_block for k26_dflash_share with `layers` layers (abstract
   weights, pack_for_decode's layout, block 16, bf16 cache of _CTX rows)."""
   tcfg = bench_models.k26_share(layers=61)
@@ -61,20 +67,20 @@ def _block_hlo(layers, packed_io):
   args = (params, cache, sd((1, S), jnp.int32), sd((1,), jnp.int32), sd((V, D), jnp.bfloat16),
           sd((D, V), jnp.bfloat16))
   f = lambda p, c, t, s, e, h: model.draft_block(p, cfg, c, t, s, e, h, ctx_impl="pallas",
-                                                 packed_io=packed_io)
+                                                 **FORMS[form])
   with _kernels_stood_in():
     return jax.jit(f).lower(*args).compile().as_text()
 
 
-def per_layer(packed_io, base=2):
+def per_layer(form, base=2):
   """(kernel-like instructions per layer, {kind: per-layer count}) from base and base + 1."""
   structs = []
   for layers in (base, base + 1):
-    text = _block_hlo(layers, packed_io)
+    text = _block_hlo(layers, form)
     if _DUMP.value:
       os.makedirs(_DUMP.value, exist_ok=True)
-      with open(os.path.join(_DUMP.value, f"draft_block_io{int(packed_io)}_L{layers}.hlo"),
-                "w") as f:
+      name = form.split(" (")[0].replace(" ", "_").replace("/", "").replace("+", "")
+      with open(os.path.join(_DUMP.value, f"draft_block_{name}_L{layers}.hlo"), "w") as f:
         f.write(text)
     structs.append(profiling_hlo.launch_structure(text))
   kinds = {k: structs[1]["by_kind"].get(k, 0) - structs[0]["by_kind"].get(k, 0)
@@ -86,10 +92,10 @@ def main(_):
   platform = jax.devices()[0].platform.upper()
   print(f"{platform} HLO (optimised by XLA:{platform}), draft_block of k26_dflash_share, "
         f"{_CTX.value} cache rows, per draft layer (program of 3 layers minus that of 2):")
-  for packed_io in (False, True):
-    kernels, kinds = per_layer(packed_io)
+  for form in FORMS:
+    kernels, kinds = per_layer(form)
     by_kind = sorted(kinds.items(), key=lambda kv: -kv[1])
-    print(f"  packed_io={packed_io!s:5}: {kernels:3d} kernel-like instructions; "
+    print(f"  {form:28}: {kernels:3d} kernel-like instructions; "
           + ", ".join(f"{k} {v}" for k, v in by_kind))
 
 

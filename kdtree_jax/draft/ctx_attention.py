@@ -87,9 +87,11 @@ def supports_block(kb_bgsy) -> bool:
 
 def _online_step(q, k, v, live, carry, scale):
   """One tile of the online softmax: (o, m, l) updated with keys k / values v (live: [rows]
-  mask, None = all); m stays finite once any tile had a live key."""
+  mask, None = all); m stays finite once any tile had a live key. q, k: arrays, or tuples of
+  column pieces of them (the halves of roped heads: scores = the sum of the pieces' dots)."""
   o, m, l = carry
-  s = pltriton.dot(q, k, trans_b=True) * scale
+  pieces = zip(q, k) if isinstance(q, tuple) else [(q, k)]
+  s = functools.reduce(jnp.add, [pltriton.dot(a, b, trans_b=True) for a, b in pieces]) * scale
   if live is not None:
     s = jnp.where(live[None, :], s, -jnp.inf)
   m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -110,40 +112,86 @@ def _tile_range(ctx_len, j, n_chunks, chunk, block_k, split):
   return 0, pl.cdiv(valid, block_k), valid
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, n_chunks, split):
+def _halves(ref, *idx):
+  """ref[*idx, :Y/2] and ref[*idx, Y/2:] (the rotate-half pairs of a head)."""
+  h = ref.shape[-1] // 2
+  return ref[(*idx, pl.ds(0, h))], ref[(*idx, pl.ds(h, h))]
+
+
+def _norm_rope(x1, x2, w_ref, cos, sin, eps, dtype):
+  """model.rms_norm then model.rope of a head given as its halves x1, x2 [..., Y/2] (cos, sin
+  [..., Y/2] f32, broadcast): the same f32 statistics and roundings (the normed head in the
+  input dtype, the roped one cast to it, then to `dtype`) -> the roped halves in dtype."""
+  f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+  Y = 2 * x1.shape[-1]
+  ms = (jnp.sum(f1 * f1, axis=-1, keepdims=True) + jnp.sum(f2 * f2, axis=-1, keepdims=True)) / Y
+  r = jax.lax.rsqrt(ms + eps)
+  w1, w2 = _halves(w_ref)
+  n1 = (w1 * (f1 * r).astype(x1.dtype)).astype(jnp.float32)
+  n2 = (w2 * (f2 * r).astype(x1.dtype)).astype(jnp.float32)
+  out = lambda x: x.astype(x1.dtype).astype(dtype)
+  return out(n1 * cos + -n2 * sin), out(n2 * cos + n1 * sin)
+
+
+def _block_inputs(q_ref, rope_refs, rope_eps, dtype):
+  """q [M, Y] (q_ref [M, Y] or [S, U, Y] -> S*U rows), or with rope_refs (q_norm, k_norm, cos,
+  sin) the raw q heads normed and roped here -> (q halves, rope_refs' norm and tables)."""
+  if rope_refs is None:
+    q = q_ref[...]
+    return q.reshape(-1, q.shape[-1])  # packed_block: [S, U, Y] -> [S*U, Y] rows
+  qn_ref, _, cos_ref, sin_ref = rope_refs
+  S, U, h = q_ref.shape[0], q_ref.shape[1], q_ref.shape[2] // 2
+  cos, sin = cos_ref[...][:, None, :], sin_ref[...][:, None, :]
+  q1, q2 = _norm_rope(*_halves(q_ref, slice(None), slice(None)), qn_ref, cos, sin, rope_eps, dtype)
+  return q1.reshape(S * U, h), q2.reshape(S * U, h)
+
+
+def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, n_chunks, split, n_blk,
+            rope_eps):
   """One (batch row, kv head, program j): j < n_chunks: online softmax over its tiles of the
-  rows below ctx_len (_tile_range); j == n_chunks (only with block K/V refs): every row of
-  the block's own K/V."""
-  *blk_refs, o_ref, lse_ref = refs
+  rows below ctx_len (_tile_range); j == n_chunks (only with block K/V refs, n_blk = 2): every
+  row of the block's own K/V. With rope_eps (then 4 more refs: q_norm, k_norm [Y], cos, sin
+  [S, Y/2]) q and the block's k arrive raw from the q|k|v dot and are normed and roped here,
+  and the scores are the sum of the two halves' dots."""
+  blk_refs, rope_refs = refs[:n_blk], (refs[n_blk:n_blk + 4] if rope_eps is not None else None)
+  o_ref, lse_ref = refs[-2:]
   j = pl.program_id(2)
   first, end, limit = _tile_range(len_ref[0], j, n_chunks, k_ref.shape[0], block_k, split)
   end = jnp.where(j < n_chunks, end, first)  # the block's program reads no cache rows
-  q = q_ref[...]
-  q = q.reshape(-1, q.shape[-1])  # packed_block: [S, U, Y] heads of the block -> [S*U, Y] rows
-  M, Y = q.shape
+  q = _block_inputs(q_ref, rope_refs, rope_eps, k_ref.dtype)
+  M, Y = (q[0].shape[0], k_ref.shape[-1]) if rope_refs else q.shape
+  keys = (lambda ref, rows: _halves(ref, rows)) if rope_refs else (lambda ref, rows: ref[rows, :])
 
   def tile(t, carry):
     rows = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
     live = (t * block_k + jnp.arange(block_k)) < limit  # every tile has a live row
-    return _online_step(q, k_ref[rows, :], v_ref[rows, :], live, carry, scale)
+    return _online_step(q, keys(k_ref, rows), v_ref[rows, :], live, carry, scale)
 
   init = (jnp.zeros((M, Y), jnp.float32), jnp.full((M,), -jnp.inf, jnp.float32),
           jnp.zeros((M,), jnp.float32))
   o, m, l = jax.lax.fori_loop(first, end, tile, init)
   if blk_refs:
     kb_ref, vb_ref = blk_refs
-    block = lambda c: _online_step(q, kb_ref[...], vb_ref[...], None, c, scale)
+
+    def block(c):
+      kb = keys(kb_ref, slice(None))
+      if rope_refs:
+        _, kn_ref, cos_ref, sin_ref = rope_refs
+        kb = _norm_rope(*kb, kn_ref, cos_ref[...], sin_ref[...], rope_eps, k_ref.dtype)
+      return _online_step(q, kb, vb_ref[...].astype(k_ref.dtype), None, c, scale)
     o, m, l = jax.lax.cond(j == n_chunks, block, lambda c: c, (o, m, l))
   seen = l > 0  # False only for a chunk wholly past ctx_len (then m = -inf, o = 0)
   o_ref[...] = (o / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def _call(len_b, q, q_spec, k_bgly, v_bgly, blk, blk_specs, M, *, scale, tuning, interpret):
+def _call(len_b, q, q_spec, k_bgly, v_bgly, blk, blk_specs, M, *, scale, tuning, interpret,
+          rope=(), rope_specs=(), rope_eps=None):
   """The pallas_call over grid (B, G, programs): q of kv head g by q_spec ([M, Y], or [S, U, Y]
   reshaped to M rows in the kernel), the cache by tuning's programs or chunks, the block's K/V
-  (blk, by blk_specs: [S, Y] each) as one more program if given -> (o [B, G, P, M, Y] in the
-  cache dtype, lse [B, G, P, M] f32)."""
+  (blk, by blk_specs: [S, Y] each) as one more program if given, with rope_eps the norm weights
+  and rope tables (rope, by rope_specs) for _kernel's in-kernel norm + rope -> (o
+  [B, G, P, M, Y] in the cache dtype, lse [B, G, P, M] f32)."""
   B, G, L, Y = k_bgly.shape
   split = tuning.programs is not None
   n, c = (tuning.programs, L) if split else (L // tuning.chunk, tuning.chunk)
@@ -153,9 +201,11 @@ def _call(len_b, q, q_spec, k_bgly, v_bgly, blk, blk_specs, M, *, scale, tuning,
   row_spec = pl.BlockSpec((None, None, None, M), lambda b, g, j: (b, g, j, 0))
   programs = n + (1 if blk else 0)
   return pl.pallas_call(
-      functools.partial(_kernel, scale=scale, block_k=tuning.block_k, n_chunks=n, split=split),
+      functools.partial(_kernel, scale=scale, block_k=tuning.block_k, n_chunks=n, split=split,
+                        n_blk=len(blk), rope_eps=rope_eps),
       grid=(B, G, programs),
-      in_specs=[pl.BlockSpec((1,), lambda b, g, j: (b,)), q_spec, kv_spec, kv_spec, *blk_specs],
+      in_specs=[pl.BlockSpec((1,), lambda b, g, j: (b,)), q_spec, kv_spec, kv_spec, *blk_specs,
+                *rope_specs],
       out_specs=[pl.BlockSpec((None, None, None, M, Y), lambda b, g, j: (b, g, j, 0, 0)),
                  row_spec],
       out_shape=[jax.ShapeDtypeStruct((B, G, programs, M, Y), k_bgly.dtype),
@@ -163,7 +213,7 @@ def _call(len_b, q, q_spec, k_bgly, v_bgly, blk, blk_specs, M, *, scale, tuning,
       compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps,
                                               num_stages=tuning.num_stages),
       interpret=interpret, name="draft_ctx_attention",
-  )(len_b.astype(jnp.int32), q, rows(k_bgly), rows(v_bgly), *blk)
+  )(len_b.astype(jnp.int32), q, rows(k_bgly), rows(v_bgly), *blk, *rope)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tuning", "interpret"))
@@ -195,24 +245,36 @@ def supports_packed_block(qk_bshy, kv_heads) -> bool:
           and S * U % 16 == 0)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_heads", "scale", "tuning", "interpret"))
-def packed_block_partials(qk_bshy, qkv_bshy, k_bgly, v_bgly, ctx_len_b, *, kv_heads, scale,
-                          tuning: Tuning = Tuning(), interpret=False):
+@functools.partial(jax.jit, static_argnames=("kv_heads", "scale", "tuning", "interpret",
+                                             "rope_eps"))
+def packed_block_partials(qk_bshy, qkv_bshy, k_bgly, v_bgly, ctx_len_b, rope=None, *, kv_heads,
+                          scale, tuning: Tuning = Tuning(), interpret=False, rope_eps=None):
   """ctx_partials with the block's keys, reading q and the block's K/V where the projections
   left them (no slice, transpose or copy between): qk [B, S, H+G, Y] = the normed, roped q | k
-  heads, qkv [B, S, H+2G, Y] = the q|k|v dot's output (its v heads). Program rows are the
-  S*U queries of kv head g in (s, u) order: o [B, G, P, S*U, Y], lse [B, G, P, S*U]; the last
-  program P-1 takes the block's keys."""
-  B, S, HG, Y = qk_bshy.shape
+  heads, qkv [B, S, H+2G, Y] = the q|k|v dot's output (its v heads). With rope = (q_norm,
+  k_norm [Y], cos, sin [B, S, Y/2] f32) and rope_eps, qk is None and the kernel norms and ropes
+  qkv's raw q and k heads itself (model.rms_norm + model.rope, same roundings). Program rows are
+  the S*U queries of kv head g in (s, u) order: o [B, G, P, S*U, Y], lse [B, G, P, S*U]; the
+  last program P-1 takes the block's keys."""
+  B, S, HG2, Y = qkv_bshy.shape
   G = kv_heads
-  H = HG - G
+  H = HG2 - 2 * G
   U = H // G
   dt = k_bgly.dtype
-  qk, qkv = qk_bshy.astype(dt), qkv_bshy.astype(dt)
+  if rope is None:
+    qk, qkv = qk_bshy.astype(dt), qkv_bshy.astype(dt)
+  else:  # raw heads, normed and roped in their own dtype in the kernel, then cast to dt there
+    qk = qkv = qkv_bshy
   q_spec = pl.BlockSpec((None, S, U, Y), lambda b, g, j: (b, 0, g, 0))  # heads g*U .. g*U+U-1
   head = lambda first: pl.BlockSpec((None, S, None, Y), lambda b, g, j: (b, 0, first + g, 0))
+  rope_specs = ()
+  if rope is not None:
+    vec = pl.BlockSpec((Y,), lambda b, g, j: (0,))
+    table = pl.BlockSpec((None, S, Y // 2), lambda b, g, j: (b, 0, 0))
+    rope_specs = (vec, vec, table, table)
   return _call(ctx_len_b, qk, q_spec, k_bgly, v_bgly, (qk, qkv), (head(H), head(H + G)),
-               S * U, scale=scale, tuning=tuning, interpret=interpret)
+               S * U, scale=scale, tuning=tuning, interpret=interpret, rope=tuple(rope or ()),
+               rope_specs=rope_specs, rope_eps=rope_eps)
 
 
 def split_pieces(n):

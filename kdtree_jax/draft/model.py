@@ -117,13 +117,19 @@ def rms_norm(x, w, eps):
   return w * y.astype(x.dtype)
 
 
+def rope_tables(pos_bs, head_dim, theta):
+  """(cos, sin) [B, S, Y/2] f32 of the rotate_half pairs (i, i + Y/2) at integer positions."""
+  inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  ang = pos_bs.astype(jnp.float32)[..., None] * inv
+  return jnp.cos(ang), jnp.sin(ang)
+
+
 def rope(x_bshy, pos_bs, theta):
   """NeoX / rotate_half RoPE at integer positions (f32 math)."""
   Y = x_bshy.shape[-1]
-  inv = 1.0 / (theta ** (jnp.arange(0, Y, 2, dtype=jnp.float32) / Y))
-  ang = pos_bs.astype(jnp.float32)[..., None] * inv
-  cos = jnp.concatenate([jnp.cos(ang)] * 2, -1)[:, :, None]
-  sin = jnp.concatenate([jnp.sin(ang)] * 2, -1)[:, :, None]
+  cos_h, sin_h = rope_tables(pos_bs, Y, theta)
+  cos = jnp.concatenate([cos_h] * 2, -1)[:, :, None]
+  sin = jnp.concatenate([sin_h] * 2, -1)[:, :, None]
   xf = x_bshy.astype(jnp.float32)
   rot = jnp.concatenate([-xf[..., Y // 2:], xf[..., : Y // 2]], -1)
   return (xf * cos + rot * sin).astype(x_bshy.dtype)
@@ -356,17 +362,25 @@ def attend_key_sets(key_sets):
   return attend
 
 
-def attend_packed_kernel(k_bgly, v_bgly, ctx_len_b, tuning, interpret):
+def attend_packed_kernel(k_bgly, v_bgly, ctx_len_b, tuning, interpret, qk_in_kernel=False):
   """An attention for _layer (packed layers, every block key visible): the ctx kernel reads q
   and the block's K/V straight from _qk_packed's arrays (ctx_attention.packed_block_partials)
   and a second kernel merges its partials into the o_proj input (merge_to_heads): no slice,
-  transpose or XLA merge between the q|k|v dot and the o_proj dot."""
+  transpose or XLA merge between the q|k|v dot and the o_proj dot. qk_in_kernel: the kernel
+  reads the q|k|v dot's raw output and applies q_norm / k_norm and rope itself (no XLA norm or
+  rope launch either; the scores as two half-width dots)."""
   def attend(lp, cfg, h_bsd, q_pos_bs):
-    qk, qkv = _qk_packed(lp, cfg, h_bsd, q_pos_bs)
     G = cfg.num_key_value_heads
+    if qk_in_kernel:
+      B, S, _ = h_bsd.shape
+      qk, rope_eps = None, cfg.rms_norm_eps
+      qkv = (h_bsd @ lp["qkv_proj"]).reshape(B, S, -1, cfg.head_dim)
+      rope_in = (lp["q_norm"], lp["k_norm"], *rope_tables(q_pos_bs, cfg.head_dim, cfg.rope_theta))
+    else:
+      (qk, qkv), rope_eps, rope_in = _qk_packed(lp, cfg, h_bsd, q_pos_bs), None, None
     o, lse = ctx_attention.packed_block_partials(
-        qk, qkv, k_bgly, v_bgly, ctx_len_b, kv_heads=G, scale=cfg.head_dim ** -0.5,
-        tuning=tuning, interpret=interpret)
+        qk, qkv, k_bgly, v_bgly, ctx_len_b, rope_in, kv_heads=G, scale=cfg.head_dim ** -0.5,
+        tuning=tuning, interpret=interpret, rope_eps=rope_eps)
     return ctx_attention.merge_to_heads(o, lse, heads=cfg.num_attention_heads,
                                         dtype=qkv.dtype, interpret=interpret)
   return attend
@@ -429,12 +443,13 @@ def resolve_ctx_impl(ctx_impl: str) -> str:
 
 
 def _attention(cfg, cache, i, lp, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_chunk,
-               kernel_tuning, block_in_kernel, packed_io):
+               kernel_tuning, block_in_kernel, packed_io, qk_in_kernel):
   """Layer i's attend for _layer: the ctx part through the fused kernel (ctx_impl 'pallas', or
   'interpret' = its CPU interpret mode) for full-attention layers whose shapes it supports,
   else XLA in chunks; the block part by XLA, or as one more program of the kernel
   (block_in_kernel, where every block key is visible: non-causal, no window, and the kernel
-  takes the block's rows); with packed_io too and a packed layer, attend_packed_kernel.
+  takes the block's rows); with packed_io too and a packed layer, attend_packed_kernel
+  (qk_in_kernel: q/k norm and rope inside the kernel).
   kernel_tuning: (field, value) pairs replacing default_tuning's."""
   k, v, window = cache.k[i], cache.v[i], cfg.window(i)
   B, G, L, Y = k.shape
@@ -452,7 +467,7 @@ def _attention(cfg, cache, i, lp, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_ch
       qk_like = jax.ShapeDtypeStruct((B, S, cfg.num_attention_heads + G, Y), k.dtype)
       if packed_io and "qkv_proj" in lp and (
           interpret or ctx_attention.supports_packed_block(qk_like, G)):
-        return attend_packed_kernel(k, v, cache.ctx_len, tuning, interpret)
+        return attend_packed_kernel(k, v, cache.ctx_len, tuning, interpret, qk_in_kernel)
       return attend_key_sets(
           lambda kb, vb: [kernel_part(k, v, cache.ctx_len, tuning, interpret, kb, vb)])
     ctx = kernel_part(k, v, cache.ctx_len, tuning, interpret)
@@ -464,7 +479,7 @@ def _attention(cfg, cache, i, lp, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_ch
 
 def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, start_b, embed_vd,
                 head_dv, ctx_chunk=CTX_CHUNK, ctx_impl="auto", kernel_chunk=None,
-                kernel_tuning=(), block_in_kernel=True, packed_io=True):
+                kernel_tuning=(), block_in_kernel=True, packed_io=True, qk_in_kernel=False):
   """One non-causal block [bonus, MASK...] at positions start.. over the ctx cache -> [B, S, V] f32.
 
   Ctx keys are the cache rows < ctx_len, in chunks of ctx_chunk rows when that divides the
@@ -477,7 +492,8 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   block_in_kernel, pack_for_decode'd params): the kernel reads q and the block's K/V from the
   q|k|v dot's packed output and a second kernel merges its partials into the o_proj input
   (attend_packed_kernel); False: the older form (q, k, v sliced and transposed for the kernel,
-  its partials merged by XLA).
+  its partials merged by XLA). qk_in_kernel (with packed_io): the kernel also applies q_norm /
+  k_norm and rope to the dot's raw q and k heads (an A/B option, not yet timed).
   """
   ctx_impl = resolve_ctx_impl(ctx_impl)
   B, S = block_tokens_bs.shape
@@ -488,7 +504,7 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   live = (jnp.arange(L)[None, :] < cache.ctx_len[:, None])[:, None, :]  # [B, 1, L]
   for i, lp in enumerate(params["layers"]):
     attend = _attention(cfg, cache, i, lp, q_pos, live, ctx_impl, chunk, kernel_chunk,
-                        kernel_tuning, block_in_kernel, packed_io)
+                        kernel_tuning, block_in_kernel, packed_io, qk_in_kernel)
     x = _layer(lp, cfg, x, q_pos, attend)
   return _logits(params, cfg, x, head_dv)
 

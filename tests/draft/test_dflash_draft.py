@@ -569,12 +569,14 @@ def test_ctx_impl_auto_and_tuning_overrides():
   np.testing.assert_array_equal(run(), want)  # auto = xla here
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(2, 1), (8, 2)])
-def test_packed_io_matches_numpy(tmp_path, heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,qk_in_kernel", [(2, 1, False), (8, 2, False),
+                                                         (2, 1, True), (8, 2, True)])
+def test_packed_io_matches_numpy(tmp_path, heads, kv_heads, qk_in_kernel):
   """draft_block's default kernel I/O (packed_io: the ctx kernel, interpret mode, reads q and the
   block's K/V from the q|k|v dot's packed output; merge_to_heads merges its partials into the
-  o_proj input) on pack_for_decode'd params equals the float64 numpy draft (f32, 1e-5), with
-  one or two kv heads (U = 2 or 4 query heads each) and ctx rows split over 3 programs."""
+  o_proj input), and with qk_in_kernel (the kernel norms and ropes the raw q / k heads itself),
+  on pack_for_decode'd params equals the float64 numpy draft (f32, 1e-5), with one or two kv
+  heads (U = 2 or 4 query heads each) and ctx rows split over 3 programs."""
   cfg = draft.DraftConfig.tiny(block_size=16, num_attention_heads=heads,
                                num_key_value_heads=kv_heads)
   params, W, embed, head = setup(cfg, tmp_path)
@@ -588,7 +590,8 @@ def test_packed_io_matches_numpy(tmp_path, heads, kv_heads):
   tokens = model.make_block(cfg, jnp.array([5, 9]))
   run = functools.partial(model.draft_block, packed, cfg, cache, tokens, cache.ctx_len,
                           jnp.asarray(embed), jnp.asarray(head), ctx_impl="interpret",
-                          kernel_tuning=(("programs", 3), ("block_k", 16)))
+                          kernel_tuning=(("programs", 3), ("block_k", 16)),
+                          qk_in_kernel=qk_in_kernel)
   assert "draft_ctx_merge" in str(jax.make_jaxpr(run)())  # the packed path is the one taken
   assert "draft_ctx_merge" not in str(jax.make_jaxpr(functools.partial(run, packed_io=False))())
   logits = run()
@@ -620,7 +623,7 @@ def test_merge_to_heads_matches_numpy():
 def test_packed_io_lowers_for_h200():
   """At bench_k26_full's draft shape (8 q heads / 1 kv head of 128, block 16, 46080 cache rows,
   bf16) draft_block takes the packed kernel I/O by default and lowers to Triton for an abstract
-  H200: the ctx kernel and the merge kernel, no XLA merge."""
+  H200: the ctx kernel and the merge kernel, no XLA merge (also with qk_in_kernel)."""
   from jax._src import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   cfg = draft.DraftConfig.tiny(hidden_size=256, num_hidden_layers=1, num_attention_heads=8,
                                num_key_value_heads=1, head_dim=128, intermediate_size=256,
@@ -637,8 +640,9 @@ def test_packed_io_lowers_for_h200():
   args = (params, cache, sd((1, 16), jnp.int32), sd((1,), jnp.int32),
           sd((512, 256), jnp.bfloat16), sd((256, 512), jnp.bfloat16))
   dev = mesh_lib.AbstractDevice("NVIDIA H200", 132, "gpu")
-  for packed_io in (True, False):
-    f = functools.partial(model.draft_block, cfg=cfg, ctx_impl="pallas", packed_io=packed_io)
+  for packed_io, qk_in_kernel in ((True, False), (True, True), (False, False)):
+    f = functools.partial(model.draft_block, cfg=cfg, ctx_impl="pallas", packed_io=packed_io,
+                          qk_in_kernel=qk_in_kernel)
     f = lambda p, c, t, s, e, h, f=f: f(p, cache=c, block_tokens_bs=t, start_b=s, embed_vd=e,
                                         head_dv=h)
     with jax.sharding.use_abstract_mesh(
@@ -676,6 +680,37 @@ def test_packed_io_compiled_matches_float64(ctx):
     p = np.exp(s - s.max(-1, keepdims=True))
     want = np.einsum("shk,ke->she", p / p.sum(-1, keepdims=True), vals)
     assert np.linalg.norm(got[b] - want) <= 1e-2 * np.linalg.norm(want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernels: GPU only")
+def test_packed_io_draft_block_compiled_matches_float64(tmp_path):
+  """Compiled draft_block (bf16 params and cache, 8 q / 1 kv head of 128, block 16, 3000 ctx
+  rows) in its three kernel forms (packed_io, packed_io + qk_in_kernel, the older split I/O)
+  against the float64 numpy draft of the same bf16 weights: rel L2 <= 3e-2 each (bf16
+  activations through 2 layers)."""
+  cfg = draft.DraftConfig.tiny(hidden_size=256, num_attention_heads=8, num_key_value_heads=1,
+                               head_dim=128, intermediate_size=256, vocab_size=512,
+                               mask_token_id=511, block_size=16)
+  params, W, embed, head = setup(cfg, tmp_path)
+  bf = lambda t: jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.bfloat16), t)
+  to64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+  W = {k: to64(v) for k, v in W.items()}
+  packed = model.pack_for_decode(bf(params))
+  n = 3000
+  rng = np.random.default_rng(13)
+  taps = rng.normal(size=(1, n, cfg.n_taps * cfg.hidden_size)).astype(np.float32)
+  cache = model.init_draft_cache(cfg, 1, n + 16, jnp.bfloat16)
+  cache = jax.jit(model.materialize_context, static_argnums=1)(
+      packed, cfg, cache, bf(taps), jnp.arange(n)[None], jnp.array([n]))
+  tokens = model.make_block(cfg, jnp.array([5]))
+  ref = np_draft(W, cfg, to64(taps[0]), np.arange(n), np.asarray(tokens[0]), n, to64(embed),
+                 to64(head))
+  for kw in (dict(), dict(qk_in_kernel=True), dict(packed_io=False)):
+    f = jax.jit(functools.partial(model.draft_block, cfg=cfg, ctx_impl="pallas", **kw))
+    got = np.asarray(f(packed, cache=cache, block_tokens_bs=tokens, start_b=cache.ctx_len,
+                       embed_vd=bf(embed), head_dv=bf(head))[0], np.float64)
+    assert np.linalg.norm(got - ref) <= 3e-2 * np.linalg.norm(ref), kw
 
 
 def test_pack_for_decode_matches():
