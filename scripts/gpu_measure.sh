@@ -11,7 +11,7 @@
 #   moe_tune    pallas_kernels/grouped_matmul/bench.py --parts mlp_tune: the INT4 expert FFN's gated
 #               and down calls at T=16 (4 experts), 1 (1), 65 (36) per tuning variant (fixed-cost
 #               options, 32-column pieces, more K splits, dequant batches, fewer stages, rows),
-#               per-call Mosaic us; 16 programs: moe_tune:170
+#               per-call Mosaic us; 15 programs: moe_tune:160
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 1, 9, 65: one MoE layer
 #               of bench_k26_full per kernel, sorted vs dense glue (rows of
 #               one T together, T=1 first); each variant's optimized HLO in raw/moe_layer_hlo/
