@@ -124,3 +124,14 @@ def test_speculative_decoding_on_packed_params_is_lossless():
   want = loop.generate(pair, spec("ar"), prompts, max_len=48).tokens
   for mode in ("ar", "chain", "ddtree"):
     assert loop.generate(packed, spec(mode), prompts, max_len=48).tokens == want, mode
+
+
+def test_packed_params_are_refused_under_a_mesh():
+  """The packed layout is one device's: the sharded MoE path names the error (no KeyError)."""
+  from kdtree_jax import sharding  # pylint: disable=import-outside-toplevel
+  from kdtree_jax.target import moe  # pylint: disable=import-outside-toplevel
+  cfg = C.tiny()
+  lp = pack.pack_layer(cfg, P.init_params(jax.random.key(0), cfg, jnp.float32)["layers"][1])
+  mesh = sharding.make_mesh("data=1", jax.devices()[:1])
+  with sharding.use_mesh(mesh), pytest.raises(ValueError, match="one device"):
+    moe.moe(lp["moe"], cfg, jnp.zeros((1, 2, cfg.hidden_size)))
