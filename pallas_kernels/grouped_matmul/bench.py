@@ -362,6 +362,22 @@ def _table(rows):
           f"{r.get('pct_copy', float('nan')):6.1f}  {r.get('error', '') or _note(r)}")
 
 
+def _mlp_summary(rows):
+  """mlp_tune: per T, the fastest variant (whole call and per launch) vs `default`."""
+  for t in sorted({r["T"] for r in rows if r["part"] == "mlp_tune"}):
+    ok = [r for r in rows if r["part"] == "mlp_tune" and r["T"] == t and "us" in r]
+    base = next((r for r in ok if r["tuning"] == "default"), None)
+    if not ok or base is None:
+      continue
+    print(f"mlp_tune T={t}: default {base['us']:.1f} us", flush=True)
+    for key in ("us", "gmm_int4_gated_us", "gmm_int4_us"):
+      have = [r for r in ok if key in r]
+      if have and key in base:
+        best = min(have, key=lambda r: r[key])
+        print(f"  fastest by {key}: {best['tuning']} {best[key]:.1f} vs {base[key]:.1f} "
+              f"({base[key] / best[key]:.2f}x)", flush=True)
+
+
 def _note(r):
   """The layer rows' floor ratio, launches, glue and Mosaic us, and error vs the baseline."""
   if "gmm_int4_us" in r:  # mlp_tune: per-call Mosaic us, error vs XLA
@@ -387,6 +403,7 @@ def main(_):
        "layer": part_layer}[part](ceil, sink, rows)
       print(f"[{time.time() - t0:.0f} s] part {part} done", flush=True)
   _table(rows)
+  _mlp_summary(rows)
 
 
 if __name__ == "__main__":
