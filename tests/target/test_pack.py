@@ -80,19 +80,25 @@ def test_packed_prefill_matches_per_layer_and_hf(fixture_model):
   assert rel(got, hf_logits) < HF_REL, name
 
 
-def _decode(cfg, params, tokens, split, tree_mask):
+def _decode(cfg, params, tokens, split, tree_mask, dtype=jnp.float32, routes=False):
   """Prefill tokens[:, :split], then decode the rest as one step of N tokens at consecutive
-  positions under tree_mask [N, N]. Returns (prefill logits, decode logits)."""
+  positions under tree_mask [N, N]. Returns (prefill logits, decode logits) and, with routes,
+  the decode step's expert ids per MoE layer."""
   b, s = tokens.shape
-  cache = LatentCache.zeros(cfg, b, s + 4, jnp.float32)
+  cache = LatentCache.zeros(cfg, b, s + 4, dtype)
   first, cache, _ = T.prefill(cfg, params, cache, jnp.asarray(tokens[:, :split]))
   cache = cache.replace(lengths=jnp.full((b,), split, jnp.int32))
   n = s - split
   pos = jnp.broadcast_to(split + jnp.arange(n, dtype=jnp.int32), (b, n))
   mask = jnp.broadcast_to(jnp.asarray(tree_mask), (b, n, n))
-  step, _, _ = jax.jit(lambda c, t: T.decode(cfg, params, c, t, pos, mask))(
-      cache, jnp.asarray(tokens[:, split:]))
-  return first, step
+
+  def step(c, t):
+    ids = []
+    logits = T.decode(cfg, params, c, t, pos, mask, routes=ids)[0]
+    return logits, ids
+
+  logits, ids = jax.jit(step)(cache, jnp.asarray(tokens[:, split:]))
+  return (first, logits, [np.asarray(i) for i in ids]) if routes else (first, logits)
 
 
 @pytest.mark.parametrize("n", [1, 5])
@@ -105,6 +111,24 @@ def test_packed_decode_matches_per_layer(fixture_model, n):
   got = _decode(cfg, packed, tokens, split, mask)
   for g, w in zip(got, want):
     assert rel(g, w) <= SAME_REL, name
+
+
+def test_packed_bf16_decode_matches_per_layer():
+  """bf16 weights (the 16-bit router branch: router | shared gate | up in one dot with f32
+  accumulation, gate/up rounded to bf16): the same expert choices and logits within bf16
+  rounding (rel 1e-2) as the per-layer weights, one token and five."""
+  cfg = C.tiny()
+  params = P.init_params(jax.random.key(3), cfg, jnp.bfloat16, std=0.1)
+  packed = pack.pack_for_decode(cfg, params)
+  tokens = np.asarray(jax.random.randint(jax.random.key(4), (2, 12), 0, cfg.vocab_size))
+  for n in (1, 5):
+    mask = np.tril(np.ones((n, n), bool))
+    want = _decode(cfg, params, tokens, 12 - n, mask, jnp.bfloat16, routes=True)
+    got = _decode(cfg, packed, tokens, 12 - n, mask, jnp.bfloat16, routes=True)
+    for g, w in zip(got[:2], want[:2]):
+      assert rel(g, w) < 1e-2, n
+    for g, w in zip(got[2], want[2]):
+      np.testing.assert_array_equal(np.sort(g, -1), np.sort(w, -1))
 
 
 @pytest.mark.slow
