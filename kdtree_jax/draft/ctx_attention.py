@@ -134,8 +134,9 @@ def _norm_rope(x1, x2, w_ref, cos, sin, eps, dtype):
 
 
 def _block_inputs(q_ref, rope_refs, rope_eps, dtype):
-  """q [M, Y] (q_ref [M, Y] or [S, U, Y] -> S*U rows), or with rope_refs (q_norm, k_norm, cos,
-  sin) the raw q heads normed and roped here -> (q halves, rope_refs' norm and tables)."""
+  """The program's queries: q [M, Y] (q_ref [M, Y], or [S, U, Y] as S*U rows), or with
+  rope_refs (q_norm, k_norm, cos, sin) q_ref's raw heads normed and roped here, as the halves
+  (q1, q2) [S*U, Y/2] in dtype."""
   if rope_refs is None:
     q = q_ref[...]
     return q.reshape(-1, q.shape[-1])  # packed_block: [S, U, Y] -> [S*U, Y] rows
@@ -160,7 +161,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, n_chunks, split
   end = jnp.where(j < n_chunks, end, first)  # the block's program reads no cache rows
   q = _block_inputs(q_ref, rope_refs, rope_eps, k_ref.dtype)
   M, Y = (q[0].shape[0], k_ref.shape[-1]) if rope_refs else q.shape
-  keys = (lambda ref, rows: _halves(ref, rows)) if rope_refs else (lambda ref, rows: ref[rows, :])
+  keys = _halves if rope_refs else (lambda ref, rows: ref[rows, :])  # a tile's keys
 
   def tile(t, carry):
     rows = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
