@@ -36,7 +36,7 @@
 #               merge), then bench_draft.py on k26_dflash_share: draft_block with the older kernel
 #               I/O (+splitio) beside today's default and the q/k norm + rope in the kernel
 #               (+qkkernel) (draft_ctx packed only; every kernel listed with its HLO ops);
-#               draft_io:120 (~90 s)
+#               draft_io:130 (~100 s)
 #   draft       the draft ctx kernel's GPU tests, then scripts/bench_draft.py: the two draft phases of
 #               both drafts (k26_dflash_share first; each draft's rows written when it is done),
 #               draft_ctx per K/V projection form (--ctx_kv), draft_block per ctx attention impl /
@@ -94,7 +94,7 @@ run_part() {
     draft_waves) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 \
                 --drafts k26_dflash_share --out_dir "$RAW" --ctx_impls \
                 pallas:p131:64:8:3+block+packed,pallas:p263:64:8:3+block+packed,pallas:p263:64:4:3+block+packed,pallas:p395:64:4:2+block+packed,pallas:p263:128:8:2+block+packed ;;
-    draft_io) one_gpu timeout "$secs" bash -c "timeout 45 python3 -m pytest -q -rs -m gpu \
+    draft_io) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
                 --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv packed --top 40 \
                 --ctx_impls pallas+block+packed+splitio,pallas+block+packed,pallas+block+packed+qkkernel" ;;
