@@ -24,4 +24,5 @@ def get_config():
           modes=["ar", "chain", "ddtree"], budget=15,        # compile + throughput
           ctxs=[4096, 16384, 46000, 131072], gen=16,         # throughput vs context
           profile_ctx=46000, profile_budgets=[15, 7, 31, 63],  # phase tables (ar first, always)
-          prompt_len=1024, reps=10, compile_box_s=240.0))
+          prompt_len=1024, reps=10, compile_box_s=240.0,
+          pack_draft=True))  # the draft's decode layout (False: per-layer weights, A/B)

@@ -36,6 +36,7 @@ from ml_collections import config_flags
 from kdtree_jax import profiling, profiling_hlo, roofline, runtime, throughput, timing
 from kdtree_jax.bench_state import bench_state
 from kdtree_jax.decoding import loop
+from kdtree_jax.draft import model as draft_model
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.loader import DTYPES, load_draft, load_target, load_target_for_decode
 from kdtree_jax.pair import Pair
@@ -314,14 +315,17 @@ def run_parts(m, c, deadline, rec):
 def _load(c, dtype, abstract):
   """(tcfg, tparams, dcfg, dparams): on the device, or ShapeDtypeStructs when `abstract`. The
   target in target.pack's decode layout (one dot for q_a | kv_a, router | shared gate | up per
-  layer) unless the config sets pack_target=False (the per-layer weights, for an A/B run)."""
+  layer) unless the config sets pack_target=False (the per-layer weights, for an A/B run); the
+  draft in its decode layout (`draft.model.pack_for_decode`, as `load_pair` gives decode) unless
+  bench.pack_draft=False."""
   box = {}
   load = load_target_for_decode if c.get("pack_target", True) else load_target
+  pack_draft = c.bench.get("pack_draft", True)
 
   def build():
     box["tcfg"], tp = load(c.target, dtype)
     box["dcfg"], dp = load_draft(c.draft, box["tcfg"], dtype)
-    return tp, dp
+    return tp, (draft_model.pack_for_decode(dp) if pack_draft else dp)
 
   tp, dp = jax.eval_shape(build) if abstract else jax.block_until_ready(build())
   return box["tcfg"], tp, box["dcfg"], dp
