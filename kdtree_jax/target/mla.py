@@ -3,10 +3,13 @@
 Letters: B batch, S/N tokens, H heads, D hidden, R kv_lora_rank (latent), P rope dim,
 Dn qk_nope dim, Dv value dim, C = R + P latent cache width, L cache rows.
 Weights: q_a [D, Rq], q_b [Rq, H, Dn+P] (or q [D, H, Dn+P]), kv_a [D, R+P], kv_b [R, H, Dn+Dv],
-o [H, Dv, D].
+o [H, Dv, D]; packed (target/pack.py): qkv_a_t [Rq+R+P, D], w_uk [H, R, Dn], w_uv [H, Dv, R] in
+place of q_a (or q), kv_a and kv_b.
 """
 
 import functools
+import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -21,32 +24,53 @@ from pallas_kernels.tree_verify.api import resolve_backend
 
 
 def input_dots(p, cfg: TargetConfig, x_bsd):
-  """(q_in, kv_a_out): x @ q_a [B, S, Rq] (or the queries [B, S, H, Dn + P] without the q LoRA)
-  and x @ kv_a [B, S, R + P]; one dot over p["qkv_a_t"] ((q_a | kv_a)^T, target/pack.py) when
-  packed, else two."""
+  """(q_in, kv_a_out, mean squares): x @ q_a [B, S, Rq] (or the queries [B, S, H, Dn + P]
+  without the q LoRA) and x @ kv_a [B, S, R + P]; one dot over p["qkv_a_t"] ((q_a | kv_a)^T,
+  target/pack.py) when packed, else two. Mean squares: (of c_q, of c_kv) [B, S, 1] f32 from one
+  reduction where packed (lora_mean_squares), else (None, None): each norm reduces its own."""
   if "qkv_a_t" in p:
     y = dot_t(x_bsd, p["qkv_a_t"])
     q_in, a = y[..., :-cfg.cache_dim], y[..., -cfg.cache_dim:]
     if cfg.q_lora_rank is None:
       q_in = q_in.reshape(*q_in.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
-    return q_in, a
+    return q_in, a, lora_mean_squares(cfg, y)
   if cfg.q_lora_rank is None:
-    return jnp.einsum("bsd,dhk->bshk", x_bsd, p["q"]), x_bsd @ p["kv_a"]
-  return x_bsd @ p["q_a"], x_bsd @ p["kv_a"]
+    return jnp.einsum("bsd,dhk->bshk", x_bsd, p["q"]), x_bsd @ p["kv_a"], (None, None)
+  return x_bsd @ p["q_a"], x_bsd @ p["kv_a"], (None, None)
 
 
-def project_q(p, cfg: TargetConfig, q_in):
-  """Queries [B, S, H, Dn + P] from input_dots' q_in (the q LoRA's up-projection, if any)."""
+JOINT_NORM_ROWS = 8  # at most this many rows of gcd(Rq, R) (K2: 1536 | 512 -> 4 rows of 512)
+
+
+def lora_mean_squares(cfg: TargetConfig, y):
+  """(mean(c_q^2), mean(c_kv^2)) [..., 1] f32 of y = x @ (q_a | kv_a | k_pe) from ONE reduction
+  (one kernel where the two norms took two): y[..., :Rq + R] as rows of g = gcd(Rq, R), each
+  row's sum of squares, then the rows of each part added (elementwise: fused into the
+  consumers). The same sums in another order (f32 rounding only). (None, None) without the q
+  LoRA or where the rows would exceed JOINT_NORM_ROWS."""
+  rq, r = cfg.q_lora_rank, cfg.kv_lora_rank
+  g = math.gcd(rq or 0, r)
+  if rq is None or (rq + r) // g > JOINT_NORM_ROWS:
+    return None, None
+  yf = y[..., :rq + r].astype(jnp.float32).reshape(*y.shape[:-1], (rq + r) // g, g)
+  ss = jnp.sum(yf * yf, axis=-1)
+  rows = lambda lo, hi: functools.reduce(operator.add, [ss[..., i:i + 1] for i in range(lo, hi)])
+  return rows(0, rq // g) / rq, rows(rq // g, (rq + r) // g) / r
+
+
+def project_q(p, cfg: TargetConfig, q_in, mean_square=None):
+  """Queries [B, S, H, Dn + P] from input_dots' q_in (the q LoRA's up-projection, if any);
+  mean_square: input_dots' for c_q, or None."""
   if cfg.q_lora_rank is None:
     return q_in
-  c_q = rms_norm(q_in, p["q_a_norm"], cfg.lora_norm_eps)
+  c_q = rms_norm(q_in, p["q_a_norm"], cfg.lora_norm_eps, mean_square)
   return jnp.einsum("bsr,rhk->bshk", c_q, p["q_b"])
 
 
-def latent_rows(cfg: TargetConfig, p, a_bsc, cos, sin):
+def latent_rows(cfg: TargetConfig, p, a_bsc, cos, sin, mean_square=None):
   """Cache rows [B, S, C] from a = x @ kv_a: normalized c_kv (R) followed by the rotated shared
-  rope key (P)."""
-  c_kv = rms_norm(a_bsc[..., :cfg.kv_lora_rank], p["kv_a_norm"], cfg.lora_norm_eps)
+  rope key (P); mean_square: input_dots' for c_kv, or None."""
+  c_kv = rms_norm(a_bsc[..., :cfg.kv_lora_rank], p["kv_a_norm"], cfg.lora_norm_eps, mean_square)
   k_pe = apply_rope(a_bsc[..., cfg.kv_lora_rank:], cos, sin)
   return jnp.concatenate([c_kv, k_pe], axis=-1)
 
@@ -61,9 +85,9 @@ def split_q(cfg: TargetConfig, q_bshy, cos, sin):
 def prefill_attention(p, cfg: TargetConfig, x_bsd, positions_bs):
   """Naive causal MLA over the prompt itself (HF formulation). Returns (out [B,S,D], rows [B,S,C])."""
   cos, sin = cos_sin(cfg, positions_bs)
-  q_in, a = input_dots(p, cfg, x_bsd)
-  q_nope, q_pe = split_q(cfg, project_q(p, cfg, q_in), cos, sin)
-  rows = latent_rows(cfg, p, a, cos, sin)
+  q_in, a, (ms_q, ms_kv) = input_dots(p, cfg, x_bsd)
+  q_nope, q_pe = split_q(cfg, project_q(p, cfg, q_in, ms_q), cos, sin)
+  rows = latent_rows(cfg, p, a, cos, sin, ms_kv)
   c_kv, k_pe = rows[..., :cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank:]
   if "w_uk" in p:
     k_nope = jnp.einsum("bsr,hrk->bshk", c_kv, p["w_uk"])
@@ -90,9 +114,9 @@ def absorbed_attention(p, cfg: TargetConfig, x_bnd, positions_bn, layer_cache_bl
   Returns (out [B, N, D], updated layer cache [B, L, C]).
   """
   cos, sin = cos_sin(cfg, positions_bn)
-  q_in, a = input_dots(p, cfg, x_bnd)
-  q_nope, q_pe = split_q(cfg, project_q(p, cfg, q_in), cos, sin)
-  rows = latent_rows(cfg, p, a, cos, sin).astype(layer_cache_blc.dtype)
+  q_in, a, (ms_q, ms_kv) = input_dots(p, cfg, x_bnd)
+  q_nope, q_pe = split_q(cfg, project_q(p, cfg, q_in, ms_q), cos, sin)
+  rows = latent_rows(cfg, p, a, cos, sin, ms_kv).astype(layer_cache_blc.dtype)
   layer_cache_blc = write_rows(layer_cache_blc, rows, lengths_b)
   q = jnp.concatenate([absorb_q(p, cfg, q_nope), q_pe], axis=-1).astype(layer_cache_blc.dtype)
   u = verify_attention(cfg, q, layer_cache_blc, lengths_b, tree_mask_bnn, backend)

@@ -17,6 +17,7 @@ from kdtree_jax.draft import model as DM
 from kdtree_jax.draft.config import DraftConfig
 from kdtree_jax.pair import Pair
 from kdtree_jax.target import config as C
+from kdtree_jax.target import mla
 from kdtree_jax.target import pack
 from kdtree_jax.target import params as P
 from kdtree_jax.target import transformer as T
@@ -111,6 +112,32 @@ def test_packed_decode_matches_per_layer(fixture_model, n):
   got = _decode(cfg, packed, tokens, split, mask)
   for g, w in zip(got, want):
     assert rel(g, w) <= SAME_REL, name
+
+
+@pytest.mark.parametrize("rq,r", [(96, 32), (24, 16), (16, 16), (40, 16)])
+def test_lora_mean_squares_from_one_reduction(rq, r):
+  """The c_q and c_kv mean squares of the joined dot's output equal each norm's own mean (f32),
+  K2's 1536 | 512 shape among them (as 96 | 32); 40 | 16 (7 rows of 8) too; beyond
+  JOINT_NORM_ROWS rows, none."""
+  cfg = C.tiny(q_lora_rank=rq, kv_lora_rank=r)
+  y = jax.random.normal(jax.random.key(rq), (2, 3, rq + cfg.cache_dim), jnp.float32) * 3
+  ms_q, ms_kv = mla.lora_mean_squares(cfg, y)
+  for got, part in ((ms_q, y[..., :rq]), (ms_kv, y[..., rq:rq + r])):
+    np.testing.assert_allclose(got, jnp.mean(part * part, axis=-1, keepdims=True), rtol=1e-6)
+  assert mla.lora_mean_squares(C.tiny(q_lora_rank=17, kv_lora_rank=16), y) == (None, None)
+
+
+def test_packed_decode_matches_per_layer_at_k2_lora_ratio():
+  """Rq = 3 R as in K2 (1536 | 512): packed prefill and 1- / 5-token decode vs per-layer (f32)."""
+  cfg = C.tiny(q_lora_rank=96, kv_lora_rank=32)
+  params = P.init_params(jax.random.key(5), cfg, jnp.float32, std=0.1)
+  packed = pack.pack_for_decode(cfg, params)
+  tokens = np.asarray(jax.random.randint(jax.random.key(6), (2, 12), 0, cfg.vocab_size))
+  for n in (1, 5):
+    mask = np.tril(np.ones((n, n), bool))
+    want = _decode(cfg, params, tokens, 12 - n, mask)
+    for g, w in zip(_decode(cfg, packed, tokens, 12 - n, mask), want):
+      assert rel(g, w) <= SAME_REL, n
 
 
 def test_packed_bf16_decode_matches_per_layer():
