@@ -186,3 +186,20 @@ def test_packed_params_are_refused_under_a_mesh():
   mesh = sharding.make_mesh("data=1", jax.devices()[:1])
   with sharding.use_mesh(mesh), pytest.raises(ValueError, match="one device"):
     moe.moe(lp["moe"], cfg, jnp.zeros((1, 2, cfg.hidden_size)))
+
+
+def test_layer_launch_script_counts_fewer_kernels_packed():
+  """scripts/target_layer_launches.py (CPU HLO, tiny target, one token): the packed layer runs
+  3 fewer matmuls (q_a|kv_a and router|gate|up joined) and fewer kernel-like instructions."""
+  import re  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  root = os.path.join(os.path.dirname(__file__), "..", "..")
+  out = subprocess.run([sys.executable, os.path.join(root, "scripts", "target_layer_launches.py"),
+                        "--model=tiny", "--n=1", "--dtype=float32"], check=True, cwd=root,
+                       capture_output=True, text=True).stdout
+  assert out.startswith("CPU HLO")
+  line = r"(per-layer|packed)\s*:\s+(\d+) kernel-like instructions, (\d+) matmuls"
+  counts = {m[0]: (int(m[1]), int(m[2])) for m in re.findall(line, out)}
+  assert counts["packed"][1] == counts["per-layer"][1] - 3, out
+  assert counts["packed"][0] < counts["per-layer"][0], out
