@@ -33,8 +33,9 @@ _VARIANTS = flags.DEFINE_list("variants", ["default", "no_triton_gemm", "triton_
                                            "all_triton"],
                               "Option sets: '+'-joined names of VARIANTS.")
 _LAYOUTS = flags.DEFINE_list("layouts", ["per_layer"], "Target param layouts, each timed with "
-                             "every variant: per_layer (load_target's) and/or packed "
-                             "(target.pack: load_pair's and bench_k26_full's).")
+                             "every variant (all of a mode's programs compiled at once): "
+                             "per_layer (load_target's) and/or packed (target.pack: "
+                             "load_pair's and bench_k26_full's).")
 runtime.define_flags()
 
 VARIANTS = {  # name -> XLA DebugOptions fields for compiler_options
@@ -62,18 +63,23 @@ def _spec(c, mode):
                     target_choice=forced_accept.target_choice(c.forced_accept))
 
 
-def probe_mode(pair, c, mode, dtype, variants, layout="per_layer"):
-  """[{mode, layout, variant, options, ms, launches, top}] for one mode's step program."""
+def probe_mode(pairs, c, mode, dtype, variants):
+  """[{mode, layout, variant, options, ms, launches, top}] for one mode's step program per
+  target layout (pairs: {layout: Pair}) and option set, all compiled at once."""
   spec = _spec(c, mode)
-  state = profiling.bench_state(pair.tcfg, pair.dcfg, spec, 1, c.bench.profile_ctx, dtype)
-  seen = profiling.phase_structs(pair, spec, state)
-  kw = dict(tcfg=pair.tcfg, dcfg=pair.dcfg, spec=spec)
-  lowered = profiling._PHASES["step"].lower(*seen["step"], **kw)  # pylint: disable=protected-access
+  first = next(iter(pairs.values()))
+  state = profiling.bench_state(first.tcfg, first.dcfg, spec, 1, c.bench.profile_ctx, dtype)
+  kw = dict(tcfg=first.tcfg, dcfg=first.dcfg, spec=spec)
+  step = profiling._PHASES["step"]  # pylint: disable=protected-access
+  jobs = []
+  for layout, pair in pairs.items():
+    lowered = step.lower(*profiling.phase_structs(pair, spec, state)["step"], **kw)
+    jobs += [(layout, pair, v, lowered) for v in variants]
   outs = timing.Deadline(float("inf")).box_all(
-      [functools.partial(lowered.compile, compiler_options=options(v)) for v in variants])
+      [functools.partial(lo.compile, compiler_options=options(v)) for _, _, v, lo in jobs])
   rows = []
   feed = lambda args, out: (args[0], args[1], out)
-  for v, (exe, secs, status) in zip(variants, outs):
+  for (layout, pair, v, _), (exe, secs, status) in zip(jobs, outs):
     row = dict(mode=mode, budget=spec.budget if mode == "ddtree" else None, layout=layout,
                variant=v, options=options(v), compile_s=secs, status=status)
     if status == "ok":
@@ -92,18 +98,16 @@ def main(_):
   dtype = DTYPES[c.dtype]
   tcfg, tp = load_target(c.target, dtype)
   dcfg, dp = load_draft(c.draft, tcfg, dtype)
-  pairs = {"per_layer": Pair(tcfg, tp, dcfg, dp)}
-  if "packed" in _LAYOUTS.value:
-    pairs["packed"] = Pair(tcfg, pack_for_decode(tcfg, tp), dcfg, dp)
+  layouts = {"per_layer": lambda: tp, "packed": lambda: pack_for_decode(tcfg, tp)}
+  pairs = {name: Pair(tcfg, layouts[name](), dcfg, dp) for name in _LAYOUTS.value}
   os.makedirs(_OUT.value, exist_ok=True)
   rows = []
   with open(os.path.join(_OUT.value, "xla_options.jsonl"), "w") as f:
     for mode in _MODES.value:
-      for layout in _LAYOUTS.value:
-        for r in probe_mode(pairs[layout], c, mode, dtype, _VARIANTS.value, layout):
-          rows.append(r)
-          f.write(json.dumps(r) + "\n")
-          f.flush()
+      for r in probe_mode(pairs, c, mode, dtype, _VARIANTS.value):
+        rows.append(r)
+        f.write(json.dumps(r) + "\n")
+        f.flush()
   print(f"\nstep kernel time per XLA option set (ctx {c.bench.profile_ctx}; CUPTI, first trace)")
   print(f"{'mode':>6} {'layout':<9} {'variant':<34} {'ms':>8} {'wall ms':>8} {'launches':>8}  "
         "top kernels (us)")
