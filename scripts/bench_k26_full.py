@@ -315,11 +315,11 @@ def run_parts(m, c, deadline, rec):
 def _load(c, dtype, abstract):
   """(tcfg, tparams, dcfg, dparams): on the device, or ShapeDtypeStructs when `abstract`. The
   target in target.pack's decode layout (one dot for q_a | kv_a, router | shared gate | up per
-  layer) unless the config sets pack_target=False (the per-layer weights, for an A/B run); the
+  layer) unless bench.pack_target=False (the per-layer weights, for an A/B run); the
   draft in its decode layout (`draft.model.pack_for_decode`, as `load_pair` gives decode) unless
   bench.pack_draft=False."""
   box = {}
-  load = load_target_for_decode if c.get("pack_target", True) else load_target
+  load = load_target_for_decode if c.bench.get("pack_target", True) else load_target
   pack_draft = c.bench.get("pack_draft", True)
 
   def build():
