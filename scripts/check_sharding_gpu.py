@@ -37,7 +37,7 @@ _MESHES = flags.DEFINE_string("meshes", ";tensor=2;expert=2",
                               "';'-separated meshes ('' = one device).")
 _PARTS = flags.DEFINE_list("parts", ["allreduce", "tokens", "timing", "projection"],
                            "Parts, in order.")
-_SHARE = flags.DEFINE_string("share_jsonl", "results/h200/2026-12-01/bench_k26_full.jsonl",
+_SHARE = flags.DEFINE_string("share_jsonl", "results/h200/2026-12-01/s4_k26_core_run3.jsonl",
                              "bench_k26_full.jsonl with the one-GPU-share phase tables.")
 _LAYERS = flags.DEFINE_integer("layers", 4, "K2.6-width timing model layers (1 dense + MoE).")
 _BUDGET = flags.DEFINE_integer("budget", 15, "ddtree budget of the timing.")

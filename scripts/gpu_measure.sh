@@ -37,6 +37,7 @@
 #               I/O (+splitio) beside today's default and the q/k norm + rope in the kernel
 #               (+qkkernel) (draft_ctx packed only; every kernel listed with its HLO ops);
 #               draft_io:130 (~100 s)
+#   draft_tests the compiled draft_block GPU tests of the packed forms only (~45 s)
 #   draft       the draft ctx kernel's GPU tests, then scripts/bench_draft.py: the two draft phases of
 #               both drafts (k26_dflash_share first; each draft's rows written when it is done),
 #               draft_ctx per K/V projection form (--ctx_kv), draft_block per ctx attention impl /
@@ -98,6 +99,8 @@ run_part() {
                 tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
                 --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv packed --top 40 \
                 --ctx_impls pallas+block+packed+splitio,pallas+block+packed,pallas+block+packed+qkkernel" ;;
+    draft_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu \
+                tests/draft/test_dflash_draft.py -k packed ;;
     draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py; python3 scripts/bench_draft.py --ctx 46000 --out_dir $RAW" ;;
     draft_share) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
@@ -113,6 +116,7 @@ run_part() {
           one_gpu timeout $(( left > 20 ? left : 20 )) python3 scripts/bench_pair.py \
             --step_cost "$RAW/pair/step_cost.json" --out "$RAW/pair.jsonl" ;;
     sharding) timeout "$secs" python3 scripts/check_sharding_gpu.py --meshes ";tensor=2;expert=2" \
+                --share_jsonl results/h200/2026-12-01/s4_k26_core_run3.jsonl \
                 --out "$RAW/sharding.jsonl" ;;
     multiprocess) timeout "$secs" bash scripts/check_multiprocess_gpu.sh "$RAW" ;;
     train_pair) one_gpu timeout "$secs" bash -c "rm -rf /tmp/train_state && python3 \
