@@ -156,7 +156,11 @@ def verify_attention(cfg: TargetConfig, q_bnhc, cache_blc, lengths_b, tree_mask_
   specs = (q_spec, sharding.spec(("batch", "cache_len", "kv_lora"), cache_blc.shape, mesh),
            sharding.spec(("batch",), lengths_b.shape, mesh),
            sharding.spec(("batch", "out", "out"), tree_mask_bnn.shape, mesh))
-  return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=q_spec)(
+  # check_vma=False: the kernels' outputs (Pallas ShapeDtypeStructs) carry no varying-axes type,
+  # which shard_map's check rejects at trace time ("manual_axis_type ... must not be None": the
+  # K2.6-width step on 2 H200s, tensor=2 and expert=2, 2026-12-01). Nothing inside communicates:
+  # each head shard's output is its own.
+  return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(
       q_bnhc, cache_blc, lengths_b, tree_mask_bnn)
 
 

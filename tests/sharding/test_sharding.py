@@ -27,6 +27,7 @@ from kdtree_jax.target import params as P
 from kdtree_jax.target.moe_parallel import routed_experts_ep
 from kdtree_jax.loader import load_pair
 from kdtree_jax.pair import Pair
+from kdtree_jax.pair import Pair
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 GOLDEN = os.path.join(ROOT, "tests", "fixtures", "golden_partition_specs.json")
@@ -273,3 +274,34 @@ def test_distributed_from_the_launcher_environment(monkeypatch):
     cli.distributed_from_env()
   monkeypatch.setenv("JAX_PROCESS_ID", "1")
   assert cli.distributed_from_env() == sharding.Distributed("localhost:1234", 2, 1)
+
+
+@pytest.mark.parametrize("mesh_spec", ["tensor=2", "expert=2"])
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_gpu_kernels_decode_program_traces_sharded(mesh_spec, mode):
+  """The whole decode program (prefill + loop) with the GPU kernels (Mosaic tree-verify
+  attention per head shard, INT4 experts through the grouped-matmul kernel) traces under a
+  2-device mesh. On 2 H200s the K2.6-width step failed on tensor=2 and expert=2 before its
+  first step ("When `check_vma=True` on `jax.shard_map`, `manual_axis_type` on
+  `jax.ShapeDtypeStruct` must not be `None`": the attention kernel's outputs inside the head
+  shard_map); tracing reproduces it without a GPU (the kernels' numerics are the GPU tests')."""
+  tcfg = C.tiny(num_attention_heads=4, kv_lora_rank=512, qk_rope_head_dim=64,
+                hidden_size=256, moe_intermediate_size=256, n_routed_experts=4,
+                num_experts_per_tok=2, n_group=1, topk_group=1, expert_backend="pallas")
+  dcfg = DraftConfig.tiny(hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,
+                          mask_token_id=tcfg.vocab_size - 1,
+                          num_target_layers=tcfg.num_hidden_layers,
+                          target_layer_ids=(0, tcfg.num_hidden_layers - 1))
+  tp = P.abstract_params(tcfg, jnp.bfloat16, int4_experts=True)
+  dp = jax.eval_shape(lambda: DM.init_draft_params(jax.random.key(1), dcfg, tcfg.hidden_size,
+                                                   dcfg.n_taps, jnp.bfloat16))
+  spec = SpecConfig(mode=mode, budget=3, block_size=dcfg.block_size, max_new_tokens=8,
+                    attn_backend="pallas")
+  sd = jax.ShapeDtypeStruct
+  mesh = sharding.make_mesh(mesh_spec, jax.devices()[:2])
+  with sharding.use_mesh(mesh):
+    traced = jax.jit(lambda pair, p, l, k: loop.generate_device(
+        pair, p, l, k, spec=spec, max_len=256, cache_dtype=jnp.bfloat16)).trace(
+            Pair(tcfg, tp, dcfg, dp), sd((1, 16), jnp.int32), sd((1,), jnp.int32),
+            jax.random.key(0))
+  assert traced.out_info is not None
