@@ -34,6 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.tree_verify.merge_triton import split_pieces  # power-of-two row pieces
+
 
 NUM_SMS = 132  # H200 SXM
 
@@ -276,17 +278,6 @@ def packed_block_partials(qk_bshy, qkv_bshy, k_bgly, v_bgly, ctx_len_b, rope=Non
   return _call(ctx_len_b, qk, q_spec, k_bgly, v_bgly, (qk, qkv), (head(H), head(H + G)),
                S * U, scale=scale, tuning=tuning, interpret=interpret, rope=tuple(rope or ()),
                rope_specs=rope_specs, rope_eps=rope_eps)
-
-
-def split_pieces(n):
-  """[(start, size)]: n as power-of-two pieces, largest first (Triton loads power-of-two
-  blocks): 132 -> [(0, 128), (128, 4)]."""
-  pieces, start = [], 0
-  for bit in reversed(range(n.bit_length())):
-    if n >> bit & 1:
-      pieces.append((start, 1 << bit))
-      start += 1 << bit
-  return pieces
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref):
