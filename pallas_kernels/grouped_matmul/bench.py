@@ -4,7 +4,7 @@ Parts, in order of value (a time box loses the least):
   1. `ffn`: the routed-expert FFN (3 grouped GEMMs + glue) at T in --tokens, bf16 and INT4,
      our kernel vs XLA `ragged_dot` vs JAX's `ragged_dot_mgpu`: experts touched, weight bytes
      needed, us, TB/s and % of the copy bandwidth measured in the same run.
-  2. `tune`: one grouped GEMM (gate, INT4 and bf16) at T in --tune_tokens for each --tunings.
+  2. `tune`: one grouped GEMM (gate, INT4 and bf16) at T in --tune_tokens for each --gemm_tunings.
   2b. `mlp_tune`: the INT4 routed-expert FFN's two kernel calls (gated gate|up, then down, one
      work list) at --mlp_cases (T, local experts touched) for each --mlp_variants (changes to
      both calls' default tunings), per-call Mosaic us from CUPTI (not in the default --parts).
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import bench_models, roofline, timing
+from pallas_kernels import bench_flags
 from kdtree_jax.checkpoint import int4
 from kdtree_jax.target import config as C
 from kdtree_jax.target import experts, moe
@@ -42,7 +43,7 @@ _F = flags.DEFINE_integer("ffn", 2048, "Expert width.")
 _FORMATS = flags.DEFINE_list("formats", ["int4", "bf16"], "Expert weight formats.")
 _IMPLS = flags.DEFINE_list("impls", ["pallas", "mgpu"], "Grouped matmuls to compare.")
 _TUNINGS = flags.DEFINE_list(
-    "tunings", ["default", "defaultwide", "r16n64k512s4", "r16n64k256s6", "r8n64k256s4x4",
+    "gemm_tunings", ["default", "defaultwide", "r16n64k512s4", "r16n64k256s6", "r8n64k256s4x4",
                 "r16n128k256s4", "r8n64k256s4x7w1", "r8n64k256s4x7w2"],
     "Tuning sweep: 'default' or rR nBN kBK sSTAGES [xSPLITS] [wSLOTS] [smem], then 'wide' for "
     "INT4 32-bit tile loads (bf16 rows use kBK/2 and ignore 'wide').")
@@ -72,7 +73,6 @@ _OUT = flags.DEFINE_string("out", "runs/bench_moe.jsonl", "JSON lines output.")
 _HLO_DIR = flags.DEFINE_string(
     "hlo_dir", "", "If set, the `layer` part writes each variant's optimized HLO per T there "
     "(layer_<variant>_T<T>.hlo.txt: which code each fusion / launch came from).")
-_REPS = flags.DEFINE_integer("reps", 20, "CUPTI repetitions (median).")
 
 
 def _route(key, t):
@@ -117,7 +117,7 @@ def _time_us(fn, *args):
   from jax.experimental.mosaic.gpu import profiler  # pylint: disable=import-outside-toplevel
   if jax.default_backend() != "gpu":
     return 1e6 * roofline.wall_time_s(fn, *args, reps=3, warmup=1)
-  _, ts = profiler.measure(fn, iterations=_REPS.value)(*args)
+  _, ts = profiler.measure(fn, iterations=bench_flags.REPS.value)(*args)
   return 1e3 * sorted(ts)[len(ts) // 2]
 
 

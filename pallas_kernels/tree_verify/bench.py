@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import roofline
+from pallas_kernels import bench_flags
 from pallas_kernels.tree_verify import api, masks, reference
 from pallas_kernels.tree_verify.tuning import Tuning, default_tuning
 
@@ -34,7 +35,6 @@ flags.DEFINE_list("B", ["1"], "batch sizes")
 flags.DEFINE_bool("full_grid", False, "the issue's table: replaces L, N, H, B by FULL_GRID")
 flags.DEFINE_bool("must_show_first", True,
                   "run the issue's must-show shapes and the PROBES shapes before the grid")
-flags.DEFINE_integer("reps", 20, "timed repetitions (median reported)")
 flags.DEFINE_float("budget_s", 300.0, "stop starting new shapes, and variants other than the "
                    "default, after this many seconds")
 flags.DEFINE_string("json_out", "", "JSON lines output")
@@ -160,7 +160,7 @@ def time_variant(t, sets, ref, scale):
     err, finite = check(prog(*sets)[0], ref)
     ok = finite and err <= 1e-2
     return dict(rel_err=err, finite=finite,
-                us=device_time_us(fn, sets, FLAGS.reps, prog) if ok else float("nan"))
+                us=device_time_us(fn, sets, bench_flags.REPS.value, prog) if ok else float("nan"))
   except Exception as e:  # pylint: disable=broad-except
     print(f"FAILED {t}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     return dict(rel_err=None, finite=None, us=float("nan"), error=f"{type(e).__name__}: {e}"[:500])
@@ -187,7 +187,7 @@ def bench_shape(b, n, h, l, ceil, deadline, scale=1.0 / math.sqrt(C)):
   if not FLAGS.skip_xla:
     big = b * n * h * l * 4 > 4e9
     fx = lambda q, c, le, m: xla_baseline(q, c, le, m, scale=scale)
-    us = device_time_us(fx, sets[:1] if big else sets, max(3, FLAGS.reps // (5 if big else 1)))
+    us = device_time_us(fx, sets[:1] if big else sets, max(3, bench_flags.REPS.value // (5 if big else 1)))
     rows.append(dict(impl="xla", variant="einsum", tuning=None, rel_err=None, finite=None, us=us))
   xla_us = next((r["us"] for r in rows if r["impl"] == "xla"), float("nan"))
   copy_us = byts / (ceil["copy_tbps"] * 1e6)
