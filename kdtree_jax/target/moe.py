@@ -22,12 +22,7 @@ def route(p, cfg: TargetConfig, x_td, logits=None):
   only; the weights are the unbiased scores, optionally normalised, times routed_scaling_factor.
   logits: x @ W_g [T, E] f32 when already computed (the packed layer's joint dot), else None.
   """
-  if logits is None:
-    logits = _router_logits(x_td, p["router"])
-  scores = jax.nn.sigmoid(logits)
-  choice = scores + p["bias"].astype(jnp.float32)
-  if cfg.n_group > 1:
-    choice = _limit_groups(choice, cfg.n_group, cfg.topk_group)
+  choice, scores = _choice_and_scores(p, cfg, x_td, logits)
   idx, w = top_k_select(choice, scores, cfg.num_experts_per_tok)
   if cfg.norm_topk_prob:
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
@@ -67,13 +62,20 @@ def route_dense(p, cfg: TargetConfig, x_td, logits=None):
   < num_experts_per_tok; the unbiased scores, f32). The same choices as `route` (the same
   comparison rank); the weights (normalised, scaled) are the consumer's (`expert_ffn_dense`).
   logits: as in `route`."""
+  choice, scores = _choice_and_scores(p, cfg, x_td, logits)
+  return compare_rank(choice), scores
+
+
+def _choice_and_scores(p, cfg: TargetConfig, x_td, logits):
+  """(selection scores: biased, group-limited; the unbiased sigmoid scores), both [T, E] f32;
+  logits as in `route`."""
   if logits is None:
     logits = _router_logits(x_td, p["router"])
   scores = jax.nn.sigmoid(logits)
   choice = scores + p["bias"].astype(jnp.float32)
   if cfg.n_group > 1:
     choice = _limit_groups(choice, cfg.n_group, cfg.topk_group)
-  return compare_rank(choice), scores
+  return choice, scores
 
 
 def _router_logits(x_td, router_de, dot=jnp.dot):

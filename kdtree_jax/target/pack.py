@@ -39,10 +39,6 @@ def pack_for_decode(cfg: TargetConfig, params):
   return params | {"layers": [pack_layer(cfg, lp) for lp in params["layers"]]}
 
 
-def is_packed(params) -> bool:
-  return any("qkv_a_t" in lp["attn"] for lp in params["layers"])
-
-
 def dot_t(x, w_t, **kw):
   """x [..., D] @ w_t[N, D]^T -> [..., N] (kw: dot_general's precision, preferred_element_type)."""
   return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())), **kw)
