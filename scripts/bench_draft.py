@@ -14,8 +14,10 @@ through model.pack_for_decode, q|k|v and gate|up weights side by side: one dot e
 +block+packed the kernel reads q and the block's K/V from the q|k|v dot's packed output and a
 second kernel merges its partials into the o_proj input (draft_block's packed_io, the default);
 +splitio = the older form, packed_io=False: q, k, v sliced and transposed for the kernel, its
-partials merged by XLA; +qkkernel = packed_io with qk_in_kernel: the kernel also applies the
-q/k norms and rope to the dot's raw heads; +cublas = compiled with XLA's Triton GEMMs off). Both are
+partials merged by XLA; packed_io's kernel also applies the q/k norms and rope to the dot's
+raw heads (qk_in_kernel, the default; +xlaqk = XLA's norm + rope fusion instead); the A/B
+options +qkjoin, +exp2, +msplitN, +osplitN (see --ctx_impls); +cublas = compiled with XLA's
+Triton GEMMs off). Both are
 the decode path's own functions (kdtree_jax/draft/model.py). Drafts (--drafts): k26_dflash_share
 = bench_k26_full's draft (published K2.6 DFlash shape sliced 1/8: 6 layers, 8 q / 1 kv heads,
 F 2304, 6 taps), bench_k26 = a Qwen3-8B-DFlash-sized draft (3 layers, 32/8 heads, F 12288,
@@ -57,18 +59,22 @@ flags.DEFINE_list("ctx_impls", [
     "pallas+block+packed+cublas", "pallas:p132", "pallas:p131+block", "pallas:p131:128+block",
     "pallas:p131+block+packed", "pallas:p131:128+block+packed", "pallas:p131:64:8:3+block+packed",
     "pallas:p66:128+block", "pallas+block+packed+splitio",
-    "pallas+block+packed+qkkernel",
+    "pallas+block+packed+xlaqk", "pallas+block+packed+qkjoin", "pallas+block+packed+exp2",
+    "pallas+block+packed+msplit2", "pallas+block+packed+osplit4",
     "pallas:512:128", "pallas:512:128+block", "pallas:512:32", "pallas:512:64:4",
     "pallas:512:64:8:3"],
                   "draft_block ctx attention: xla, or pallas[:chunk or pPROGRAMS[:block_k"
-                  "[:num_warps[:num_stages]]]][+block][+packed][+splitio][+qkkernel][+cublas] (GPU only; "
-                  "left out: "
-                  "ctx_attention.default_tuning's; +block: the block's own keys as one more "
-                  "program of the kernel, model.draft_block(block_in_kernel=True); +packed: "
-                  "params through model.pack_for_decode: q|k|v and gate|up in one dot each; "
-                  "+splitio: draft_block(packed_io=False), the kernel's older I/O; +qkkernel: "
-                  "draft_block(qk_in_kernel=True), q/k norm and rope in the kernel; +cublas: "
-                  "compiled with XLA's Triton GEMMs off, cuBLAS for every dot)")
+                  "[:num_warps[:num_stages]]]][+SUFFIX...] (GPU only; fields left out: "
+                  "ctx_attention.default_tuning's). Suffixes: +block: the block's own keys as "
+                  "one more program of the kernel, model.draft_block(block_in_kernel=True); "
+                  "+packed: params through model.pack_for_decode: q|k|v and gate|up in one dot "
+                  "each; +splitio: draft_block(packed_io=False), the kernel's older I/O; "
+                  "+xlaqk: draft_block(qk_in_kernel=False), q/k norm and rope by XLA (the "
+                  "default before the fifth session); +qkjoin: Tuning.join_halves (in-kernel "
+                  "roped halves joined, full-width score dots); +exp2: Tuning.exp2 (base-2 "
+                  "softmax); +msplitN: Tuning.merge_pieces=N (merge programs of Y/N columns); "
+                  "+osplitN: draft_block(o_splits=N), o_proj split-K by hand; +cublas: "
+                  "compiled with XLA's Triton GEMMs off, cuBLAS for every dot")
 flags.DEFINE_list("ctx_kv", ["xla", "nomerge", "packed"],
                   "draft_ctx K/V projections: xla (two dots per layer; XLA may merge them), "
                   "nomerge (compiled with XLA's DotMerger off), packed (model.pack_ctx_kv: one "
@@ -258,20 +264,33 @@ def cache_sized_outputs(hlo_text, cache_shape):
   return found
 
 
+SUFFIXES = ("block", "packed", "splitio", "xlaqk", "cublas", "qkjoin", "exp2")
+NUMBERED = ("osplit", "msplit")  # +osplitN: draft_block(o_splits=N); +msplitN: merge_pieces=N
+
+
 def parse_ctx_impl(name):
   """'pallas:512:64:8:3+block+packed' -> ('pallas', 512, (('block_k', 64), ('num_warps', 8),
-  ('num_stages', 3)), {'block', 'packed'}); 'pallas:p131' -> tuning (('programs', 131),): 131
-  programs per kv head sharing the rows below ctx_len; fields left out keep default_tuning's."""
-  name, *extras = name.split("+")
-  if set(extras) - {"block", "packed", "splitio", "qkkernel", "cublas"}:
-    raise ValueError(f"unknown ctx_impl suffix in {name!r}: +block, +packed, +splitio, "
-                     "+qkkernel, +cublas only")
+  ('num_stages', 3)), {'block': 1, 'packed': 1}); 'pallas:p131' -> tuning (('programs', 131),):
+  131 programs per kv head sharing the rows below ctx_len; fields left out keep
+  default_tuning's. Suffixes: SUFFIXES, and NUMBERED ones with their number ('osplit': 4)."""
+  name, *suffixes = name.split("+")
+  extras = {}
+  for x in suffixes:
+    m = re.fullmatch(r"(" + "|".join(NUMBERED) + r")(\d+)", x)
+    if x not in SUFFIXES and not m:
+      raise ValueError(f"unknown ctx_impl suffix {x!r} in {name!r}: "
+                       f"{', '.join(SUFFIXES)} or {'N, '.join(NUMBERED)}N only")
+    extras[m.group(1) if m else x] = int(m.group(2)) if m else 1
   impl, *fields = name.split(":")
   split = bool(fields) and fields[0].startswith("p")  # p132: tuning.programs = 132
   fields = [int(f.lstrip("p")) for f in fields]
   chunk = fields[0] if fields and not split else None
   tuning = tuple(zip(("block_k", "num_warps", "num_stages"), fields[1:]))
-  return impl, chunk, tuning + ((("programs", fields[0]),) if split else ()), set(extras)
+  tuning += (("programs", fields[0]),) if split else ()
+  tuning += tuple((field, True) for field, x in (("join_halves", "qkjoin"), ("exp2", "exp2"))
+                  if x in extras)
+  tuning += (("merge_pieces", extras["msplit"]),) if "msplit" in extras else ()
+  return impl, chunk, tuning, extras
 
 
 def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
@@ -289,7 +308,7 @@ def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
   prog = jax.jit(lambda p, c, t, s, e, h: model.draft_block(
       p, cfg, c, t, s, e, h, ctx_impl=impl, kernel_chunk=chunk, kernel_tuning=tuning,
       block_in_kernel="block" in extras, packed_io="splitio" not in extras,
-      qk_in_kernel="qkkernel" in extras))
+      qk_in_kernel="xlaqk" not in extras, o_splits=extras.get("osplit", 1)))
   args = (params, cache, block, start, embed, head)
   compiled = prog.lower(*args).compile(options)  # timed as is: one compile per impl
   text = compiled.as_text()

@@ -2,8 +2,8 @@
 machine's backend (on a CPU: CPU HLO, labelled so; XLA:GPU fuses differently, so the counts show
 which launches a change removes, not the GPU's counts), for the older kernel I/O
 (packed_io=False: q, k, v sliced and transposed for the ctx kernel, its partials merged by XLA)
-the packed one (the default) and the packed one with the q/k norm and rope in the kernel
-(qk_in_kernel). Off a GPU the Triton kernels have no lowering, so each is
+the packed one, and the packed one with the q/k norm and rope in the kernel (qk_in_kernel, the
+default). Off a GPU the Triton kernels have no lowering, so each is
 replaced by an opaque stand-in of the same operands and results (a host callback: one
 custom-call, as the kernel is one launch). Per layer = the program of 3 layers minus that of 2
 (embedding, head and the first layer cancel).
@@ -47,9 +47,9 @@ def _kernels_stood_in():
   return stack
 
 
-FORMS = {"split I/O (packed_io=False)": dict(packed_io=False),
-         "packed I/O (default)": dict(),
-         "packed I/O + qk_in_kernel": dict(qk_in_kernel=True)}
+FORMS = {"split I/O (packed_io=False)": dict(packed_io=False, qk_in_kernel=False),
+         "packed I/O": dict(qk_in_kernel=False),
+         "packed I/O + qk_in_kernel (default)": dict()}
 
 
 def _block_hlo(layers, form):

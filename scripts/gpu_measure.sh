@@ -34,9 +34,15 @@
 #               3 programs per SM (memory parallelism of a latency-bound read), no tests (~70 s)
 #   draft_io    the draft's packed-I/O GPU tests (ctx kernel reading the q|k|v dot's output, Triton
 #               merge), then bench_draft.py on k26_dflash_share: draft_block with the older kernel
-#               I/O (+splitio) beside today's default and the q/k norm + rope in the kernel
-#               (+qkkernel) (draft_ctx packed only; every kernel listed with its HLO ops);
+#               I/O (+splitio+xlaqk), packed I/O with XLA's q/k norm + rope (+xlaqk) and today's
+#               default (the norm + rope in the kernel) (draft_ctx packed only; every kernel
+#               listed with its HLO ops);
 #               draft_io:130 (~100 s)
+#   draft_gap   the packed-I/O GPU tests (every compiled form incl. the A/B options), then
+#               bench_draft.py on k26_dflash_share, draft_block only: today's default (q/k norm +
+#               rope in the kernel) beside +xlaqk (the previous default) and issue 17's A/B
+#               options one by one and combined (+qkjoin, +exp2, +msplit2/4, +osplit2/4);
+#               draft_gap:130
 #   draft_tests the compiled draft_block GPU tests of the packed forms only (~45 s)
 #   draft       the draft ctx kernel's GPU tests, then scripts/bench_draft.py: the two draft phases of
 #               both drafts (k26_dflash_share first; each draft's rows written when it is done),
@@ -98,7 +104,11 @@ run_part() {
     draft_io) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
                 --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv packed --top 40 \
-                --ctx_impls pallas+block+packed+splitio,pallas+block+packed,pallas+block+packed+qkkernel" ;;
+                --ctx_impls pallas+block+packed+splitio+xlaqk,pallas+block+packed+xlaqk,pallas+block+packed" ;;
+    draft_gap) one_gpu timeout "$secs" bash -c "timeout 45 python3 -m pytest -q -rs -m gpu \
+                tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
+                --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv= --top 40 \
+                --ctx_impls pallas+block+packed,pallas+block+packed+xlaqk,pallas+block+packed+qkjoin,pallas+block+packed+exp2,pallas+block+packed+msplit2,pallas+block+packed+msplit4,pallas+block+packed+osplit4,pallas+block+packed+osplit2,pallas+block+packed+qkjoin+exp2+msplit2+osplit4" ;;
     draft_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed ;;
     draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \

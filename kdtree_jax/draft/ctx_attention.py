@@ -38,6 +38,8 @@ from pallas_kernels.tree_verify.merge_triton import split_pieces  # power-of-two
 
 
 NUM_SMS = 132  # H200 SXM
+LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * LOG2_E)
+LN_2 = 0.6931471805599453  # log(x) = log2(x) * LN_2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +48,21 @@ class Tuning:
   programs (replaces chunk when set): that many programs per (batch row, kv head) share the
   tiles below ctx_len evenly (tiles p*T//P .. (p+1)*T//P - 1 of T = cdiv(ctx_len, block_k)),
   so every program streams the same number of rows whatever the context length (P = the SMs:
-  one wave, none idle)."""
+  one wave, none idle). A/B options (H200 timing pending; bench_draft.py rows): join_halves:
+  with the in-kernel q/k norm + rope, the roped halves are joined back into whole heads once per
+  program (two selection dots each, exact), so the tile loop runs one full-width score dot as
+  without it (not two half-width ones); exp2: the online softmax in base 2 (scale * log2(e)
+  folded into the scores, exp2 per element, the lse converted back to base e); merge_pieces:
+  merge_to_heads' programs each merge Y / merge_pieces columns of a query row (more, smaller
+  programs)."""
   chunk: int = 1024
   block_k: int = 64
   num_warps: int = 8
   num_stages: int = 2
   programs: int | None = None
+  join_halves: bool = False
+  exp2: bool = False
+  merge_pieces: int = 1
 
 
 def default_tuning(batch: int, kv_heads: int, rows_m: int, capacity: int,
@@ -87,18 +98,19 @@ def supports_block(kb_bgsy) -> bool:
   return kb_bgsy.dtype == jnp.bfloat16 and S >= 16 and S & (S - 1) == 0
 
 
-def _online_step(q, k, v, live, carry, scale):
+def _online_step(q, k, v, live, carry, scale, exp=jnp.exp):
   """One tile of the online softmax: (o, m, l) updated with keys k / values v (live: [rows]
   mask, None = all); m stays finite once any tile had a live key. q, k: arrays, or tuples of
-  column pieces of them (the halves of roped heads: scores = the sum of the pieces' dots)."""
+  column pieces of them (the halves of roped heads: scores = the sum of the pieces' dots).
+  exp: jnp.exp, or jnp.exp2 with scale carrying log2(e) (m, l then in base 2)."""
   o, m, l = carry
   pieces = zip(q, k) if isinstance(q, tuple) else [(q, k)]
   s = functools.reduce(jnp.add, [pltriton.dot(a, b, trans_b=True) for a, b in pieces]) * scale
   if live is not None:
     s = jnp.where(live[None, :], s, -jnp.inf)
   m_new = jnp.maximum(m, jnp.max(s, axis=1))
-  corr = jnp.exp(m - m_new)
-  p = jnp.exp(s - m_new[:, None])
+  corr = exp(m - m_new)
+  p = exp(s - m_new[:, None])
   o = o * corr[:, None] + pltriton.dot(p.astype(v.dtype), v)
   return o, m_new, l * corr + jnp.sum(p, axis=1)
 
@@ -135,10 +147,20 @@ def _norm_rope(x1, x2, w_ref, cos, sin, eps, dtype):
   return out(n1 * cos + -n2 * sin), out(n2 * cos + n1 * sin)
 
 
-def _block_inputs(q_ref, rope_refs, rope_eps, dtype):
+def _join(x1, x2):
+  """Halves x1, x2 [R, Y/2] -> [R, Y] (x1 | x2) through two selection dots (products by 1 and 0
+  accumulated in f32: exact), since the Triton lowering concatenates only [..., 1] pieces."""
+  h = x1.shape[-1]
+  rows = jax.lax.broadcasted_iota(jnp.int32, (h, 2 * h), 0)
+  cols = jax.lax.broadcasted_iota(jnp.int32, (h, 2 * h), 1)
+  pick = lambda off: jnp.where(cols == rows + off, 1.0, 0.0).astype(x1.dtype)
+  return (pltriton.dot(x1, pick(0)) + pltriton.dot(x2, pick(h))).astype(x1.dtype)
+
+
+def _block_inputs(q_ref, rope_refs, rope_eps, dtype, join):
   """The program's queries: q [M, Y] (q_ref [M, Y], or [S, U, Y] as S*U rows), or with
   rope_refs (q_norm, k_norm, cos, sin) q_ref's raw heads normed and roped here, as the halves
-  (q1, q2) [S*U, Y/2] in dtype."""
+  (q1, q2) [S*U, Y/2] in dtype (join: as whole heads [S*U, Y] again)."""
   if rope_refs is None:
     q = q_ref[...]
     return q.reshape(-1, q.shape[-1])  # packed_block: [S, U, Y] -> [S*U, Y] rows
@@ -146,29 +168,34 @@ def _block_inputs(q_ref, rope_refs, rope_eps, dtype):
   S, U, h = q_ref.shape[0], q_ref.shape[1], q_ref.shape[2] // 2
   cos, sin = cos_ref[...][:, None, :], sin_ref[...][:, None, :]
   q1, q2 = _norm_rope(*_halves(q_ref, slice(None), slice(None)), qn_ref, cos, sin, rope_eps, dtype)
-  return q1.reshape(S * U, h), q2.reshape(S * U, h)
+  q1, q2 = q1.reshape(S * U, h), q2.reshape(S * U, h)
+  return _join(q1, q2) if join else (q1, q2)
 
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, n_chunks, split, n_blk,
-            rope_eps):
+            rope_eps, join, exp2):
   """One (batch row, kv head, program j): j < n_chunks: online softmax over its tiles of the
   rows below ctx_len (_tile_range); j == n_chunks (only with block K/V refs, n_blk = 2): every
   row of the block's own K/V. With rope_eps (then 4 more refs: q_norm, k_norm [Y], cos, sin
   [S, Y/2]) q and the block's k arrive raw from the q|k|v dot and are normed and roped here,
-  and the scores are the sum of the two halves' dots."""
+  and the scores are the sum of the two halves' dots (join: the roped halves joined back into
+  whole heads once, one full-width dot per tile). exp2: base-2 softmax (Tuning.exp2)."""
   blk_refs, rope_refs = refs[:n_blk], (refs[n_blk:n_blk + 4] if rope_eps is not None else None)
   o_ref, lse_ref = refs[-2:]
   j = pl.program_id(2)
   first, end, limit = _tile_range(len_ref[0], j, n_chunks, k_ref.shape[0], block_k, split)
   end = jnp.where(j < n_chunks, end, first)  # the block's program reads no cache rows
-  q = _block_inputs(q_ref, rope_refs, rope_eps, k_ref.dtype)
-  M, Y = (q[0].shape[0], k_ref.shape[-1]) if rope_refs else q.shape
-  keys = _halves if rope_refs else (lambda ref, rows: ref[rows, :])  # a tile's keys
+  join = join and rope_refs is not None
+  q = _block_inputs(q_ref, rope_refs, rope_eps, k_ref.dtype, join)
+  M, Y = (q[0].shape[0], k_ref.shape[-1]) if isinstance(q, tuple) else q.shape
+  halves = rope_refs is not None and not join
+  keys = _halves if halves else (lambda ref, rows: ref[rows, :])  # a tile's keys
+  exp, scale = (jnp.exp2, scale * LOG2_E) if exp2 else (jnp.exp, scale)
 
   def tile(t, carry):
     rows = pl.ds(pl.multiple_of(t * block_k, block_k), block_k)
     live = (t * block_k + jnp.arange(block_k)) < limit  # every tile has a live row
-    return _online_step(q, keys(k_ref, rows), v_ref[rows, :], live, carry, scale)
+    return _online_step(q, keys(k_ref, rows), v_ref[rows, :], live, carry, scale, exp)
 
   init = (jnp.zeros((M, Y), jnp.float32), jnp.full((M,), -jnp.inf, jnp.float32),
           jnp.zeros((M,), jnp.float32))
@@ -177,15 +204,20 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, n_chunks, split
     kb_ref, vb_ref = blk_refs
 
     def block(c):
-      kb = keys(kb_ref, slice(None))
       if rope_refs:
         _, kn_ref, cos_ref, sin_ref = rope_refs
-        kb = _norm_rope(*kb, kn_ref, cos_ref[...], sin_ref[...], rope_eps, k_ref.dtype)
-      return _online_step(q, kb, vb_ref[...].astype(k_ref.dtype), None, c, scale)
+        kb = _norm_rope(*_halves(kb_ref, slice(None)), kn_ref, cos_ref[...], sin_ref[...],
+                        rope_eps, k_ref.dtype)
+        kb = _join(*kb) if join else kb
+      else:
+        kb = kb_ref[...]
+      return _online_step(q, kb, vb_ref[...].astype(k_ref.dtype), None, c, scale, exp)
     o, m, l = jax.lax.cond(j == n_chunks, block, lambda c: c, (o, m, l))
   seen = l > 0  # False only for a chunk wholly past ctx_len (then m = -inf, o = 0)
   o_ref[...] = (o / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+  log = (lambda x: jnp.log2(x)) if exp2 else jnp.log
+  lse = m + log(jnp.where(seen, l, 1.0))
+  lse_ref[...] = jnp.where(seen, lse * LN_2 if exp2 else lse, -jnp.inf)
 
 
 def _call(len_b, q, q_spec, k_bgly, v_bgly, blk, blk_specs, M, *, scale, tuning, interpret,
@@ -205,7 +237,8 @@ def _call(len_b, q, q_spec, k_bgly, v_bgly, blk, blk_specs, M, *, scale, tuning,
   programs = n + (1 if blk else 0)
   return pl.pallas_call(
       functools.partial(_kernel, scale=scale, block_k=tuning.block_k, n_chunks=n, split=split,
-                        n_blk=len(blk), rope_eps=rope_eps),
+                        n_blk=len(blk), rope_eps=rope_eps, join=tuning.join_halves,
+                        exp2=tuning.exp2),
       grid=(B, G, programs),
       in_specs=[pl.BlockSpec((1,), lambda b, g, j: (b,)), q_spec, kv_spec, kv_spec, *blk_specs,
                 *rope_specs],
@@ -295,20 +328,23 @@ def _merge_kernel(o_ref, lse_ref, out_ref):
   out_ref[...] = (acc / jnp.where(den > 0, den, 1.0)).astype(out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "dtype", "interpret"))
-def merge_to_heads(o_bgpmy, lse_bgpm, *, heads, dtype, interpret=False):
+@functools.partial(jax.jit, static_argnames=("heads", "dtype", "interpret", "pieces"))
+def merge_to_heads(o_bgpmy, lse_bgpm, *, heads, dtype, interpret=False, pieces=1):
   """packed_block_partials' P partials per query row merged through their log-sum-exps, in one
-  launch (one program per row), written straight into the o_proj input layout [B, S, H*Y] in
-  `dtype` (row s*U + u of kv head g = head g*U + u of block token s)."""
+  launch (one program per row and column piece: Y / pieces columns each), written straight into
+  the o_proj input layout [B, S, H*Y] in `dtype` (row s*U + u of kv head g = head g*U + u of
+  block token s)."""
   B, G, P, M, Y = o_bgpmy.shape
   U = heads // G
   S = M // U
+  w = Y // pieces
   return pl.pallas_call(
       _merge_kernel,
-      grid=(B, G, M),
-      in_specs=[pl.BlockSpec((None, None, P, None, Y), lambda b, g, m: (b, g, 0, m, 0)),
-                pl.BlockSpec((None, None, P, None), lambda b, g, m: (b, g, 0, m))],
-      out_specs=pl.BlockSpec((None, None, Y), lambda b, g, m: (b, m // U, g * U + m % U)),
+      grid=(B, G, M, pieces),
+      in_specs=[pl.BlockSpec((None, None, P, None, w), lambda b, g, m, c: (b, g, 0, m, c)),
+                pl.BlockSpec((None, None, P, None), lambda b, g, m, c: (b, g, 0, m))],
+      out_specs=pl.BlockSpec((None, None, w),
+                             lambda b, g, m, c: (b, m // U, (g * U + m % U) * pieces + c)),
       out_shape=jax.ShapeDtypeStruct((B, S, heads * Y), dtype),
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret, name="draft_ctx_merge",

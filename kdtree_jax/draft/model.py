@@ -32,7 +32,8 @@ the decode's) is the kernel on a single GPU and the XLA form elsewhere (resolve_
 pack_for_decode'd layers with the block in the kernel, packed_io (the default) lets the kernel
 read q and the block's K/V where the q|k|v dot and the q/k norm + rope fusion left them, and a
 second small kernel merge its partials straight into the o_proj input, so no slice, transpose
-or XLA merge runs between the two dots (attend_packed_kernel).
+or XLA merge runs between the two dots (attend_packed_kernel); with qk_in_kernel (the default)
+the kernel also applies the q / k norms and rope to the dot's raw heads.
 """
 
 from __future__ import annotations
@@ -382,16 +383,33 @@ def attend_packed_kernel(k_bgly, v_bgly, ctx_len_b, tuning, interpret, qk_in_ker
         qk, qkv, k_bgly, v_bgly, ctx_len_b, rope_in, kv_heads=G, scale=cfg.head_dim ** -0.5,
         tuning=tuning, interpret=interpret, rope_eps=rope_eps)
     return ctx_attention.merge_to_heads(o, lse, heads=cfg.num_attention_heads,
-                                        dtype=qkv.dtype, interpret=interpret)
+                                        dtype=qkv.dtype, interpret=interpret,
+                                        pieces=tuning.merge_pieces)
   return attend
 
 
-def _layer(lp, cfg, x_bsd, q_pos_bs, attend):
+def add_split_dot(x_bsd, a_bsk, w_kd, splits):
+  """x + a @ w; splits > 1: the contraction as `splits` batched pieces (f32 partials [splits,
+  B*S, D], behind an optimization barrier so XLA's simplifier does not fold the sum back into
+  one dot) summed in the residual add's fusion: split-K chosen here, not by XLA's GEMM rewrite
+  (which left o_proj unsplit at ~2 TB/s on the H200). Same sum up to f32 summation order."""
+  if splits == 1:
+    return x_bsd + a_bsk @ w_kd
+  B, S, K = a_bsk.shape
+  a = a_bsk.reshape(B * S, splits, K // splits)
+  w = w_kd.reshape(splits, K // splits, w_kd.shape[-1])
+  part = jax.lax.dot_general(a, w, (((2,), (1,)), ((1,), (0,))),
+                             preferred_element_type=jnp.float32)  # [splits, B*S, D]
+  part = jax.lax.optimization_barrier(part)
+  return x_bsd + part.sum(0).reshape(B, S, -1).astype(a_bsk.dtype)  # rounded as a @ w is
+
+
+def _layer(lp, cfg, x_bsd, q_pos_bs, attend, o_splits=1):
   """One draft decoder layer; attend(lp, cfg, h, q_pos) -> o [B, S, H*Y] is its attention
-  (attend_key_sets or attend_packed_kernel)."""
+  (attend_key_sets or attend_packed_kernel); o_splits: add_split_dot's split of o_proj."""
   h = rms_norm(x_bsd, lp["input_layernorm"], cfg.rms_norm_eps)
   o = attend(lp, cfg, h, q_pos_bs)
-  x_bsd = x_bsd + o @ lp["o_proj"]
+  x_bsd = add_split_dot(x_bsd, o, lp["o_proj"], o_splits)
   h = rms_norm(x_bsd, lp["post_attention_layernorm"], cfg.rms_norm_eps)
   return x_bsd + _mlp(lp, h)
 
@@ -479,7 +497,8 @@ def _attention(cfg, cache, i, lp, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_ch
 
 def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, start_b, embed_vd,
                 head_dv, ctx_chunk=CTX_CHUNK, ctx_impl="auto", kernel_chunk=None,
-                kernel_tuning=(), block_in_kernel=True, packed_io=True, qk_in_kernel=False):
+                kernel_tuning=(), block_in_kernel=True, packed_io=True, qk_in_kernel=True,
+                o_splits=1):
   """One non-causal block [bonus, MASK...] at positions start.. over the ctx cache -> [B, S, V] f32.
 
   Ctx keys are the cache rows < ctx_len, in chunks of ctx_chunk rows when that divides the
@@ -492,8 +511,11 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   block_in_kernel, pack_for_decode'd params): the kernel reads q and the block's K/V from the
   q|k|v dot's packed output and a second kernel merges its partials into the o_proj input
   (attend_packed_kernel); False: the older form (q, k, v sliced and transposed for the kernel,
-  its partials merged by XLA). qk_in_kernel (with packed_io): the kernel also applies q_norm /
-  k_norm and rope to the dot's raw q and k heads (an A/B option, not yet timed).
+  its partials merged by XLA). qk_in_kernel (with packed_io; the default): the kernel also
+  applies q_norm / k_norm and rope to the dot's raw q and k heads, so no XLA norm / rope launch
+  runs between the q|k|v dot and the kernel (H200, bench_k26_full's draft at 46k: 530.6 us vs
+  547.9 us with the XLA norm + rope fusion, same logits; results/h200/2026-12-01/s5_draft_io.log).
+  o_splits: o_proj's contraction split into that many pieces by hand (add_split_dot; A/B).
   """
   ctx_impl = resolve_ctx_impl(ctx_impl)
   B, S = block_tokens_bs.shape
@@ -505,7 +527,7 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   for i, lp in enumerate(params["layers"]):
     attend = _attention(cfg, cache, i, lp, q_pos, live, ctx_impl, chunk, kernel_chunk,
                         kernel_tuning, block_in_kernel, packed_io, qk_in_kernel)
-    x = _layer(lp, cfg, x, q_pos, attend)
+    x = _layer(lp, cfg, x, q_pos, attend, o_splits)
   return _logits(params, cfg, x, head_dv)
 
 

@@ -569,13 +569,23 @@ def test_ctx_impl_auto_and_tuning_overrides():
   np.testing.assert_array_equal(run(), want)  # auto = xla here
 
 
-@pytest.mark.parametrize("heads,kv_heads,qk_in_kernel", [(2, 1, False), (8, 2, False),
-                                                         (2, 1, True), (8, 2, True)])
-def test_packed_io_matches_numpy(tmp_path, heads, kv_heads, qk_in_kernel):
+# draft_block A/B options (bench_draft.py's +qkjoin, +exp2, +msplitN, +osplitN rows)
+OPTIONS = dict(join_exp2_msplit=dict(kernel_tuning=(("join_halves", True), ("exp2", True),
+                                                    ("merge_pieces", 2))),
+               osplit=dict(o_splits=4), join=dict(kernel_tuning=(("join_halves", True),)))
+
+
+@pytest.mark.parametrize("heads,kv_heads,qk_in_kernel,options", [
+    (2, 1, False, None), (8, 2, False, None), (2, 1, True, None), (8, 2, True, None),
+    (2, 1, True, "join_exp2_msplit"), (8, 2, True, "join_exp2_msplit"), (8, 2, True, "osplit"),
+    (8, 2, False, "join")])
+def test_packed_io_matches_numpy(tmp_path, heads, kv_heads, qk_in_kernel, options):
   """draft_block's default kernel I/O (packed_io: the ctx kernel, interpret mode, reads q and the
   block's K/V from the q|k|v dot's packed output; merge_to_heads merges its partials into the
-  o_proj input), and with qk_in_kernel (the kernel norms and ropes the raw q / k heads itself),
-  on pack_for_decode'd params equals the float64 numpy draft (f32, 1e-5), with one or two kv
+  o_proj input; qk_in_kernel: the kernel norms and ropes the raw q / k heads itself), also
+  without qk_in_kernel and with the A/B options (OPTIONS: roped halves joined, base-2 softmax,
+  merge in column pieces, o_proj split by hand; join without in-kernel rope is a no-op), on
+  pack_for_decode'd params equals the float64 numpy draft (f32, 1e-5), with one or two kv
   heads (U = 2 or 4 query heads each) and ctx rows split over 3 programs."""
   cfg = draft.DraftConfig.tiny(block_size=16, num_attention_heads=heads,
                                num_key_value_heads=kv_heads)
@@ -590,8 +600,11 @@ def test_packed_io_matches_numpy(tmp_path, heads, kv_heads, qk_in_kernel):
   tokens = model.make_block(cfg, jnp.array([5, 9]))
   run = functools.partial(model.draft_block, packed, cfg, cache, tokens, cache.ctx_len,
                           jnp.asarray(embed), jnp.asarray(head), ctx_impl="interpret",
-                          kernel_tuning=(("programs", 3), ("block_k", 16)),
-                          qk_in_kernel=qk_in_kernel)
+                          qk_in_kernel=qk_in_kernel,
+                          **{k: v for k, v in OPTIONS.get(options, {}).items()
+                             if k != "kernel_tuning"},
+                          kernel_tuning=(("programs", 3), ("block_k", 16),
+                                         *OPTIONS.get(options, {}).get("kernel_tuning", ())))
   assert "draft_ctx_merge" in str(jax.make_jaxpr(run)())  # the packed path is the one taken
   assert "draft_ctx_merge" not in str(jax.make_jaxpr(functools.partial(run, packed_io=False))())
   logits = run()
@@ -601,10 +614,12 @@ def test_packed_io_matches_numpy(tmp_path, heads, kv_heads, qk_in_kernel):
     close(logits[b], ref)
 
 
-def test_merge_to_heads_matches_numpy():
-  """merge_to_heads (interpret mode): P normalised partials per query row (a program that saw
-  no key: lse = -inf, o = 0) merged through their log-sum-exps equal a float64 numpy merge, and
-  row s*U + u of kv head g lands at head g*U + u of token s of the [B, S, H*Y] output."""
+@pytest.mark.parametrize("pieces", [1, 4])
+def test_merge_to_heads_matches_numpy(pieces):
+  """merge_to_heads (interpret mode, programs of Y / pieces columns): P normalised partials per
+  query row (a program that saw no key: lse = -inf, o = 0) merged through their log-sum-exps
+  equal a float64 numpy merge, and row s*U + u of kv head g lands at head g*U + u of token s of
+  the [B, S, H*Y] output."""
   B, G, U, S, Y, P = 2, 2, 4, 4, 32, 7
   rng = np.random.default_rng(11)
   o = rng.normal(size=(B, G, P, S * U, Y)).astype(np.float32)
@@ -612,7 +627,7 @@ def test_merge_to_heads_matches_numpy():
   lse[:, :, 2] = -np.inf  # one program past ctx_len
   o[:, :, 2] = 0
   got = ctx_attention.merge_to_heads(jnp.asarray(o), jnp.asarray(lse), heads=G * U,
-                                     dtype=jnp.float32, interpret=True)
+                                     dtype=jnp.float32, interpret=True, pieces=pieces)
   assert got.shape == (B, S, G * U * Y) and got.dtype == jnp.float32
   w = np.exp(lse.astype(np.float64) - lse.max(axis=2, keepdims=True))
   want = (o * w[..., None]).sum(2) / w.sum(2)[..., None]  # [B, G, S*U, Y]
@@ -623,7 +638,8 @@ def test_merge_to_heads_matches_numpy():
 def test_packed_io_lowers_for_h200():
   """At bench_k26_full's draft shape (8 q heads / 1 kv head of 128, block 16, 46080 cache rows,
   bf16) draft_block takes the packed kernel I/O by default and lowers to Triton for an abstract
-  H200: the ctx kernel and the merge kernel, no XLA merge (also with qk_in_kernel)."""
+  H200: the ctx kernel and the merge kernel, no XLA merge (with and without qk_in_kernel, and
+  with the A/B OPTIONS)."""
   from jax._src import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   cfg = draft.DraftConfig.tiny(hidden_size=256, num_hidden_layers=1, num_attention_heads=8,
                                num_key_value_heads=1, head_dim=128, intermediate_size=256,
@@ -640,9 +656,12 @@ def test_packed_io_lowers_for_h200():
   args = (params, cache, sd((1, 16), jnp.int32), sd((1,), jnp.int32),
           sd((512, 256), jnp.bfloat16), sd((256, 512), jnp.bfloat16))
   dev = mesh_lib.AbstractDevice("NVIDIA H200", 132, "gpu")
-  for packed_io, qk_in_kernel in ((True, False), (True, True), (False, False)):
-    f = functools.partial(model.draft_block, cfg=cfg, ctx_impl="pallas", packed_io=packed_io,
-                          qk_in_kernel=qk_in_kernel)
+  forms = [dict(packed_io=True, qk_in_kernel=False), dict(packed_io=True),
+           dict(packed_io=False, qk_in_kernel=False), OPTIONS["join_exp2_msplit"],
+           OPTIONS["osplit"]]
+  for form in forms:
+    packed_io = form.get("packed_io", True)
+    f = functools.partial(model.draft_block, cfg=cfg, ctx_impl="pallas", **form)
     f = lambda p, c, t, s, e, h, f=f: f(p, cache=c, block_tokens_bs=t, start_b=s, embed_vd=e,
                                         head_dv=h)
     with jax.sharding.use_abstract_mesh(
@@ -686,9 +705,9 @@ def test_packed_io_compiled_matches_float64(ctx):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernels: GPU only")
 def test_packed_io_draft_block_compiled_matches_float64(tmp_path):
   """Compiled draft_block (bf16 params and cache, 8 q / 1 kv head of 128, block 16, 3000 ctx
-  rows) in its three kernel forms (packed_io, packed_io + qk_in_kernel, the older split I/O)
-  against the float64 numpy draft of the same bf16 weights: rel L2 <= 3e-2 each (bf16
-  activations through 2 layers)."""
+  rows) in its kernel forms (packed_io + qk_in_kernel = the default, packed_io with XLA's q/k
+  norm + rope, the older split I/O, the A/B OPTIONS) against the float64 numpy draft of the
+  same bf16 weights: rel L2 <= 3e-2 each (bf16 activations through 2 layers)."""
   cfg = draft.DraftConfig.tiny(hidden_size=256, num_attention_heads=8, num_key_value_heads=1,
                                head_dim=128, intermediate_size=256, vocab_size=512,
                                mask_token_id=511, block_size=16)
@@ -706,7 +725,7 @@ def test_packed_io_draft_block_compiled_matches_float64(tmp_path):
   tokens = model.make_block(cfg, jnp.array([5]))
   ref = np_draft(W, cfg, to64(taps[0]), np.arange(n), np.asarray(tokens[0]), n, to64(embed),
                  to64(head))
-  for kw in (dict(), dict(qk_in_kernel=True), dict(packed_io=False)):
+  for kw in (dict(), dict(qk_in_kernel=False), dict(packed_io=False), *OPTIONS.values()):
     f = jax.jit(functools.partial(model.draft_block, cfg=cfg, ctx_impl="pallas", **kw))
     got = np.asarray(f(packed, cache=cache, block_tokens_bs=tokens, start_b=cache.ctx_len,
                        embed_vd=bf(embed), head_dv=bf(head))[0], np.float64)
