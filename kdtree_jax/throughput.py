@@ -1,15 +1,19 @@
 """Decode throughput vs context: the program `generate` and `Stream` run (`loop.steps_device`,
 state donated), compiled once per (config, spec); contexts are data.
 
-Per context: ms per step = slope of loop wall time over two chunk lengths (2 and 2 + gen steps:
-the per-dispatch cost cancels), tokens per step measured from the loop. Then, once every
-context's wall time is taken (a trace may slow an executable's later runs, see `timing`), a
-jax.profiler trace of one chunk of min(gen, TRACE_STEPS) steps per context: `kernel_us` =
-device-busy time per step (the union of the kernels' [start, end) intervals, so overlapping
-graph nodes count once), `kernel_sum_us` (durations summed), `kernels_per_step`, and the host
-gap `host_gap_us` = ms per step - device-busy per step: the time per step the GPU idles inside the
-device loop (`gap_method` says so in every row). A trace that misses kernels (device-busy under
-half the step) is flagged `gap_suspect`.
+Per context: WARM_CALLS untimed chunks (XLA records a command buffer's CUDA graph on its
+second execution, not its first), then ms per step = slope of loop wall time over two chunk
+lengths (2 and 2 + gen steps: the per-dispatch cost cancels), the fastest of WALL_ROUNDS calls
+of each length; tokens per step measured from the loop (and tokens emitted per step counted
+from the output buffer's fill, independently). Then, once every context's wall time is taken
+(a trace may slow an executable's later runs, see `timing`), a jax.profiler trace of one chunk
+of min(gen, TRACE_STEPS) steps per context: `kernel_us` = device-busy time per step (the union
+of the kernels' [start, end) intervals, so overlapping kernels count once), `kernel_sum_us`
+(durations summed), `kernels_per_step`, and the host gap `host_gap_us` = ms per step -
+device-busy per step: the time per step the GPU idles inside the device loop (`gap_method` says
+so in every row). A trace that misses kernels (device-busy under half the step) is flagged
+`gap_suspect`; a gap negative beyond noise (a loop faster than its own kernels) is a
+measurement error and says so in `gap_warning` (`gap_verdict`).
 """
 
 import time
@@ -47,37 +51,90 @@ def _run(run, pair, st, n):
 
 TRACE_STEPS = 8  # steps per traced chunk: per-step busy time is stable; fewer events to parse
 GAP_METHOD = ("loop wall slope per step (command buffers as compiled) - device-busy per step "
-              f"(union of kernel intervals, jax.profiler trace of a {TRACE_STEPS}-step chunk)")
+              f"(union of kernel intervals, jax.profiler trace of a {TRACE_STEPS}-step chunk; "
+              "XLA runs command buffers op by op while a profiler session is active, so this "
+              "is the op-by-op kernels' time)")
+# Untimed calls before the timed ones. XLA's CommandBufferThunk runs its FIRST execution op by op
+# (a warm-up) and records + instantiates the CUDA graph on the SECOND (openxla
+# command_buffer_thunk.cc): with one warm-up call the graph recording fell into the short
+# chunk's time and the slope read low (ar at 46k, H200: 2.77 ms per step against 6.5 ms of
+# kernels per step).
+WARM_CALLS = 2
+WALL_ROUNDS = 3  # (short, long) chunk pairs timed; the fastest of each length is kept
+
+
+def _timed_chunks(run, pair, st, gen):
+  """(state, [(t_short, n_short, t_long, n_long, tokens_long)] per full round, the first
+  round that stopped early or None) after WARM_CALLS warm-up chunks of 2 steps. n = steps the
+  loop ran (its counter); tokens = tokens the long chunk emitted (out's fill, an independent
+  count). Stops at the first round whose long chunk ran fewer steps than asked."""
+  for _ in range(WARM_CALLS):
+    st, _ = _run(run, pair, st, 2)
+  full, partial = [], None
+  for _ in range(WALL_ROUNDS):
+    s0 = int(st.steps)
+    st, t_short = _run(run, pair, st, 2)
+    s1, out1 = int(st.steps), np.asarray(jax.device_get(st.n_out))
+    st, t_long = _run(run, pair, st, 2 + gen)
+    tokens = int((np.asarray(jax.device_get(st.n_out)) - out1).sum())
+    chunk = (t_short, s1 - s0, t_long, int(st.steps) - s1, tokens)
+    if chunk[1] < 2 or chunk[3] < 2 + gen:
+      partial = chunk
+      break
+    full.append(chunk)
+  return st, full, partial
 
 
 def measure_wall(run, pair, st, gen):
-  """(state after the timed chunks, {ms_per_step, timing, accepted_per_step, steps_timed}) from
-  `st` (consumed). No trace: wall time only. The slope divides by the steps the loop actually
-  ran: the loop stops early when every row is done (an EOS of random weights, max_new_tokens),
-  and a slope over steps that never ran is the wrong number (ar at 46k read 4.7 ms per step
-  against 8.1 ms of kernels per step before this, H200)."""
-  st, _ = _run(run, pair, st, 2)                        # warm: compile, record command buffers
-  first = int(st.steps)
-  st, t_short = _run(run, pair, st, 2)
-  n_short = int(st.steps) - first
-  st, t_long = _run(run, pair, st, 2 + gen)
-  n_long = int(st.steps) - first - n_short
-  if n_long <= n_short:
-    raise RuntimeError(f"the loop ran {n_short} then {n_long} steps (asked 2 then {2 + gen}): "
-                       "it stopped early (every row done); nothing to time")
-  ms, how = 1e3 * (t_long - t_short) / (n_long - n_short), "slope"
+  """(state after the timed chunks, {ms_per_step, timing, accepted_per_step, steps_timed,
+  emitted_per_step, wall_short_ms, wall_long_ms}) from `st` (consumed). No trace: wall time
+  only. WARM_CALLS untimed chunks, then WALL_ROUNDS pairs of chunks of 2 and 2 + gen steps:
+  ms per step = (fastest long - fastest short) / gen, so a one-off cost in any one call (graph
+  recording or update, a GC pause) does not move the slope. The slope divides by the steps
+  the loop actually ran: the loop stops early when every row is done (an EOS of random weights,
+  max_new_tokens); then only the rounds before it count (or that round alone)."""
+  start = int(st.steps)
+  st, full, partial = _timed_chunks(run, pair, st, gen)
+  rounds = full or ([partial] if partial and partial[3] > partial[1] else [])
+  if not rounds:
+    raise RuntimeError(f"the loop stopped early (every row done) in its first timed round "
+                       f"(ran {partial[1] if partial else 0} then {partial[3] if partial else 0} "
+                       f"steps, asked 2 then {2 + gen}); nothing to time")
+  t_short, n_short = min(r[0] for r in rounds), rounds[0][1]
+  t_long, n_long = min(r[2] for r in rounds), rounds[0][3]
+  ms, how = 1e3 * (t_long - t_short) / (n_long - n_short), f"slope, fastest of {len(rounds)}"
   if ms <= 0:  # timing noise swamped the slope (tiny CPU runs): whole chunk per step
     ms, how = 1e3 * t_long / n_long, "total"
-  if n_long < 2 + gen:
+  if not full:
     how += f" (loop stopped after {n_long} of {2 + gen} steps)"
+  first = start + 2 * WARM_CALLS
   acc = np.asarray(jax.device_get(st.accepted))[first:int(st.steps)]
   return st, dict(ms_per_step=ms, timing=how, accepted_per_step=float(acc.mean()),
-                  steps_timed=n_long)
+                  steps_timed=n_long, emitted_per_step=rounds[0][4] / n_long,
+                  wall_short_ms=[1e3 * r[0] for r in rounds],
+                  wall_long_ms=[1e3 * r[2] for r in rounds])
+
+
+GAP_NOISE_US, GAP_NOISE_FRAC = 50.0, 0.03  # |gap| below max(50 us, 3% of the step): noise
+
+
+def gap_verdict(host_gap_us, step_us):
+  """'' for a plausible host gap, else a warning: a loop cannot run a step faster than the
+  kernels of that step (a gap negative beyond noise is a measurement error)."""
+  if host_gap_us is None or host_gap_us >= -max(GAP_NOISE_US, GAP_NOISE_FRAC * step_us):
+    return ""
+  return (f"IMPOSSIBLE: loop {-host_gap_us:.0f} us/step faster than its kernels "
+          "(a measurement error, not a speed)")
+
+
+_NO_TRACE = dict(kernel_us=None, kernel_sum_us=None, kernels_per_step=None,
+                 device_span_us=None, host_gap_us=None, gap_method=None, gap_suspect=None,
+                 gap_warning="")
 
 
 def measure_device(run, pair, st, gen, ms_per_step):
   """{kernel_us, kernel_sum_us, kernels_per_step, device_span_us, host_gap_us, gap_method,
-  gap_suspect} of a traced chunk of min(gen, TRACE_STEPS) steps from `st` (consumed); None
+  gap_suspect, gap_warning} of a traced chunk of min(gen, TRACE_STEPS) steps from `st` (consumed); None
   values off-GPU. Per step = per step the traced chunk actually ran."""
   gen = min(gen, TRACE_STEPS)
   first = int(st.steps)
@@ -88,18 +145,17 @@ def measure_device(run, pair, st, gen, ms_per_step):
   except Exception as e:  # pylint: disable=broad-except  (the wall-time row stays)
     tr, error = None, f"{type(e).__name__}: {e}"[:300]
   if tr is None:
-    return dict(kernel_us=None, kernel_sum_us=None, kernels_per_step=None, device_span_us=None,
-                host_gap_us=None, gap_method=None, gap_suspect=None, trace_error=error)
+    return dict(_NO_TRACE, trace_error=error)
   ran = int(st[1].steps) - first - gen  # device_trace ran a warm-up chunk, then the traced one
   if ran < 1:
-    return dict(kernel_us=None, kernel_sum_us=None, kernels_per_step=None, device_span_us=None,
-                host_gap_us=None, gap_method=None, gap_suspect=None,
+    return dict(_NO_TRACE,
                 trace_error=f"the traced chunk ran {ran} steps (the loop stopped early)")
   busy = 1e3 * tr["busy_ms"] / ran
+  gap = 1e3 * ms_per_step - busy
   return dict(kernel_us=busy, kernel_sum_us=1e3 * tr["kernel_sum_ms"] / ran,
               kernels_per_step=tr["kernels"] / ran, device_span_us=1e3 * tr["span_ms"] / ran,
-              host_gap_us=1e3 * ms_per_step - busy, gap_method=GAP_METHOD,
-              gap_suspect=busy < 0.5e3 * ms_per_step)
+              host_gap_us=gap, gap_method=GAP_METHOD, gap_suspect=busy < 0.5e3 * ms_per_step,
+              gap_warning=gap_verdict(gap, busy))
 
 
 def measure_context(run, pair, st, gen):
@@ -109,9 +165,10 @@ def measure_context(run, pair, st, gen):
 
 
 def loop_state_steps(gen: int) -> int:
-  """Committed-row room a throughput state needs: warm-up and two timed chunks (wall pass), or
-  a warm-up chunk and a traced chunk (trace pass; a fresh state)."""
-  return 4 * gen + 16
+  """Committed-row room a throughput state needs: the wall pass's warm-up and timed chunks
+  (2 WARM_CALLS + WALL_ROUNDS (4 + gen) steps), or a warm-up chunk and a traced chunk (trace
+  pass; a fresh state)."""
+  return max(2 * WARM_CALLS + WALL_ROUNDS * (4 + gen), 2 * min(gen, TRACE_STEPS)) + 16
 
 
 def time_contexts(pair, spec, ctxs, dtype, batch=1, gen=16, run=None):
