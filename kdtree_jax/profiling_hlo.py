@@ -198,3 +198,115 @@ def format_command_buffers(report: dict, title: str) -> str:
     lines.append(f"  while {w['name']} ({where}): per iteration {w['graph_calls']} graph "
                  f"launches; launch-like ops outside graphs: {top}")
   return "\n".join(lines)
+
+
+# ---- which jax op a CUPTI kernel runs: its optimised-HLO instruction, op_name and source line --
+_FRAME_TABLE = re.compile(r"^(FileNames|FunctionNames|FileLocations|StackFrames)$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+_SKIP_FUSED = {"parameter", "constant", "bitcast", "broadcast", "tuple", "get-tuple-element"}
+
+
+def _frame_tables(hlo_text: str) -> dict:
+  """{table name: {id: text}} of the module's stack-frame tables (FileNames, FunctionNames,
+  FileLocations, StackFrames: XLA prints them after the module header)."""
+  tables, current = {}, None
+  for line in hlo_text.splitlines():
+    if _FRAME_TABLE.match(line):
+      current = tables.setdefault(line, {})
+    elif current is not None and line.strip():
+      ident, _, rest = line.partition(" ")
+      if not ident.isdigit():
+        current = None
+        continue
+      current[int(ident)] = rest.strip().strip('"')
+    elif not line.strip():
+      current = None
+  return tables
+
+
+def _sources(tables: dict) -> dict:
+  """{stack frame id: 'file.py:line function <- caller.py:line function'} (the innermost frame
+  and its caller; the printed parent_frame_id is the parent's id + 1, 0 = none)."""
+  files, funcs = tables.get("FileNames", {}), tables.get("FunctionNames", {})
+  field = lambda text, key: int(re.search(key + r"=(\d+)", text).group(1))
+  loc = {}
+  for i, text in tables.get("FileLocations", {}).items():
+    path = files.get(field(text, "file_name_id"), "?").rsplit("/", 1)[-1]
+    loc[i] = f"{path}:{field(text, 'line')} {funcs.get(field(text, 'function_name_id'), '?')}"
+  frames = {i: (field(t, "file_location_id"), field(t, "parent_frame_id") - 1)
+            for i, t in tables.get("StackFrames", {}).items()}
+  out = {}
+  for i, (where, parent) in frames.items():
+    caller = loc.get(frames[parent][0]) if parent in frames and parent != i else None
+    out[i] = loc.get(where, "?") + (f" <- {caller}" if caller else "")
+  return out
+
+
+class HloIndex:
+  """One pass over an optimised HLO module's text: instructions by name, result types, fused
+  computations' opcodes and each instruction's source (jax op_name, file:line)."""
+
+  def __init__(self, hlo_text: str):
+    self.comps = parse(hlo_text)
+    self.instr = {i.name: i for instrs in self.comps.values() for i in instrs}
+    self.sources = _sources(_frame_tables(hlo_text))
+
+  def find(self, kernel_name: str):
+    """The instruction a CUPTI kernel name comes from, or None (XLA:GPU names a fusion's
+    kernel after the instruction with '.' -> '_': input_reduce_fusion.16 runs as
+    input_reduce_fusion_16; Mosaic / cuBLAS kernels keep their own names)."""
+    for name in (kernel_name, re.sub(r"_(\d+)$", r".\1", kernel_name)):
+      if name in self.instr:
+        return self.instr[name]
+    return None
+
+  def fused_ops(self, instr: Instr) -> str:
+    """The distinct opcodes inside a fusion's computation, in order ('convert,multiply,reduce')."""
+    ops = [j.opcode for c in _CALLS.findall(instr.attrs) for j in self.comps.get(c, ())]
+    return ",".join(dict.fromkeys(o for o in ops if o not in _SKIP_FUSED))
+
+  def describe(self, kernel_name: str) -> str:
+    """'out <- operands (op_name) [fused ops] @ file:line function <- caller', or '' when the
+    kernel has no instruction of its name."""
+    instr = self.find(kernel_name)
+    if instr is None:
+      return ""
+    ins = " ".join(self.instr[a].type if a in self.instr else "?" for a in instr.operands)
+    op = _OP_NAME.search(instr.attrs)
+    frame = _FRAME_ID.search(instr.attrs)
+    inner = self.fused_ops(instr) if instr.opcode == "fusion" else ""
+    where = self.sources.get(int(frame.group(1))) if frame else None
+    return (f"{instr.type} <- {ins} ({op.group(1)[-60:] if op else ''})"
+            + (f" [{inner}]" if inner else "") + (f" @ {where}" if where else ""))
+
+
+def kernel_ops(hlo_text: str, kernels, top: int) -> dict:
+  """{kernel name: HloIndex.describe} for the `top` first of [(name, launches, us)] (so a
+  CUPTI name like gemm_fusion_dot_86 says which dot it is: bf16[1,16,4608] <- bf16[1,16,7168]
+  bf16[7168,4608], and fusion_228 which ops it fuses and which source line made it)."""
+  index = HloIndex(hlo_text)
+  found = {name: index.describe(name) for name, _, _ in kernels[:top]}
+  return {name: text for name, text in found.items() if text}
+
+
+def kernel_listing(hlo_text: str, kernels, top: int = 40) -> list:
+  """[(us per call, launches per call, kernel names, example name, description)] of
+  [(kernel name, launches, us)] grouped by HloIndex.describe (the 61 layers' copies of one op
+  are one row; kernels without an instruction are grouped by name), slowest first, `top`."""
+  index = HloIndex(hlo_text)
+  groups = {}
+  for name, n, us in kernels:
+    key = index.describe(name) or f"{name} (no HLO instruction of this name)"
+    g = groups.setdefault(key, [0.0, 0.0, 0, name])
+    g[0], g[1], g[2] = g[0] + us, g[1] + n, g[2] + 1
+  rows = [(us, n, names, example, key) for key, (us, n, names, example) in groups.items()]
+  return sorted(rows, key=lambda r: -r[0])[:top]
+
+
+def format_listing(rows, title: str) -> str:
+  lines = [f"{title}: us/call launches/call (instances) kernel: out <- operands (jax op_name) "
+           "[fused HLO ops] @ source"]
+  for us, n, names, example, key in rows:
+    lines.append(f"  {us:9.1f} {n:6.1f} ({names:3d}) {example[:40]}: {key}")
+  return "\n".join(lines)

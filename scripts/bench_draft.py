@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from kdtree_jax import bench_models, loader, roofline, timing
+from kdtree_jax.profiling_hlo import kernel_ops  # CUPTI kernel -> HLO op, source line
 from kdtree_jax.draft import DraftConfig, model
 from kdtree_jax.target import config as model_config
 
@@ -207,46 +208,6 @@ def bench_ctx(cfg, params, b, ctx, reps, steps, variant="xla"):
   per_step = kernels_per_step(k_many, k_few, steps, few)
   ops = kernel_ops(prog.as_text(), per_step, FLAGS.top)
   return (t_many - t_few) / (steps - few), timer, per_step, ops
-
-
-def hlo_names(kernel_name):
-  """Optimized-HLO names a CUPTI kernel name may come from: XLA:GPU names a fusion's kernel
-  after the instruction with '.' -> '_' (input_reduce_fusion.16 runs as
-  input_reduce_fusion_16)."""
-  return [kernel_name, re.sub(r"_(\d+)$", r".\1", kernel_name)]
-
-
-def fused_ops(hlo_text, computation):
-  """The distinct opcodes inside a fused computation, in order (what the kernel computes:
-  'convert,multiply,reduce,rsqrt')."""
-  m = re.search(r"^%?" + re.escape(computation) + r" [^\n]*\{\n(.*?)^\}", hlo_text, re.M | re.S)
-  if not m:
-    return ""
-  ops = re.findall(r"= \S+ (\w[\w-]*)\(", m.group(1))
-  skip = {"parameter", "constant", "bitcast", "broadcast", "tuple", "get-tuple-element"}
-  return ",".join(dict.fromkeys(o for o in ops if o not in skip))
-
-
-def kernel_ops(hlo_text, kernels, top):
-  """{kernel name: "out <- operands (op_name) [fused ops]"} of the optimized HLO instruction of
-  that name, for the `top` slowest kernels (so a CUPTI name like gemm_fusion_dot_86 says which
-  dot it is: bf16[1,16,4608] <- bf16[1,16,7168] bf16[7168,4608], and fusion_228 which ops it
-  fuses)."""
-  shape_of = dict(re.findall(r"%([\w.\-]+) = (\w+\[[\d,]*\])", hlo_text))
-  found = {}
-  for name, _, _ in kernels[:top]:
-    for hlo_name in hlo_names(name):
-      m = re.search(r"%" + re.escape(hlo_name) + r" = (\S+\[[\d,]*\])\S* \w+\(([^)]*)\)(.*)",
-                    hlo_text)
-      if m:
-        ins = " ".join(shape_of.get(a, "?") for a in re.findall(r"%([\w.\-]+)", m.group(2)))
-        op = re.search(r'op_name="([^"]*)"', m.group(3))
-        calls = re.search(r"calls=%([\w.\-]+)", m.group(3))
-        inner = fused_ops(hlo_text, calls.group(1)) if calls else ""
-        found[name] = (f"{m.group(1)} <- {ins} ({op.group(1)[-60:] if op else ''})"
-                       + (f" [{inner}]" if inner else ""))
-        break
-  return found
 
 
 def cache_sized_outputs(hlo_text, cache_shape):

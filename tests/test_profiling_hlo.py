@@ -1,6 +1,8 @@
 """Launch structure from optimised HLO: two matmuls of one input are found as one group (the
 q_a / kv_a pattern); a matmul of another input is not in it."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 
@@ -104,3 +106,37 @@ ENTRY %main2 (a2: (s32[], f32[4])) -> (s32[], f32[4]) {
 """
   (w,) = profiling_hlo.command_buffer_report(text)["whiles"]
   assert w["in_command_buffer"]
+
+
+def _concat_program(x, y):
+  z = jnp.concatenate([jnp.sin(x), y], axis=-1)
+  return z * 2  # the fusion's root: the line its kernel is named after
+
+
+def test_kernel_ops_names_the_fusion_its_ops_and_source_line():
+  """A CPU-compiled program: a kernel name's instruction (XLA:GPU's '_N' for '.N' too) is
+  described by its result <- operand types, jax op_name, fused ops and the source line."""
+  x = jnp.ones((4, 3), jnp.float32)
+  text = jax.jit(_concat_program).lower(x, x).compile().as_text()
+  line = inspect.getsourcelines(_concat_program)[1] + 2
+  (name,) = [n for n, i in profiling_hlo.HloIndex(text).instr.items() if i.opcode == "fusion"]
+  got = profiling_hlo.kernel_ops(text, [(name, 1.0, 5.0)], top=1)[name]
+  assert got.startswith("f32[4,6] <- f32[4,3] f32[4,3] (jit(_concat_program)/mul)"), got
+  assert "[sine,concatenate,multiply]" in got, got
+  caller = "test_kernel_ops_names_the_fusion_its_ops_and_source_line"  # the frame above it
+  assert f"@ test_profiling_hlo.py:{line} _concat_program <- test_profiling_hlo.py:" in got, got
+  assert got.endswith(caller), got
+  rows = profiling_hlo.kernel_listing(text, [(name, 1.0, 5.0), ("body_mosaic_gpu_kernel", 61.0,
+                                                                900.0)])
+  assert [r[:4] for r in rows] == [(900.0, 61.0, 1, "body_mosaic_gpu_kernel"),
+                                   (5.0, 1.0, 1, name)]
+  assert "_concat_program" in profiling_hlo.format_listing(rows, "verify")
+
+
+def test_kernel_listing_groups_the_layers_copies_of_one_op():
+  """Two instances with the same description (one per layer in a real model) are one row."""
+  text = _hlo()
+  index = profiling_hlo.HloIndex(text)
+  name = next(n for n, i in index.instr.items() if i.opcode in ("dot", "fusion"))
+  rows = profiling_hlo.kernel_listing(text, [(name, 1.0, 2.0), (name, 1.0, 3.0)])
+  assert [r[:3] for r in rows] == [(5.0, 2.0, 2)]
