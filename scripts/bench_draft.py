@@ -16,7 +16,7 @@ second kernel merges its partials into the o_proj input (draft_block's packed_io
 +splitio = the older form, packed_io=False: q, k, v sliced and transposed for the kernel, its
 partials merged by XLA; packed_io's kernel also applies the q/k norms and rope to the dot's
 raw heads (qk_in_kernel, the default; +xlaqk = XLA's norm + rope fusion instead); the A/B
-options +qkjoin, +exp2, +msplitN, +osplitN (see --ctx_impls); +cublas = compiled with XLA's
+options +qkjoin, +exp2, +msplitN, +osplitN, +hgN (see --ctx_impls); +cublas = compiled with XLA's
 Triton GEMMs off). Both are
 the decode path's own functions (kdtree_jax/draft/model.py). Drafts (--drafts): k26_dflash_share
 = bench_k26_full's draft (published K2.6 DFlash shape sliced 1/8: 6 layers, 8 q / 1 kv heads,
@@ -61,7 +61,8 @@ flags.DEFINE_list("ctx_impls", [
     "pallas:p131+block+packed", "pallas:p131:128+block+packed", "pallas:p131:64:8:3+block+packed",
     "pallas:p66:128+block", "pallas+block+packed+splitio",
     "pallas+block+packed+xlaqk", "pallas+block+packed+qkjoin", "pallas+block+packed+exp2",
-    "pallas+block+packed+msplit2", "pallas+block+packed+osplit4",
+    "pallas+block+packed+msplit2", "pallas+block+packed+osplit4", "pallas+block+packed+hg2",
+    "pallas:p65+block+packed+hg2",
     "pallas:512:128", "pallas:512:128+block", "pallas:512:32", "pallas:512:64:4",
     "pallas:512:64:8:3"],
                   "draft_block ctx attention: xla, or pallas[:chunk or pPROGRAMS[:block_k"
@@ -74,7 +75,8 @@ flags.DEFINE_list("ctx_impls", [
                   "default before the fifth session); +qkjoin: Tuning.join_halves (in-kernel "
                   "roped halves joined, full-width score dots); +exp2: Tuning.exp2 (base-2 "
                   "softmax); +msplitN: Tuning.merge_pieces=N (merge programs of Y/N columns); "
-                  "+osplitN: draft_block(o_splits=N), o_proj split-K by hand; +cublas: "
+                  "+osplitN: draft_block(o_splits=N), o_proj split-K by hand; +hgN: "
+                  "Tuning.head_groups=N (each kv head's query heads in N program rows); +cublas: "
                   "compiled with XLA's Triton GEMMs off, cuBLAS for every dot")
 flags.DEFINE_list("ctx_kv", ["xla", "nomerge", "packed"],
                   "draft_ctx K/V projections: xla (two dots per layer; XLA may merge them), "
@@ -226,7 +228,8 @@ def cache_sized_outputs(hlo_text, cache_shape):
 
 
 SUFFIXES = ("block", "packed", "splitio", "xlaqk", "cublas", "qkjoin", "exp2")
-NUMBERED = ("osplit", "msplit")  # +osplitN: draft_block(o_splits=N); +msplitN: merge_pieces=N
+NUMBERED = ("osplit", "msplit", "hg")  # +osplitN: draft_block(o_splits=N); +msplitN:
+# Tuning.merge_pieces=N; +hgN: Tuning.head_groups=N
 
 
 def parse_ctx_impl(name):
@@ -251,6 +254,7 @@ def parse_ctx_impl(name):
   tuning += tuple((field, True) for field, x in (("join_halves", "qkjoin"), ("exp2", "exp2"))
                   if x in extras)
   tuning += (("merge_pieces", extras["msplit"]),) if "msplit" in extras else ()
+  tuning += (("head_groups", extras["hg"]),) if "hg" in extras else ()
   return impl, chunk, tuning, extras
 
 

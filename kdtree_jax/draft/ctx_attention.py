@@ -54,7 +54,10 @@ class Tuning:
   without it (not two half-width ones); exp2: the online softmax in base 2 (scale * log2(e)
   folded into the scores, exp2 per element, the lse converted back to base e); merge_pieces:
   merge_to_heads' programs each merge Y / merge_pieces columns of a query row (more, smaller
-  programs)."""
+  programs); head_groups (packed_block_partials only): each kv head's U query heads split into
+  that many groups of U / head_groups, one program row per group (the grid's kv-head axis
+  becomes G * head_groups "virtual kv heads" of M / head_groups query rows each; groups of one kv
+  head read the same K/V tiles, mostly from L2 when they run side by side)."""
   chunk: int = 1024
   block_k: int = 64
   num_warps: int = 8
@@ -63,6 +66,7 @@ class Tuning:
   join_halves: bool = False
   exp2: bool = False
   merge_pieces: int = 1
+  head_groups: int = 1
 
 
 def default_tuning(batch: int, kv_heads: int, rows_m: int, capacity: int,
@@ -221,31 +225,32 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, n_chunks, split
 
 
 def _call(len_b, q, q_spec, k_bgly, v_bgly, blk, blk_specs, M, *, scale, tuning, interpret,
-          rope=(), rope_specs=(), rope_eps=None):
-  """The pallas_call over grid (B, G, programs): q of kv head g by q_spec ([M, Y], or [S, U, Y]
-  reshaped to M rows in the kernel), the cache by tuning's programs or chunks, the block's K/V
-  (blk, by blk_specs: [S, Y] each) as one more program if given, with rope_eps the norm weights
-  and rope tables (rope, by rope_specs) for _kernel's in-kernel norm + rope -> (o
-  [B, G, P, M, Y] in the cache dtype, lse [B, G, P, M] f32)."""
+          rope=(), rope_specs=(), rope_eps=None, groups=1):
+  """The pallas_call over grid (B, G * groups, programs): q of (virtual) kv head g by q_spec
+  ([M, Y], or [S, U, Y] reshaped to M rows in the kernel), the cache of kv head g // groups by
+  tuning's programs or chunks, the block's K/V (blk, by blk_specs: [S, Y] each) as one more
+  program if given, with rope_eps the norm weights and rope tables (rope, by rope_specs) for
+  _kernel's in-kernel norm + rope -> (o [B, G * groups, P, M, Y] in the cache dtype, lse
+  [B, G * groups, P, M] f32)."""
   B, G, L, Y = k_bgly.shape
   split = tuning.programs is not None
   n, c = (tuning.programs, L) if split else (L // tuning.chunk, tuning.chunk)
   rows = lambda x: x[:, :, None] if split else x.reshape(B, G, n, c, Y)  # [B, G, n or 1, c, Y]
   kv_spec = pl.BlockSpec((None, None, None, c, Y), lambda b, g, j: (
-      b, g, 0 if split else jnp.minimum(j, n - 1), 0, 0))
+      b, g // groups, 0 if split else jnp.minimum(j, n - 1), 0, 0))
   row_spec = pl.BlockSpec((None, None, None, M), lambda b, g, j: (b, g, j, 0))
   programs = n + (1 if blk else 0)
   return pl.pallas_call(
       functools.partial(_kernel, scale=scale, block_k=tuning.block_k, n_chunks=n, split=split,
                         n_blk=len(blk), rope_eps=rope_eps, join=tuning.join_halves,
                         exp2=tuning.exp2),
-      grid=(B, G, programs),
+      grid=(B, G * groups, programs),
       in_specs=[pl.BlockSpec((1,), lambda b, g, j: (b,)), q_spec, kv_spec, kv_spec, *blk_specs,
                 *rope_specs],
       out_specs=[pl.BlockSpec((None, None, None, M, Y), lambda b, g, j: (b, g, j, 0, 0)),
                  row_spec],
-      out_shape=[jax.ShapeDtypeStruct((B, G, programs, M, Y), k_bgly.dtype),
-                 jax.ShapeDtypeStruct((B, G, programs, M), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct((B, G * groups, programs, M, Y), k_bgly.dtype),
+                 jax.ShapeDtypeStruct((B, G * groups, programs, M), jnp.float32)],
       compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps,
                                               num_stages=tuning.num_stages),
       interpret=interpret, name="draft_ctx_attention",
@@ -291,7 +296,8 @@ def packed_block_partials(qk_bshy, qkv_bshy, k_bgly, v_bgly, ctx_len_b, rope=Non
   k_norm [Y], cos, sin [B, S, Y/2] f32) and rope_eps, qk is None and the kernel norms and ropes
   qkv's raw q and k heads itself (model.rms_norm + model.rope, same roundings). Program rows are
   the S*U queries of kv head g in (s, u) order: o [B, G, P, S*U, Y], lse [B, G, P, S*U]; the
-  last program P-1 takes the block's keys."""
+  last program P-1 takes the block's keys (with tuning.head_groups = n: G*n virtual kv heads of
+  S*U/n rows each, the layout merge_to_heads reads the same way)."""
   B, S, HG2, Y = qkv_bshy.shape
   G = kv_heads
   H = HG2 - 2 * G
@@ -301,8 +307,13 @@ def packed_block_partials(qk_bshy, qkv_bshy, k_bgly, v_bgly, ctx_len_b, rope=Non
     qk, qkv = qk_bshy.astype(dt), qkv_bshy.astype(dt)
   else:  # raw heads, normed and roped in their own dtype in the kernel, then cast to dt there
     qk = qkv = qkv_bshy
-  q_spec = pl.BlockSpec((None, S, U, Y), lambda b, g, j: (b, 0, g, 0))  # heads g*U .. g*U+U-1
-  head = lambda first: pl.BlockSpec((None, S, None, Y), lambda b, g, j: (b, 0, first + g, 0))
+  hg = tuning.head_groups
+  if U % hg:
+    raise ValueError(f"head_groups={hg} must divide the {U} query heads per kv head")
+  U //= hg  # program row g = virtual kv head g: query heads g*U .. g*U+U-1 of kv head g // hg
+  q_spec = pl.BlockSpec((None, S, U, Y), lambda b, g, j: (b, 0, g, 0))
+  head = lambda first: pl.BlockSpec((None, S, None, Y),
+                                    lambda b, g, j: (b, 0, first + g // hg, 0))
   rope_specs = ()
   if rope is not None:
     vec = pl.BlockSpec((Y,), lambda b, g, j: (0,))
@@ -310,7 +321,7 @@ def packed_block_partials(qk_bshy, qkv_bshy, k_bgly, v_bgly, ctx_len_b, rope=Non
     rope_specs = (vec, vec, table, table)
   return _call(ctx_len_b, qk, q_spec, k_bgly, v_bgly, (qk, qkv), (head(H), head(H + G)),
                S * U, scale=scale, tuning=tuning, interpret=interpret, rope=tuple(rope or ()),
-               rope_specs=rope_specs, rope_eps=rope_eps)
+               rope_specs=rope_specs, rope_eps=rope_eps, groups=hg)
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref):

@@ -572,19 +572,21 @@ def test_ctx_impl_auto_and_tuning_overrides():
 # draft_block A/B options (bench_draft.py's +qkjoin, +exp2, +msplitN, +osplitN rows)
 OPTIONS = dict(join_exp2_msplit=dict(kernel_tuning=(("join_halves", True), ("exp2", True),
                                                     ("merge_pieces", 2))),
-               osplit=dict(o_splits=4), join=dict(kernel_tuning=(("join_halves", True),)))
+               osplit=dict(o_splits=4), join=dict(kernel_tuning=(("join_halves", True),)),
+               head_groups=dict(kernel_tuning=(("head_groups", 2),)))
 
 
 @pytest.mark.parametrize("heads,kv_heads,qk_in_kernel,options", [
     (2, 1, False, None), (8, 2, False, None), (2, 1, True, None), (8, 2, True, None),
     (2, 1, True, "join_exp2_msplit"), (8, 2, True, "join_exp2_msplit"), (8, 2, True, "osplit"),
-    (8, 2, False, "join")])
+    (8, 2, False, "join"), (8, 2, True, "head_groups"), (8, 2, False, "head_groups")])
 def test_packed_io_matches_numpy(tmp_path, heads, kv_heads, qk_in_kernel, options):
   """draft_block's default kernel I/O (packed_io: the ctx kernel, interpret mode, reads q and the
   block's K/V from the q|k|v dot's packed output; merge_to_heads merges its partials into the
   o_proj input; qk_in_kernel: the kernel norms and ropes the raw q / k heads itself), also
   without qk_in_kernel and with the A/B options (OPTIONS: roped halves joined, base-2 softmax,
-  merge in column pieces, o_proj split by hand; join without in-kernel rope is a no-op), on
+  merge in column pieces, o_proj split by hand, each kv head's query heads in 2 program rows;
+  join without in-kernel rope is a no-op), on
   pack_for_decode'd params equals the float64 numpy draft (f32, 1e-5), with one or two kv
   heads (U = 2 or 4 query heads each) and ctx rows split over 3 programs."""
   cfg = draft.DraftConfig.tiny(block_size=16, num_attention_heads=heads,
@@ -657,8 +659,7 @@ def test_packed_io_lowers_for_h200():
           sd((512, 256), jnp.bfloat16), sd((256, 512), jnp.bfloat16))
   dev = mesh_lib.AbstractDevice("NVIDIA H200", 132, "gpu")
   forms = [dict(packed_io=True, qk_in_kernel=False), dict(packed_io=True),
-           dict(packed_io=False, qk_in_kernel=False), OPTIONS["join_exp2_msplit"],
-           OPTIONS["osplit"]]
+           dict(packed_io=False, qk_in_kernel=False), *OPTIONS.values()]
   for form in forms:
     packed_io = form.get("packed_io", True)
     f = functools.partial(model.draft_block, cfg=cfg, ctx_impl="pallas", **form)
