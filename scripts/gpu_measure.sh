@@ -15,15 +15,17 @@
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 1, 9, 65: one MoE layer
 #               of bench_k26_full per kernel, sorted vs dense glue (rows of
 #               one T together, T=1 first); each variant's optimized HLO in raw/moe_layer_hlo/
-#   verify      tree-verify kernel: GPU tests (-m gpu, ~2 min), short bench (default L=46000 grid);
-#               verify:240 fits 4 minutes
-#   verify_probes  tree-verify bench at L=46000, B=1, H=8, N=1,8,16,64 with the PROBES variants
-#               (Triton merge, L2 prefetch, 32-key tiles, packed mask; 20 variants, one compile
-#               each): verify_probes:200; ends with the best variant per shape and its % of copy
+#   verify      tree-verify kernel: GPU tests (-m gpu, 13 cases, one kernel compile each, the f32
+#               reference on the CPU: < 2 min), short bench (default L=46000 grid); verify:240
+#   verify_probes  tree-verify bench at L=46000, B=1, H=8 (N=1,8,16,64) then H=64 (N=64 first)
+#               with the PROBES variants (pipeline_qk, on the 32-key ring at N=1/8; packed
+#               mask; ~17 variants, one compile each): verify_probes:200; ends with the best
+#               variant per shape and its % of copy
 #   verify_full tree-verify kernel: every test + the full GPU grid, per-kernel profile, the issue's
 #               whole bench table (with probes and XLA) until half the time box is spent
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
-#   k26_core    the same with the phase tables of ar and ddtree 15, loops at 46k only
+#   k26_core    the same with the phase tables of ar and ddtree 15, loops at 46k only (+ the ddtree
+#               loop with command buffers: the A/B of the runtime default, which has none)
 #   xla_options scripts/probe_xla_options.py: bench_k26_full's fused step (ar, ddtree 15) compiled
 #               per XLA option set (cuBLAS vs Triton GEMMs, ...), CUPTI kernel ms each (~200 s)
 #   target_layout  the same fused step (ar, ddtree 15), default options, target params per layer
@@ -41,8 +43,8 @@
 #   draft_gap   the packed-I/O GPU tests (every compiled form incl. the A/B options), then
 #               bench_draft.py on k26_dflash_share, draft_block only: today's default (q/k norm +
 #               rope in the kernel) beside +xlaqk (the previous default) and issue 17's A/B
-#               options one by one and combined (+qkjoin, +exp2, +msplit2/4, +osplit2/4);
-#               draft_gap:130
+#               options one by one and two combinations (+qkjoin, +exp2, +msplit2, +osplit4,
+#               +hg2 at 131 and 65 programs, +ogemv2, +qgemv14, +cublas); draft_gap:130
 #   draft_tests the compiled draft_block GPU tests of the packed forms only (~45 s)
 #   draft       the draft ctx kernel's GPU tests, then scripts/bench_draft.py: the two draft phases of
 #               both drafts (k26_dflash_share first; each draft's rows written when it is done),
@@ -86,7 +88,7 @@ run_part() {
                 python3 -m pallas_kernels.tree_verify.bench --probe_variants=false --skip_xla \
                 --budget_s=$(( secs - 180 )) --json_out=$RAW/bench_verify_attention.jsonl" ;;
     verify_probes) one_gpu timeout "$secs" python3 -m pallas_kernels.tree_verify.bench --N=1,8,16,64 \
-                --H=8 --skip_xla --budget_s=$(( secs - 60 )) --json_out=$RAW/bench_verify_probes.jsonl ;;
+                --H=8,64 --skip_xla --budget_s=$(( secs - 60 )) --json_out=$RAW/bench_verify_probes.jsonl ;;
     verify_full) one_gpu timeout "$secs" bash -c "python3 -m pytest -q -rs --gpu-full-grid \
                 tests/kernels/test_tree_verify_attention.py; python3 -m pallas_kernels.tree_verify.profile_kernels; \
                 python3 -m pallas_kernels.tree_verify.bench --full_grid --budget_s=$(( secs / 2 )) \
@@ -108,7 +110,7 @@ run_part() {
     draft_gap) one_gpu timeout "$secs" bash -c "timeout 45 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
                 --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv= --top 40 \
-                --ctx_impls pallas+block+packed,pallas+block+packed+xlaqk,pallas+block+packed+qkjoin,pallas+block+packed+exp2,pallas+block+packed+msplit2,pallas+block+packed+msplit4,pallas+block+packed+osplit4,pallas+block+packed+osplit2,pallas+block+packed+qkjoin+exp2+msplit2+osplit4" ;;
+                --ctx_impls pallas+block+packed,pallas+block+packed+xlaqk,pallas+block+packed+qkjoin,pallas+block+packed+exp2,pallas+block+packed+msplit2,pallas+block+packed+osplit4,pallas+block+packed+hg2,pallas:p65+block+packed+hg2,pallas+block+packed+ogemv2,pallas+block+packed+qgemv14,pallas+block+packed+cublas,pallas+block+packed+qkjoin+exp2+msplit2+osplit4,pallas+block+packed+qkjoin+exp2+msplit2+ogemv2+qgemv14" ;;
     draft_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed ;;
     draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kdtree_jax.draft import ctx_attention
+from kdtree_jax.draft import ctx_attention, gemv
 from kdtree_jax.draft.config import DraftConfig
 
 # Ctx rows per attention chunk: XLA:GPU pads a split-K dot's contraction to split_k * 16 bytes
@@ -363,19 +363,23 @@ def attend_key_sets(key_sets):
   return attend
 
 
-def attend_packed_kernel(k_bgly, v_bgly, ctx_len_b, tuning, interpret, qk_in_kernel=False):
+def attend_packed_kernel(k_bgly, v_bgly, ctx_len_b, tuning, interpret, qk_in_kernel=False,
+                         qkv_gemv=None):
   """An attention for _layer (packed layers, every block key visible): the ctx kernel reads q
   and the block's K/V straight from _qk_packed's arrays (ctx_attention.packed_block_partials)
   and a second kernel merges its partials into the o_proj input (merge_to_heads): no slice,
   transpose or XLA merge between the q|k|v dot and the o_proj dot. qk_in_kernel: the kernel
   reads the q|k|v dot's raw output and applies q_norm / k_norm and rope itself (no XLA norm or
-  rope launch either; the scores as two half-width dots)."""
+  rope launch either; the scores as two half-width dots); qkv_gemv (a gemv.Gemv, with
+  qk_in_kernel): the q|k|v dot through gemv.dot instead of XLA's."""
   def attend(lp, cfg, h_bsd, q_pos_bs):
     G = cfg.num_key_value_heads
     if qk_in_kernel:
       B, S, _ = h_bsd.shape
       qk, rope_eps = None, cfg.rms_norm_eps
-      qkv = (h_bsd @ lp["qkv_proj"]).reshape(B, S, -1, cfg.head_dim)
+      qkv = (h_bsd @ lp["qkv_proj"] if qkv_gemv is None else
+             gemv.dot(h_bsd, lp["qkv_proj"], qkv_gemv, interpret))
+      qkv = qkv.reshape(B, S, -1, cfg.head_dim)
       rope_in = (lp["q_norm"], lp["k_norm"], *rope_tables(q_pos_bs, cfg.head_dim, cfg.rope_theta))
     else:
       (qk, qkv), rope_eps, rope_in = _qk_packed(lp, cfg, h_bsd, q_pos_bs), None, None
@@ -404,12 +408,20 @@ def add_split_dot(x_bsd, a_bsk, w_kd, splits):
   return x_bsd + part.sum(0).reshape(B, S, -1).astype(a_bsk.dtype)  # rounded as a @ w is
 
 
-def _layer(lp, cfg, x_bsd, q_pos_bs, attend, o_splits=1):
+def residual_dot(o_splits=1, o_gemv=None, interpret=False):
+  """(x, a, w) -> x + a @ w for o_proj: XLA's dot (o_splits 1), split by hand (add_split_dot),
+  or through gemv.partials (o_gemv: a gemv.Gemv), its f32 partials summed in the add's fusion."""
+  if o_gemv is None:
+    return lambda x, a, w: add_split_dot(x, a, w, o_splits)
+  return lambda x, a, w: x + gemv.dot(a, w, o_gemv, interpret)
+
+
+def _layer(lp, cfg, x_bsd, q_pos_bs, attend, o_dot=residual_dot()):
   """One draft decoder layer; attend(lp, cfg, h, q_pos) -> o [B, S, H*Y] is its attention
-  (attend_key_sets or attend_packed_kernel); o_splits: add_split_dot's split of o_proj."""
+  (attend_key_sets or attend_packed_kernel); o_dot(x, o, w) -> x + o @ w (residual_dot)."""
   h = rms_norm(x_bsd, lp["input_layernorm"], cfg.rms_norm_eps)
   o = attend(lp, cfg, h, q_pos_bs)
-  x_bsd = add_split_dot(x_bsd, o, lp["o_proj"], o_splits)
+  x_bsd = o_dot(x_bsd, o, lp["o_proj"])
   h = rms_norm(x_bsd, lp["post_attention_layernorm"], cfg.rms_norm_eps)
   return x_bsd + _mlp(lp, h)
 
@@ -461,13 +473,13 @@ def resolve_ctx_impl(ctx_impl: str) -> str:
 
 
 def _attention(cfg, cache, i, lp, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_chunk,
-               kernel_tuning, block_in_kernel, packed_io, qk_in_kernel):
+               kernel_tuning, block_in_kernel, packed_io, qk_in_kernel, qkv_gemv=None):
   """Layer i's attend for _layer: the ctx part through the fused kernel (ctx_impl 'pallas', or
   'interpret' = its CPU interpret mode) for full-attention layers whose shapes it supports,
   else XLA in chunks; the block part by XLA, or as one more program of the kernel
   (block_in_kernel, where every block key is visible: non-causal, no window, and the kernel
   takes the block's rows); with packed_io too and a packed layer, attend_packed_kernel
-  (qk_in_kernel: q/k norm and rope inside the kernel).
+  (qk_in_kernel: q/k norm and rope inside the kernel; qkv_gemv: its q|k|v dot by gemv.dot).
   kernel_tuning: (field, value) pairs replacing default_tuning's."""
   k, v, window = cache.k[i], cache.v[i], cfg.window(i)
   B, G, L, Y = k.shape
@@ -485,7 +497,8 @@ def _attention(cfg, cache, i, lp, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_ch
       qk_like = jax.ShapeDtypeStruct((B, S, cfg.num_attention_heads + G, Y), k.dtype)
       if packed_io and "qkv_proj" in lp and (
           interpret or ctx_attention.supports_packed_block(qk_like, G)):
-        return attend_packed_kernel(k, v, cache.ctx_len, tuning, interpret, qk_in_kernel)
+        return attend_packed_kernel(k, v, cache.ctx_len, tuning, interpret, qk_in_kernel,
+                                    qkv_gemv)
       return attend_key_sets(
           lambda kb, vb: [kernel_part(k, v, cache.ctx_len, tuning, interpret, kb, vb)])
     ctx = kernel_part(k, v, cache.ctx_len, tuning, interpret)
@@ -498,7 +511,7 @@ def _attention(cfg, cache, i, lp, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_ch
 def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, start_b, embed_vd,
                 head_dv, ctx_chunk=CTX_CHUNK, ctx_impl="auto", kernel_chunk=None,
                 kernel_tuning=(), block_in_kernel=True, packed_io=True, qk_in_kernel=True,
-                o_splits=1):
+                o_splits=1, o_gemv=None, qkv_gemv=None):
   """One non-causal block [bonus, MASK...] at positions start.. over the ctx cache -> [B, S, V] f32.
 
   Ctx keys are the cache rows < ctx_len, in chunks of ctx_chunk rows when that divides the
@@ -515,7 +528,9 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   applies q_norm / k_norm and rope to the dot's raw q and k heads, so no XLA norm / rope launch
   runs between the q|k|v dot and the kernel (H200, bench_k26_full's draft at 46k: 530.6 us vs
   547.9 us with the XLA norm + rope fusion, same logits; results/h200/2026-12-01/s5_draft_io.log).
-  o_splits: o_proj's contraction split into that many pieces by hand (add_split_dot; A/B).
+  A/B options (H200 timing pending): o_splits: o_proj's contraction split into that many pieces
+  by hand (add_split_dot); o_gemv / qkv_gemv (gemv.Gemv, kernel ctx_impls only): o_proj / the
+  packed kernel path's q|k|v dot through the split-K Pallas kernel of gemv.py.
   """
   ctx_impl = resolve_ctx_impl(ctx_impl)
   B, S = block_tokens_bs.shape
@@ -524,10 +539,13 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   L = cache.pos.shape[1]
   chunk = ctx_chunk if L % ctx_chunk == 0 else None
   live = (jnp.arange(L)[None, :] < cache.ctx_len[:, None])[:, None, :]  # [B, 1, L]
+  if ctx_impl == "xla" and (o_gemv or qkv_gemv):
+    raise ValueError("o_gemv / qkv_gemv are Pallas kernels: ctx_impl 'pallas' or 'interpret'")
+  o_dot = residual_dot(o_splits, o_gemv, ctx_impl == "interpret")
   for i, lp in enumerate(params["layers"]):
     attend = _attention(cfg, cache, i, lp, q_pos, live, ctx_impl, chunk, kernel_chunk,
-                        kernel_tuning, block_in_kernel, packed_io, qk_in_kernel)
-    x = _layer(lp, cfg, x, q_pos, attend, o_splits)
+                        kernel_tuning, block_in_kernel, packed_io, qk_in_kernel, qkv_gemv)
+    x = _layer(lp, cfg, x, q_pos, attend, o_dot)
   return _logits(params, cfg, x, head_dv)
 
 

@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kdtree_jax import draft
-from kdtree_jax.draft import checkpoint, ctx_attention, model
+from kdtree_jax.draft import checkpoint, ctx_attention, gemv, model
 
 SLIDING_CFG = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=3)
 
@@ -573,20 +573,23 @@ def test_ctx_impl_auto_and_tuning_overrides():
 OPTIONS = dict(join_exp2_msplit=dict(kernel_tuning=(("join_halves", True), ("exp2", True),
                                                     ("merge_pieces", 2))),
                osplit=dict(o_splits=4), join=dict(kernel_tuning=(("join_halves", True),)),
-               head_groups=dict(kernel_tuning=(("head_groups", 2),)))
+               head_groups=dict(kernel_tuning=(("head_groups", 2),)),
+               gemv=dict(o_gemv=gemv.Gemv(2, block_n=16, block_k=16),
+                         qkv_gemv=gemv.Gemv(2, block_n=16, block_k=16)))
 
 
 @pytest.mark.parametrize("heads,kv_heads,qk_in_kernel,options", [
     (2, 1, False, None), (8, 2, False, None), (2, 1, True, None), (8, 2, True, None),
     (2, 1, True, "join_exp2_msplit"), (8, 2, True, "join_exp2_msplit"), (8, 2, True, "osplit"),
-    (8, 2, False, "join"), (8, 2, True, "head_groups"), (8, 2, False, "head_groups")])
+    (8, 2, False, "join"), (8, 2, True, "head_groups"), (8, 2, False, "head_groups"),
+    (8, 2, True, "gemv")])
 def test_packed_io_matches_numpy(tmp_path, heads, kv_heads, qk_in_kernel, options):
   """draft_block's default kernel I/O (packed_io: the ctx kernel, interpret mode, reads q and the
   block's K/V from the q|k|v dot's packed output; merge_to_heads merges its partials into the
   o_proj input; qk_in_kernel: the kernel norms and ropes the raw q / k heads itself), also
   without qk_in_kernel and with the A/B options (OPTIONS: roped halves joined, base-2 softmax,
-  merge in column pieces, o_proj split by hand, each kv head's query heads in 2 program rows;
-  join without in-kernel rope is a no-op), on
+  merge in column pieces, o_proj split by hand, each kv head's query heads in 2 program rows,
+  o_proj and q|k|v by gemv.py's kernel; join without in-kernel rope is a no-op), on
   pack_for_decode'd params equals the float64 numpy draft (f32, 1e-5), with one or two kv
   heads (U = 2 or 4 query heads each) and ctx rows split over 3 programs."""
   cfg = draft.DraftConfig.tiny(block_size=16, num_attention_heads=heads,
