@@ -373,6 +373,11 @@ def bench_draft(name, ceil, t0):
                       block_cost(cfg, params, head, b, ctx), ceil, cfg, b)
                   | dict(cache_sized_outputs=rewrites, ctx_impl=impl, kernel_ops=ops,
                          logits_rel_l2_vs_first=rel_l2(logits, first)))
+      r = rows[-1]  # printed now too: a run cut off by its time box still shows it
+      print(f"{name} draft_block {impl} ctx={ctx}: {us:.1f} us = {r['x_floor']:.2f}x floor, "
+            f"{sum(n for _, n, _ in kernels):.0f} launches, logits rel L2 vs "
+            f"{rows_first_impl()}: {r['logits_rel_l2_vs_first']:.1e} ({time.time() - t0:.0f} s)",
+            flush=True)
     if FLAGS.probe_cudnn and on_gpu:
       rows += ctx_attention_probe(cfg, b, ctx, FLAGS.reps)
     print(f"{name} ctx={ctx} done ({time.time() - t0:.0f} s)", flush=True)

@@ -5,13 +5,15 @@
 # cut off before that, raw/ comes back as it is).
 #   bash scripts/gpu_measure.sh OUT_DIR PART[:SECONDS] ...
 # Parts (single-GPU parts see GPU 0 only):
-#   moe_tests   grouped-matmul kernel GPU tests (bf16 + INT4, every code path once, 11 Mosaic
-#               compiles; the old shape x path grid needs --gpu-full-grid, not run here)
+#   moe_tests   grouped-matmul kernel GPU tests (bf16 + INT4, every code path once, the promoted
+#               INT4 tunings at K2.6's T=1/16/65 shapes; ~14 Mosaic compiles: moe_tests:120; the
+#               old shape x path grid needs --gpu-full-grid, not run here)
 #   moe_bench   pallas_kernels/grouped_matmul/bench.py: routed FFN per T, tuning sweep, whole MoE layer
 #   moe_tune    pallas_kernels/grouped_matmul/bench.py --parts mlp_tune: the INT4 expert FFN's gated
-#               and down calls at T=16 (4 experts), 1 (1), 65 (36) per tuning variant (fixed-cost
-#               options, 32-column pieces, more K splits, dequant batches, fewer stages, rows),
-#               per-call Mosaic us; 15 programs: moe_tune:160
+#               and down calls at T=16 (4 experts), 1 (1), 9 (8), 65 (36): the promoted default
+#               tuning (tuning.DEFAULT_VARIANTS, by rows) beside the next round's variants (dq2,
+#               s3, k512, w16, R 8, x2), per-call Mosaic us, wrong rows marked FAIL;
+#               12 programs: moe_tune:150
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 1, 9, 65: one MoE layer
 #               of bench_k26_full per kernel, sorted vs dense glue (rows of
 #               one T together, T=1 first); each variant's optimized HLO in raw/moe_layer_hlo/
@@ -42,9 +44,9 @@
 #               draft_io:130 (~100 s)
 #   draft_gap   the packed-I/O GPU tests (every compiled form incl. the A/B options), then
 #               bench_draft.py on k26_dflash_share, draft_block only: today's default (q/k norm +
-#               rope in the kernel) beside +xlaqk (the previous default) and issue 17's A/B
-#               options one by one and two combinations (+qkjoin, +exp2, +msplit2, +osplit4,
-#               +hg2 at 131 and 65 programs, +ogemv2, +qgemv14, +cublas); draft_gap:130
+#               rope in the kernel) beside issue 17's A/B options one by one and two
+#               combinations (+qkjoin, +hg2 at 131 and 65 programs and with 4 warps, +ogemv1/2,
+#               +qgemv14, +osplit4, +exp2, +msplit2; each row printed when timed); draft_gap:130
 #   draft_tests the compiled draft_block GPU tests of the packed forms only (~45 s)
 #   draft       the draft ctx kernel's GPU tests, then scripts/bench_draft.py: the two draft phases of
 #               both drafts (k26_dflash_share first; each draft's rows written when it is done),
@@ -107,10 +109,10 @@ run_part() {
                 tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
                 --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv packed --top 40 \
                 --ctx_impls pallas+block+packed+splitio+xlaqk,pallas+block+packed+xlaqk,pallas+block+packed" ;;
-    draft_gap) one_gpu timeout "$secs" bash -c "timeout 45 python3 -m pytest -q -rs -m gpu \
+    draft_gap) one_gpu timeout "$secs" bash -c "timeout 40 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
                 --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv= --top 40 \
-                --ctx_impls pallas+block+packed,pallas+block+packed+xlaqk,pallas+block+packed+qkjoin,pallas+block+packed+exp2,pallas+block+packed+msplit2,pallas+block+packed+osplit4,pallas+block+packed+hg2,pallas:p65+block+packed+hg2,pallas+block+packed+ogemv2,pallas+block+packed+qgemv14,pallas+block+packed+cublas,pallas+block+packed+qkjoin+exp2+msplit2+osplit4,pallas+block+packed+qkjoin+exp2+msplit2+ogemv2+qgemv14" ;;
+                --ctx_impls pallas+block+packed,pallas+block+packed+qkjoin,pallas+block+packed+hg2,pallas+block+packed+ogemv1,pallas+block+packed+ogemv2,pallas+block+packed+qgemv14,pallas+block+packed+osplit4,pallas+block+packed+exp2,pallas+block+packed+msplit2,pallas:p65+block+packed+hg2,pallas:p131:64:4:3+block+packed+hg2,pallas+block+packed+qkjoin+exp2+msplit2+osplit4,pallas+block+packed+qkjoin+exp2+msplit2+ogemv2+qgemv14" ;;
     draft_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed ;;
     draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
