@@ -51,25 +51,24 @@ MUST_SHOW = [(1, 1, 8, 46000), (1, 1, 8, 131072), (1, 8, 8, 46000), (1, 16, 8, 4
              (1, 64, 8, 46000), (1, 64, 64, 46000), (1, 8, 64, 46000), (1, 16, 64, 46000),
              (1, 32, 64, 46000)]
 FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64], B=[1, 4])
-# Knob variants timed beside the default on a few shapes (predictions in notes/kernel.md, "Why the
-# kernel is at 68% of copy at N=1"), most informative first (past --budget_s the rest is skipped):
-# k=v Tuning fields, plus mask=packed (the tree mask packed once outside the call, as the model
-# does per step: the call is the kernel + the merge).
-# merge=triton: the split merge as one Pallas Triton kernel (any split count).
-# prefetch=P: each ring load of tile i is followed by an L2 prefetch of tile i + P (HBM reads in
-# flight beyond the SMEM ring; P x 74 KB per SM at block_kv=64).
-# block_kv=32,stages=4: 32-key tiles, 4-deep ring (one SMEM budget), 11 instead of 6 tiles per
-# CTA at N=1 (less last-tile imbalance).
-_TRI, _PF = "merge=triton", "prefetch=2,merge=triton"
-_BK32 = "block_kv=32,stages=4,merge=triton"
-_BK32_PF = "block_kv=32,stages=4,prefetch=4,merge=triton"
-PROBES = {(1, 1, 8, 46000): f"{_TRI};{_BK32};{_PF};{_BK32_PF};{_BK32_PF},mask=packed",
-          (1, 8, 8, 46000): f"{_TRI};{_PF};{_BK32_PF};{_PF},mask=packed",
-          (1, 16, 8, 46000): f"{_TRI};{_PF};{_BK32_PF};{_PF},mask=packed",
-          (1, 64, 8, 46000): f"{_TRI};{_PF};{_PF},mask=packed",
-          (1, 64, 64, 46000): "num_splits=1;shared_p=0;prefetch=2",
-          (4, 1, 8, 46000): f"num_splits=66;{_BK32_PF}",
-          (4, 16, 8, 46000): f"num_splits=32;{_PF}"}
+# Knob variants timed beside the default on a few shapes, most informative first (past --budget_s
+# the rest is skipped): k=v Tuning fields, plus mask=packed (the tree mask packed once outside the
+# call, as the model does per step: the call is the kernel + the merge; a must-show shape without
+# a packed probe gets one). Measured and dropped (s3, notes/kernel.md): merge=triton (now the
+# default where the call splits), prefetch=2 and block_kv=32,stages=4 (+ prefetch=4): no gain.
+# pipeline_qk=1: tile i + 1's QK^T issued before tile i's softmax, so the tensor cores run it
+# under the softmax (FA3-style; predictions: WORKSPACE.md, tree-verify, fifth session). With
+# 64-key tiles and 2 stages both ring slots are held while it runs (nothing streams): tried where
+# the shape is compute-bound (N >= 16); at N = 1 / 8 (stream-bound) on the 32-key, 4-stage ring
+# (N = 8: both).
+_PIPE, _PIPE32 = "pipeline_qk=1", "block_kv=32,stages=4,pipeline_qk=1"
+PROBES = {(1, 1, 8, 46000): f"{_PIPE32}",
+          (1, 8, 8, 46000): f"{_PIPE32};{_PIPE}",
+          (1, 16, 8, 46000): f"{_PIPE};{_PIPE32}",
+          (1, 64, 8, 46000): f"{_PIPE}",
+          (1, 64, 64, 46000): f"{_PIPE};num_splits=1;shared_p=0",
+          (4, 1, 8, 46000): f"num_splits=66;{_PIPE32}",
+          (4, 16, 8, 46000): f"num_splits=32;{_PIPE}"}
 
 
 def xla_baseline(q, cache, lengths, tree_mask, *, scale):

@@ -17,18 +17,19 @@ TOL = {jnp.bfloat16: 1e-2, jnp.float32: 1e-5}
 
 
 def GPU(values):  # pylint: disable=invalid-name
-  """A parametrization that is also in the default GPU set (`pytest -m gpu`, ~2 min on an H200)."""
+  """A parametrization that is also in the default GPU set (`pytest -m gpu`; TestKernelGPU)."""
   return pytest.param(*values, marks=pytest.mark.gpu)
 C, R = 576, 512
 
 
 def make_inputs(b, n, h, l, lengths, seed=0, dtype=jnp.bfloat16, c=C):
-  """Random q [B, N, H, C], cache [B, L, C], lengths [B], tree mask [B, N, N]."""
-  kq, kc = jax.random.split(jax.random.key(seed))
-  q = jax.random.normal(kq, (b, n, h, c), jnp.float32).astype(dtype)
-  cache = jax.random.normal(kc, (b, l, c), jnp.float32).astype(dtype)
+  """Random q [B, N, H, C], cache [B, L, C], lengths [B], tree mask [B, N, N] (host numpy: no
+  device program per shape for the random draws)."""
+  rng = np.random.default_rng([seed, 1])
+  q = rng.standard_normal((b, n, h, c), np.float32).astype(dtype)
+  cache = rng.standard_normal((b, l, c), np.float32).astype(dtype)
   mask = masks.random_tree_mask(np.random.default_rng(seed), b, n)
-  return q, cache, jnp.asarray(lengths, jnp.int32), jnp.asarray(mask)
+  return q, cache, np.asarray(lengths, np.int32), mask
 
 
 def rel_err(x, y):
@@ -62,15 +63,22 @@ def _kernel_call(q, cache, lengths, mask, *, scale, tuning):
                                    return_lse=True, tuning=tuning)
 
 
-# One XLA program per case for each side (not one per jnp op of the wrappers, run eagerly): the
-# GPU set's time goes to compiling.
+# One XLA program per case for each side (not one per jnp op of the wrappers, run eagerly).
 _reference_call = jax.jit(reference.tree_verify_attention_reference, static_argnames=("scale",))
 
 
+def reference_on_cpu(q, cache, lengths, mask, scale):
+  """The f32 reference compiled for and run on the host CPU whatever the default backend: on the
+  H200 its f32 GEMMs cost ~10 s of XLA GPU compile per shape with N*H >= 64 (s5 log: the
+  test_tunings pair, same inputs and reference, took 14.5 s, then 3.9 s), most of the GPU set."""
+  args = jax.device_put((q, cache, lengths, mask), jax.devices("cpu")[0])
+  return _reference_call(*args, scale=scale)
+
+
 def check_against_reference(q, cache, lengths, mask, tuning=None, scale=0.05):
-  """Runs the kernel backend, compares with the f32 reference; returns (out, lse)."""
+  """Runs the kernel backend, compares with the f32 reference (on the CPU); returns (out, lse)."""
   out, lse = _kernel_call(q, cache, lengths, mask, scale=scale, tuning=tuning)
-  ref_o, ref_l = _reference_call(q, cache, lengths, mask, scale=scale)
+  ref_o, ref_l = reference_on_cpu(q, cache, lengths, mask, scale)
   assert out.shape == ref_o.shape and out.dtype == q.dtype
   assert not np.isnan(np.asarray(out, np.float32)).any()
   assert not np.isnan(np.asarray(lse)).any()
@@ -163,7 +171,7 @@ class TestRowWindows:
                        sd((1,), jnp.int32), sd((1, 5, 64 * -(-m // 64)), jnp.int32))
 
   @pytest.mark.slow
-  @pytest.mark.parametrize("n,h", [(1, 8), (2, 8), (5, 8), (8, 8), GPU((9, 8))])  # M = 8 .. 72
+  @pytest.mark.parametrize("n,h", [(1, 8), (2, 8), (5, 8), (8, 8), (9, 8)])  # M = 8 .. 72
   def test_correct_over_rows(self, n, h):
     """Several splits (partials [B, S, M, R]) and a batch of 2: a window past M would land in the
     next split's or batch row's rows."""
@@ -171,20 +179,24 @@ class TestRowWindows:
     check_against_reference(q, cache, ln, mask, Tuning(num_splits=3))
 
 
-# Small shapes for CPU interpret mode (GPU(...): also in the default GPU set, `pytest -m gpu`):
+# Small shapes for CPU interpret mode (GPU(...): also in the default GPU set, `pytest -m gpu`, each
+# for the path its "GPU:" comment names; TestKernelGPU's docstring lists the whole set):
 # (B, N, H, L, lengths, tuning)
 SMALL = [
     (1, 1, 8, 64, [63], Tuning(num_splits=1)),                     # one split: final output
     (3, 5, 8, 200, [130, 0, 195], Tuning(num_splits=2)),           # ragged, len 0, L % 64 != 0
+    # GPU: both warpgroups score (no shared P), f32 partials + XLA merge, 40-row windows, len 0
     GPU((3, 5, 8, 200, [130, 0, 195], Tuning(num_splits=2, shared_p=False, bf16_partials=False))),
     (1, 15, 8, 136, [100], Tuning(num_splits=3)),                  # N = 8k-1: 2 row tiles, tree
     (1, 8, 8, 192, [120], Tuning(num_splits=1)),                   # N*H = 64: one whole tile
     (1, 40, 2, 192, [140], Tuning(num_splits=2)),                  # 2 mask words, tree over tiles
     (1, 2, 64, 150, [148], Tuning(num_splits=3)),                  # L % 8 != 0, empty split
-    GPU((2, 4, 8, 150, [148, 151], Tuning(num_splits=2))),         # tree past L (pad rows), len > L
-    GPU((2, 3, 1, 40, [10, 30], Tuning(num_splits=1))),            # N*H % 8 != 0, L < block_kv
+    GPU((2, 4, 8, 150, [148, 151], Tuning(num_splits=2))),         # GPU: L % 8 != 0 (cache pad),
+                                                                   # tree past L, len > L
+    GPU((2, 3, 1, 40, [10, 30], Tuning(num_splits=1))),            # GPU: N*H % 8 != 0 (q pad),
+                                                                   # L < block_kv, one split
     (3, 5, 8, 200, [130, 64, 195], Tuning(num_splits=2, kernel="v1")),  # v1 (A/B)
-    GPU((2, 9, 8, 300, [290, 0], Tuning(num_splits=4, merge="triton"))),  # one-kernel merge
+    (2, 9, 8, 300, [290, 0], Tuning(num_splits=4, merge="triton")),  # one-kernel merge
     (2, 9, 8, 300, [290, 0], Tuning(num_splits=3, merge="triton")),  # its 2 + 1 pieces
     # 32-key tiles (64-byte swizzle) and a deeper ring; tree over tiles, ragged, empty split
     (1, 40, 2, 192, [140], Tuning(block_kv=32, stages=4, num_splits=2)),
@@ -193,7 +205,14 @@ SMALL = [
     (2, 4, 8, 150, [148, 151], Tuning(block_kv=32, stages=4, num_splits=1)),  # past L, len > L
     # L2 prefetch ahead of the ring (a no-op in interpret mode: the control flow around it runs)
     (1, 1, 8, 700, [699], Tuning(num_splits=2, prefetch=2)),
-    # on the GPU: the three new paths at once (32-key tiles, prefetch, Triton merge of 3 splits)
+    # pipeline_qk: tile i + 1's QK^T issued before tile i's softmax (scores carried one step);
+    # splits of 0, 1 and several tiles (len 0), masked tiles, shared P or both scoring, 32-key ring
+    (3, 5, 8, 200, [130, 0, 195], Tuning(num_splits=2, pipeline_qk=True)),
+    (1, 40, 2, 192, [140], Tuning(block_kv=32, stages=4, num_splits=2, pipeline_qk=True)),
+    (2, 4, 8, 150, [148, 151], Tuning(num_splits=1, shared_p=False, pipeline_qk=True)),
+    # GPU: pipeline_qk over 5-6 tiles a split (both loops), 2 row tiles, Triton merge
+    GPU((2, 16, 8, 700, [684, 300], Tuning(num_splits=2, pipeline_qk=True, merge="triton"))),
+    # GPU: 32-key tiles (64-byte swizzle, 4-deep ring), L2 prefetch, Triton merge of 2 + 1 pieces
     GPU((2, 16, 8, 3000, [2984, 1000], Tuning(block_kv=32, stages=4, prefetch=4, num_splits=3,
                                               merge="triton"))),
 ]
@@ -286,7 +305,10 @@ class TestLowersForGpu:
       (1, 1, 8, 46000, Tuning(block_kv=32, stages=4, num_splits=132)),
       (1, 16, 8, 46000, Tuning(block_kv=32, stages=4, num_splits=66, shared_p=False)),
       (2, 15, 8, 4096, Tuning(block_kv=32, stages=4, prefetch=4, num_splits=3)),
-      (1, 1, 8, 46000, Tuning(num_splits=132, prefetch=1))])
+      (1, 1, 8, 46000, Tuning(num_splits=132, prefetch=1)),
+      (1, 1, 8, 46000, Tuning(block_kv=32, stages=4, num_splits=132, pipeline_qk=True)),
+      (1, 64, 64, 46000, Tuning(num_splits=2, pipeline_qk=True)),
+      (2, 15, 8, 4096, Tuning(num_splits=3, shared_p=False, pipeline_qk=True))])
   def test_lowers(self, b, n, h, l, tuning):
     assert "mosaic_gpu" in self.lower_text(b, n, h, l, tuning)
 
@@ -325,11 +347,21 @@ class TestLowersForGpu:
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")
 class TestKernelGPU:
-  """Default GPU set with the GPU(...) cases above (every code path, 13 cases, ~2 minutes on an
-  H200: ~10 s a case, mostly compiling; the bench checks its shapes against the reference too):
-  one split (final output) and
-  several (merge), shared P or not, ragged batches with length 0, L % 64 != 0 and % 8 != 0,
-  N*H % 8 != 0, N = 8k-1 and 8k, trees over several mask words, the default tuning at 46k."""
+  """The default GPU set (`pytest -m gpu`): 13 cases, one compiled kernel program each, the f32
+  reference on the CPU. One case per path (M = kernel rows; windows of min(M, 64) rows):
+  - SMALL GPU(...): no shared P + f32 partials + XLA merge (M 40); L % 8 != 0 cache pad, tree
+    past L, len > L (M 32); q pad N*H % 8 != 0, L < block_kv, one split (M 8); pipeline_qk
+    (M 128); 32-key tiles, prefetch, Triton merge of 2 + 1 pieces (M 128, 2 row tiles unpadded).
+  - test_every_output_written_and_deterministic[3-True]: raw partials in NaN-filled buffers.
+  - here, default tuning: 1x1x8x46000 (the ar shape: 132 splits, merge pieces 128 + 4, M 8);
+    B=4 ragged with len 0 at L=4100 (32 splits, one piece, L % 8 != 0); N=15 = 8k-1 (q padded to
+    2 row tiles, B=3, len 1, 22 splits = 16 + 4 + 2); N=100 (13 row tiles, 4 mask words, 5
+    splits); test_tunings: one split over 8 row tiles (N=64: final output, no merge), the v1
+    kernel; tests/sharding: the kernel in the model's head-sharded shard_map.
+  Now CPU-only (their paths run on the GPU in the cases above): test_correct_over_rows[9-8] (q
+  padded 72 -> 128, 3 splits, XLA merge: the N=15 case has the same two 64-row windows, the M 40
+  case the XLA merge) and SMALL's 2x9x8x300 Triton merge of 4 splits (one power-of-2 piece: the
+  B=4 case's 32). The bench checks its shapes against the reference too."""
 
   @pytest.mark.parametrize("b,n,h,l,lengths", [
       (1, 1, 8, 46000, [45999]), (4, 1, 8, 4100, [4099, 0, 17, 2050]),
