@@ -22,7 +22,10 @@ The work list (work.py) is an operand: one MoE layer builds it once for its gate
 The grid's first axis is one CTA column per item, or `Tuning.slots` columns looping over them
 (`Tuning.items_smem`: the list is read from SMEM after one TMA). `Tuning.store_once` fences and
 waits once for every epilogue part; `Tuning.dequant_batch` dequantises several 64-column chunks
-per wgmma wait. `launch_shape` says what a call launches (CTAs, K steps, SMEM per CTA).
+per wgmma wait. (32-column pieces against a 64-byte-swizzled x tile, the removed `scale_halves`,
+passed interpret mode, which runs only the SMEM-operand path and ignores swizzles, and were wrong
+on the H200 with the register operand, 2-3x slower: WORKSPACE.md.) `launch_shape` says what a
+call launches (CTAs, K steps, SMEM per CTA).
 """
 
 import functools
@@ -38,16 +41,6 @@ from pallas_kernels.grouped_matmul.tuning import Tuning
 
 CHUNK = 64  # K columns per wgmma call (128-byte swizzle of bf16)
 _SWIZZLED = (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(128))
-
-
-def _piece(t: Tuning, int4: bool) -> int:
-  """K columns dequantised per wgmma call: 64, or 32 with `t.scale_halves` (INT4)."""
-  return 32 if int4 and t.scale_halves else CHUNK
-
-
-def _x_transforms(width: int):
-  """x tiles swizzled so a `width`-column slice is one wgmma B operand (64: 128 B, 32: 64 B)."""
-  return (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(2 * width))
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout array
 
 
@@ -57,22 +50,21 @@ def supports(x_mk, k: int, n: int, group: int | None, t: Tuning) -> bool:
           and n % t.block_n == 0 and (group is None or group == 32 or group % CHUNK == 0))
 
 
-def _chunk_scales(s_smem, j, shape, group, block_k, width=CHUNK):
-  """Scales of piece j's [BN, width] weights: one scale row, or (S = 32 in a 64-column piece)
-  two, picked per element by a select; broadcast along K."""
+def _chunk_scales(s_smem, j, shape, group, block_k):
+  """Scales of chunk j's [BN, 64] weights: one or two scale rows, broadcast along K."""
   def row(r):
     vec = plgpu.load(s_smem.at[r], layout=_ROW, optimized=False)
     return lax.broadcast_in_dim(vec, shape, [0])
-  if group >= width:
-    return row(0 if group >= block_k else (width * j) // group)
+  if group >= CHUNK:
+    return row(0 if group >= block_k else (CHUNK * j) // group)
   col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
   return jnp.where(col < group, row(2 * j), row(2 * j + 1))
 
 
-def _load_int4(q_smem, j, wide: bool, width: int = CHUNK):
-  """Piece j's [BN, width] int4 in the WGMMA layout: byte loads (2 values each) in that layout,
-  or `wide`: 32-bit loads (8 values) in WGMMA_UPCAST_4X, relaid out by in-warp shuffles."""
-  chunk = q_smem.at[:, pl.ds(width * j, width)]
+def _load_int4(q_smem, j, wide: bool):
+  """Chunk j's [BN, 64] int4 in the WGMMA layout: byte loads (2 values each) in that layout, or
+  `wide`: 32-bit loads (8 values) in WGMMA_UPCAST_4X, relaid out by in-warp shuffles."""
+  chunk = q_smem.at[:, pl.ds(CHUNK * j, CHUNK)]
   if not wide:
     return plgpu.load(chunk, layout=plgpu.Layout.WGMMA, optimized=False)
   q = plgpu.load(chunk, layout=plgpu.Layout.WGMMA_UPCAST_4X, optimized=False)
@@ -80,34 +72,29 @@ def _load_int4(q_smem, j, wide: bool, width: int = CHUNK):
 
 
 def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtype, wide,
-               batch=1, width=CHUNK):
-  """One K step: per `width`-column piece, dequantise W^T in registers and issue wgmma.
+               batch=1):
+  """One K step: per 64-column chunk, dequantise W^T in registers and issue wgmma.
 
-  width 64 (one 128-byte swizzle row of x): a piece spans two 32-row scale groups at S = 32,
-  picked per element by a select; width 32 (`Tuning.scale_halves`): one scale row per piece, no
-  select, two wgmma calls per 64 columns. `batch` x 64 columns are dequantised before their
-  wgmmas are issued (more loads and conversions in flight per wgmma wait); a batch's wgmmas
-  overlap the next batch's dequantise. w_stage None: the registers are wgmma's A operand. Else
-  2 x batch x 64 / width swizzled SMEM buffers [BN, width] that the pieces cycle through (the
-  A-from-SMEM variant; GPU interpret mode needs it).
+  `batch` chunks are dequantised before their wgmmas are issued (more independent loads and
+  conversions in flight per wgmma wait); a batch's wgmmas overlap the next batch's dequantise.
+  w_stage None: the registers are wgmma's A operand. Else 2 x batch swizzled SMEM buffers
+  [BN, 64] that the chunks cycle through (the A-from-SMEM variant; GPU interpret mode needs it).
   """
-  n_pieces = block_k // width
-  per_batch = batch * CHUNK // width
-  for j0 in range(0, n_pieces, per_batch):
+  n_chunks = block_k // CHUNK
+  for j0 in range(0, n_chunks, batch):
     ws = []
-    for j in range(j0, min(j0 + per_batch, n_pieces)):
-      q = _load_int4(q_smem, j, wide, width)
-      scale = _chunk_scales(s_smem, j, q.shape, group, block_k, width)
-      w = q.astype(dtype) * scale.astype(dtype)
+    for j in range(j0, min(j0 + batch, n_chunks)):
+      q = _load_int4(q_smem, j, wide)
+      w = q.astype(dtype) * _chunk_scales(s_smem, j, q.shape, group, block_k).astype(dtype)
       if w_stage is not None:
-        buf = j % (2 * per_batch)
+        buf = j % (2 * batch)
         w_stage[buf] = w
         w = w_stage.at[buf]
       ws.append(w)
     if w_stage is not None:
       plgpu.commit_smem()
-    for j, w in zip(range(j0, n_pieces), ws):
-      plgpu.wgmma(acc_ref, w, x_smem.at[:, pl.ds(width * j, width)].transpose((1, 0)))
+    for j, w in zip(range(j0, n_chunks), ws):
+      plgpu.wgmma(acc_ref, w, x_smem.at[:, pl.ds(CHUNK * j, CHUNK)].transpose((1, 0)))
     plgpu.wgmma_wait(len(ws))  # the batch before is done: its registers / buffers are free
   plgpu.wgmma_wait(0)  # the pipeline reuses x_smem's slot after this step
 
@@ -226,14 +213,13 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int):
             tiles = w_smem[j * per_stack:(j + 1) * per_stack]
             if int4:
               _int4_step(acc_ref, x_smem, *tiles, w_stage, group=group, block_k=t.block_k,
-                         dtype=dtype, wide=t.int4_wide_loads, batch=t.dequant_batch,
-                         width=_piece(t, int4))
+                         dtype=dtype, wide=t.int4_wide_loads, batch=t.dequant_batch)
             else:
               _bf16_step(acc_ref, x_smem, *tiles)
 
         x_spec = plgpu.BlockSpec((pl.Element(t.rows), t.block_k),
                                  lambda kk: (pl.multiple_of(win, work.ALIGN), k0 + kk),
-                                 transforms=_x_transforms(_piece(t, int4)))
+                                 transforms=_SWIZZLED)
         w_specs = [plgpu.BlockSpec(s.block_shape, functools.partial(s.index_map, ni=ni),
                                    transforms=s.transforms)
                    for s in _weight_specs(int4, group, t, k0)] * n_stacks
@@ -274,7 +260,6 @@ def launch_shape(k: int, n: int, n_items: int, int4: bool, gated: bool, t: Tunin
   ring = stages * (t.rows * t.block_k * 2 + (2 if gated else 1) * w_tile)
   out = _num_values(gated, t) * (2 if t.splits > 1 else 1) * t.rows * t.block_n * 2
   stage = 2 * t.dequant_batch * t.block_n * CHUNK * 2 if int4 and t.a_operand == "smem" else 0
-  # (scale_halves: twice the buffers of half the width, same bytes)
   smem = ring + out + stage
   return dict(ctas=_slots(t, n_items) * (n // t.block_n) * t.splits, k_steps=steps,
               smem_kb=round(smem / 1024, 1), ctas_per_sm_smem=(227 * 1024) // smem)
@@ -313,9 +298,8 @@ def grouped_matmul_mgpu(x_mk, stacks, items, *, tuning: Tuning, interpret=False)
   n_out = _num_values(gated, tuning) * (2 if split else 1)
   scratch = [plgpu.SMEM((tuning.rows, tuning.block_n), x_mk.dtype)] * n_out
   if int4 and tuning.a_operand == "smem":
-    width = _piece(tuning, int4)
-    scratch.append(plgpu.SMEM((2 * tuning.dequant_batch * CHUNK // width, tuning.block_n, width),
-                              x_mk.dtype, transforms=_x_transforms(width)))
+    scratch.append(plgpu.SMEM((2 * tuning.dequant_batch, tuning.block_n, CHUNK), x_mk.dtype,
+                              transforms=_SWIZZLED))
   n_items = items.shape[1]
   if _items_in_smem(tuning, n_items):
     pad = _padded_items(n_items) - n_items

@@ -4,12 +4,30 @@ import dataclasses
 import re
 
 NUM_SMS = 132  # H200 SXM
-# The `apply_variant` names default_tuning applies ("default": none) to INT4 calls of few rows
-# (M < FEW_ROWS: T < 33 tokens of top-8, fixed costs and few live experts) and of many. Issue
-# 12's candidates are measured by `bench.py --parts mlp_tune` (gpu_measure.sh part moe_tune),
-# whose 'few' / 'many' variant sets split at the same T: promote a row by naming it here.
-FEW_ROWS = 33 * 8
-DEFAULT_VARIANTS = {"few": "default", "many": "default"}
+
+# The `apply_variant` name default_tuning applies to INT4 calls, by M (rows = T tokens x top-8
+# pairs): the first entry whose bound M <= max_rows holds, with the measurement it comes from
+# (H200, `bash scripts/gpu_measure.sh $OUT moe_tune:160`: `bench.py --parts mlp_tune`, both
+# calls of the INT4 expert FFN on one GPU's share of K2.6, 48 local experts, D 7168, F 2048;
+# whole-call CUPTI us; results/h200/2026-12-01/s5_moe_tune.log, copy 4.08 TB/s). bf16 calls take
+# none (measured on INT4 only). A new row of the mlp_tune bench is promoted by naming it here.
+DEFAULT_VARIANTS = (
+    # max_rows, variant, measured (s5 = fifth session, 2026-12-01 10:54 UTC)
+    (8, "once+ismem", "s5 T=1 (1 expert): 26.6 us vs 27.3 base (+x2 27.2: noise; the simpler)"),
+    (33 * 8 - 1, "once+ismem+x4c4+s2", "s5 T=16 (4 experts): 78.0 us vs 87.3 base; T=2..32 "
+     "unmeasured (T=9: bench mlp_tune case 9:8)"),
+    (65 * 8, "once+ismem+r8+s2", "s5 T=65 (36 experts): 336.4 us vs 555.9 base (64.9% of "
+     "copy); R = 8 fits ~2 local rows per expert, not prefill's hundreds"),
+    (None, "default", "unmeasured (prefill chunks): the base tuning, R from the rows per expert"),
+)
+
+
+def promoted_variant(m: int) -> str:
+  """DEFAULT_VARIANTS' variant for an INT4 call of M rows."""
+  for max_rows, name, _ in DEFAULT_VARIANTS:
+    if max_rows is None or m <= max_rows:
+      return name
+  raise ValueError(f"DEFAULT_VARIANTS has no entry for M={m}: its last bound must be None")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +50,6 @@ class Tuning:
   dequant_batch: INT4 only: 64-column chunks dequantised before their wgmmas are issued (1:
     chunk j+1's dequantise overlaps chunk j's MMA; 2 or 4: more loads and conversions in flight
     between waits, 16 more registers per chunk per thread).
-  scale_halves: INT4 only: dequantise and issue wgmma per 32 K columns (x tiles in a 64-byte
-    swizzle) so each piece has one scale row: no per-element select between the two 32-row scale
-    groups of a 64-column chunk (16 of ~125 instructions per chunk and thread), twice the wgmma
-    calls. Not with int4_wide_loads.
   items_smem: each CTA copies the work list to SMEM with one TMA before its first item, so the
     slots loop reads each item's 4 fields from SMEM instead of a dependent GMEM round trip per
     item (T=1: 8 items per CTA, 1 live).
@@ -51,7 +65,6 @@ class Tuning:
   store_once: bool = False
   dequant_batch: int = 1
   items_smem: bool = False
-  scale_halves: bool = False
 
   def __post_init__(self):
     if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -68,8 +81,6 @@ class Tuning:
       raise ValueError(f"{self.slots=} must be >= 0")
     if self.dequant_batch not in (1, 2, 4) or self.block_k % (64 * self.dequant_batch):
       raise ValueError(f"{self.dequant_batch=} must be 1, 2 or 4 and divide block_k / 64")
-    if self.scale_halves and self.int4_wide_loads:
-      raise ValueError("scale_halves (32-column pieces) does not take int4_wide_loads")
     if self.a_operand not in ("registers", "smem"):
       raise ValueError(f"{self.a_operand=} must be 'registers' or 'smem'")
 
@@ -95,8 +106,8 @@ def default_tuning(m: int, g: int, k: int, n: int, int4: bool, interpret: bool =
   INT4 weight tiles are 4x smaller than bf16 ones, so INT4 takes 4x longer K steps for the same
   bytes per step (bf16 [128, 128] = INT4 [128, 256] x 2 in SMEM terms; both fit 4 stages).
   block_n 64 measured faster than 128 for INT4 (H200, T=65: 144 vs 153 us; WORKSPACE.md).
-  variant: an `apply_variant` name on top (None: DEFAULT_VARIANTS by M for INT4, none for
-  bf16; "default": none).
+  variant: an `apply_variant` name on top (None: `promoted_variant(M)` for INT4, none for
+  bf16; "default": none, the base tuning).
   """
   per_expert = -(-m // max(min(g, m), 1)) + 7
   rows = 8
@@ -113,7 +124,7 @@ def default_tuning(m: int, g: int, k: int, n: int, int4: bool, interpret: bool =
   t = Tuning(rows=rows, block_k=block_k, block_n=block_n, splits=splits, slots=slots,
              a_operand="smem" if interpret else "registers")
   if variant is None:  # the promoted variants were measured on INT4 calls only
-    variant = DEFAULT_VARIANTS["few" if m < FEW_ROWS else "many"] if int4 else "default"
+    variant = promoted_variant(m) if int4 else "default"
   return apply_variant(variant, t, k, n)
 
 
@@ -132,14 +143,13 @@ def scale_splits(t: Tuning, k: int, n: int, factor: int, ctas_per_sm: int = 2) -
 def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   """A named change of a [K -> N] call's tuning t (the bench's --mlp_variants; promote one by
   naming it in DEFAULT_VARIANTS): '+'-joined parts, applied in order:
-  once: store_once; ismem: items_smem; wide: int4_wide_loads; half: scale_halves;
+  once: store_once; ismem: items_smem; wide: int4_wide_loads;
   dqN: dequant_batch N;
   rN: rows N (both calls of one work list must share it); kBK: block_k BK; sN: stages N;
   xN[cC]: scale_splits by N for ~C CTAs per SM (2); wN: slots for ~N CTAs per SM (a
   persistent grid: no launched-and-exiting CTAs for dead items ahead of live ones);
   default: no change."""
-  flags = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads",
-           "half": "scale_halves"}
+  flags = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads"}
   for part in name.split("+"):
     if part == "default":
       continue
