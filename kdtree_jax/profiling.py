@@ -14,7 +14,9 @@ queries: its cost does not depend on the values), `moe` (every MoE layer on the 
 own verify gives it, captured from a forward of the same state and tree: the same routing, so the
 same experts touched, as the step), `rest` = verify - attention - moe. `step_nograph`: the fused
 step compiled without command buffers (every kernel launched by the host, so CUPTI sees all of
-them): its kernel time is the device time a loop step needs, whatever graphs do to tracing.
+them): its kernel time is the device time a loop step needs, whatever graphs do to tracing;
+compiled only when the process runs with command buffers (`runtime`: off by default, and then
+`step` is that program). The verify row lists its kernels by jax op (`format_listing`).
 """
 
 import dataclasses
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from kdtree_jax import profiling_hlo, roofline, timing
+from kdtree_jax import profiling_hlo, roofline, runtime, timing
 from kdtree_jax.decoding import loop, step
 from kdtree_jax.decoding.state import DecodeState
 from kdtree_jax.pair import Pair
@@ -237,6 +239,7 @@ class PhaseRow:
   kernels: list = dataclasses.field(default_factory=list)  # [(name, calls, us)] per call, top
   note: str = ""
   launches: float = 0.0  # kernel launches per call (CUPTI)
+  listing: list = dataclasses.field(default_factory=list)  # verify: profiling_hlo.kernel_listing
 
   @property
   def pct_roofline(self) -> float:
@@ -259,23 +262,32 @@ CUPTI_CALLS = 3
 
 
 def time_program(fn, args, feed, reps):
-  """(ms, wall ms, timer name, top kernels, launches per call): CUPTI kernel time per call (one
-  trace of min(reps, CUPTI_CALLS) calls, after the wall times) and its slowest kernels on a GPU,
-  wall time, [] and 0 elsewhere."""
+  """(ms, wall ms, timer name, top kernel families, launches per call, kernels by name): CUPTI
+  kernel time per call (one trace of min(reps, CUPTI_CALLS) calls, after the wall times), its
+  kernels grouped by family and by name (each [(name, launches, us)] per call, slowest first)
+  on a GPU; wall time, [], 0 and [] elsewhere."""
   wall, args = timing.wall_ms(fn, args, feed, reps=reps)
-  try:
-    kern, top, _ = timing.kernel_trace(fn, args, feed, iters=min(reps, CUPTI_CALLS))
+  if not timing.cupti_available():
+    return wall, wall, "wall", [], 0.0, []
+  try:  # the records themselves: grouped by family and by name from the ONE trace
+    records, _ = timing._cupti_kernels(fn, args, feed, min(reps, CUPTI_CALLS))  # pylint: disable=protected-access
   except RuntimeError as e:  # CUPTI refused (e.g. another subscriber): the wall time, labelled
     print(f"CUPTI failed ({e}); wall time instead", flush=True)
-    return wall, wall, "wall (CUPTI failed)", [], 0.0
-  if kern is None:
-    return wall, wall, "wall", [], 0.0
-  return kern, wall, "cupti", top, sum(n for _, n, _ in top)
+    return wall, wall, "wall (CUPTI failed)", [], 0.0, []
+  calls = min(reps, CUPTI_CALLS)
+  top = timing.breakdown([(timing.family(n), ms) for n, ms in records], calls)
+  return (sum(ms for _, ms in records) / calls, wall, "cupti", top, sum(n for _, n, _ in top),
+          timing.breakdown(records, calls))
 
 
-def profile_step(pair: Pair, spec, state, ceil, reps=20, parts=True) -> list[PhaseRow]:
+def profile_step(pair: Pair, spec, state, ceil, reps=20, parts=True,
+                 nograph_step=None) -> list[PhaseRow]:
   """Times every phase alone and the fused step (consumes `state`); rows with roofline floors.
-  parts: also verify's attention (all layers) and MoE (all MoE layers) alone, and the rest."""
+  parts: also verify's attention (all layers) and MoE (all MoE layers) alone, and the rest.
+  nograph_step (parts only): also the step compiled without command buffers (`step_nograph`);
+  None = when this process compiles with them (without them `step` is that program already).
+  The verify row carries `listing`: its kernels by jax op (profiling_hlo.kernel_listing, from
+  the compiled verify program's HLO and the same CUPTI trace)."""
   tcfg, tparams, dcfg = pair.tcfg, pair.tparams, pair.dcfg
   batch, ctx = state.bonus.shape[0], int(state.cache.lengths[0])
   wb = state.cache.dtype.itemsize
@@ -286,7 +298,10 @@ def profile_step(pair: Pair, spec, state, ceil, reps=20, parts=True) -> list[Pha
     xs, _ = jax.eval_shape(functools.partial(_moe_inputs, **kw), *seen["verify"])
     extra = _verify_parts(tcfg, tparams, spec, state, xs)
     extra["moe_inputs"] = (functools.partial(_moe_inputs, **kw), seen["verify"], None)
-  compiled = compile_phase_programs(pair, spec, state, extra, ("step",) if parts else (), seen)
+  if nograph_step is None:
+    nograph_step = runtime.command_buffers_on()
+  compiled = compile_phase_programs(pair, spec, state, extra,
+                                    ("step",) if parts and nograph_step else (), seen)
   jitted = lambda name, f: compiled[name] if name in compiled else functools.partial(f, **kw)
   nograph = clone(state) if "step_nograph" in compiled else None
   phases = phase_programs(pair, spec, state, jitted)
@@ -303,10 +318,12 @@ def profile_step(pair: Pair, spec, state, ceil, reps=20, parts=True) -> list[Pha
                              progs["step"][2])
   rows = []
   for name, (fn, args, feed) in progs.items():
-    ms, wall, timer, top, launches = time_program(fn, args, feed, reps)
+    ms, wall, timer, top, launches, by_name = time_program(fn, args, feed, reps)
     nb, fl = costs.get(name.removesuffix("_nograph"), (0, 0))
     rows.append(PhaseRow(name, ms, nb, fl, 1e3 * roofline.floor_s(nb, fl, ceil), wall, timer,
-                         top, launches=launches))
+                         top, launches=launches,
+                         listing=_listing(compiled.get(name), by_name) if name == "verify"
+                         else []))
   if parts:
     rows.append(_rest_row(rows, costs, ceil))
     _note_structure(rows, compiled.get("verify"), tcfg.num_hidden_layers)
@@ -319,13 +336,36 @@ def profile_step(pair: Pair, spec, state, ceil, reps=20, parts=True) -> list[Pha
   return sorted(rows, key=lambda r: ORDER.index(r.phase))
 
 
+LISTING_TOP = 40
+
+
+def _hlo_text(exe):
+  try:
+    return exe.as_text() if exe is not None else None
+  except Exception:  # pylint: disable=broad-except  (a backend without HLO text)
+    return None
+
+
+def _listing(exe, by_name):
+  """profiling_hlo.kernel_listing of a compiled program's kernels by name ([] without CUPTI
+  records or HLO text)."""
+  text = _hlo_text(exe) if by_name else None
+  return profiling_hlo.kernel_listing(text, by_name, LISTING_TOP) if text else []
+
+
+def format_listing(rows: list[PhaseRow], phase: str) -> str:
+  """The phase's kernels by jax op (its `listing`), or ''."""
+  row = next((r for r in rows if r.phase == phase and r.listing), None)
+  if row is None:
+    return ""
+  return profiling_hlo.format_listing(
+      row.listing, f"kernels of {phase} by op ({row.ms:.3f} ms, top {LISTING_TOP})")
+
+
 def _note_structure(rows, verify_exe, layers):
   """The verify row's note: its launch structure (kernels, matmuls, matmuls sharing an input)
   from the compiled program's HLO, or nothing when the program or its text is missing."""
-  try:
-    text = verify_exe.as_text() if verify_exe is not None else None
-  except Exception:  # pylint: disable=broad-except  (a backend without HLO text: no note)
-    text = None
+  text = _hlo_text(verify_exe)
   if text:
     structure = profiling_hlo.launch_structure(text)
     next(r for r in rows if r.phase == "verify").note = profiling_hlo.format_structure(

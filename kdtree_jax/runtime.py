@@ -5,9 +5,13 @@
   compiled once (e.g. the 61-layer decode loop) is read back from disk by the next process with
   the same program, jax/jaxlib and device. `compile_cache_dir=""` turns it off.
 * XLA GPU command buffers (CUDA graphs) for fusions, cuBLAS, custom calls (Pallas / Mosaic
-  kernels) and while / conditional, on by default: the device loop's body then launches as one
-  graph instead of one host launch per kernel (measured on an H200: per-step host gap
-  540 us -> ~0). `command_buffers=False` turns them off. CPU runs ignore the flag.
+  kernels) and while / conditional: OFF by default (`command_buffers=False` sets
+  --xla_gpu_enable_command_buffer= empty, so XLA's own default set is off too). Measured on an
+  H200 (61-layer K2.6 share, 46k context, 2026-12-01, s5_k26_core_run1): the ddtree-15 decode
+  loop ran 13.02 ms per step without them and 14.47 ms with them (both host-driven `while`s:
+  the loop never became one graph), and the fused step's kernel time was within 1% either way.
+  `command_buffers=True` turns them on (`COMMAND_BUFFER_OPTIONS` compiles one program with
+  them, for an A/B). CPU runs ignore the flag.
 
 XLA reads its flags once, when the backend initialises: `setup` must run before anything creates
 an array or asks for a device. Scripts call `define_flags()` at import; absl then runs `setup`
@@ -23,16 +27,20 @@ from jax._src import xla_bridge
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "kdtree_jax", "xla")
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer"
 COMMAND_BUFFER_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
+# compiler_options of one program compiled WITH command buffers whatever the process runs with
+# (`lowered.compile(compiler_options=...)`; XLA splits the repeated field's value at commas).
+COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_TYPES}
 
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
   """compile_cache_dir: persistent compilation cache folder ("" = off; None = JAX's configured
   folder, else DEFAULT_CACHE_DIR).
-  command_buffers: XLA GPU command buffers for every program, the decode loop included."""
+  command_buffers: XLA GPU command buffers for every program, the decode loop included (off by
+  default: the module docstring says why)."""
 
   compile_cache_dir: str | None = None
-  command_buffers: bool = True
+  command_buffers: bool = False
 
 
 def xla_flags_with(flags: str, command_buffers: bool) -> str:
@@ -73,11 +81,23 @@ def define_flags():
   cache = flags.DEFINE_string("compile_cache_dir", None, "Persistent XLA compilation cache "
                               f"folder ('' = off; default: JAX's configured one, else "
                               f"{DEFAULT_CACHE_DIR}).")
-  cbuf = flags.DEFINE_bool("command_buffers", True, "XLA GPU command buffers (CUDA graphs) for "
-                           "fusions, cuBLAS, custom calls, while and conditional.")
+  cbuf = flags.DEFINE_bool("command_buffers", RuntimeConfig.command_buffers, "XLA GPU command "
+                           "buffers (CUDA graphs) for fusions, cuBLAS, custom calls, while and "
+                           "conditional (off by default: measured slower for the decode loop).")
   app.call_after_init(lambda: _APPLIED.append(setup(RuntimeConfig(cache.value, cbuf.value))))
 
 
 def applied() -> RuntimeConfig | None:
   """The RuntimeConfig this process was set up with by `define_flags`, or None."""
   return _APPLIED[-1] if _APPLIED else None
+
+
+def command_buffers_on() -> bool:
+  """Whether this process compiles with command buffers: as set up by `define_flags`, else
+  XLA's own default (on for fusions, cuBLAS and custom calls) unless XLA_FLAGS says otherwise."""
+  if applied() is not None:
+    return applied().command_buffers
+  for f in os.environ.get("XLA_FLAGS", "").split():
+    if f.startswith(COMMAND_BUFFER_FLAG + "="):
+      return bool(f.partition("=")[2])
+  return True

@@ -65,11 +65,14 @@ WALL_ROUNDS = 3  # (short, long) chunk pairs timed; the fastest of each length i
 
 def _timed_chunks(run, pair, st, gen):
   """(state, [(t_short, n_short, t_long, n_long, tokens_long)] per full round, the first
-  round that stopped early or None) after WARM_CALLS warm-up chunks of 2 steps. n = steps the
-  loop ran (its counter); tokens = tokens the long chunk emitted (out's fill, an independent
-  count). Stops at the first round whose long chunk ran fewer steps than asked."""
+  round that stopped early or None, the warm-up calls' seconds) after WARM_CALLS warm-up chunks
+  of 2 steps. n = steps the loop ran (its counter); tokens = tokens the long chunk emitted
+  (out's fill, an independent count). Stops at the first round whose long chunk ran fewer
+  steps than asked."""
+  warm = []
   for _ in range(WARM_CALLS):
-    st, _ = _run(run, pair, st, 2)
+    st, t = _run(run, pair, st, 2)
+    warm.append(t)
   full, partial = [], None
   for _ in range(WALL_ROUNDS):
     s0 = int(st.steps)
@@ -82,19 +85,19 @@ def _timed_chunks(run, pair, st, gen):
       partial = chunk
       break
     full.append(chunk)
-  return st, full, partial
+  return st, full, partial, warm
 
 
 def measure_wall(run, pair, st, gen):
   """(state after the timed chunks, {ms_per_step, timing, accepted_per_step, steps_timed,
-  emitted_per_step, wall_short_ms, wall_long_ms}) from `st` (consumed). No trace: wall time
+  emitted_per_step, wall_warm_ms, wall_short_ms, wall_long_ms}) from `st` (consumed). No trace: wall time
   only. WARM_CALLS untimed chunks, then WALL_ROUNDS pairs of chunks of 2 and 2 + gen steps:
   ms per step = (fastest long - fastest short) / gen, so a one-off cost in any one call (graph
   recording or update, a GC pause) does not move the slope. The slope divides by the steps
   the loop actually ran: the loop stops early when every row is done (an EOS of random weights,
   max_new_tokens); then only the rounds before it count (or that round alone)."""
   start = int(st.steps)
-  st, full, partial = _timed_chunks(run, pair, st, gen)
+  st, full, partial, warm = _timed_chunks(run, pair, st, gen)
   rounds = full or ([partial] if partial and partial[3] > partial[1] else [])
   if not rounds:
     raise RuntimeError(f"the loop stopped early (every row done) in its first timed round "
@@ -111,6 +114,7 @@ def measure_wall(run, pair, st, gen):
   acc = np.asarray(jax.device_get(st.accepted))[first:int(st.steps)]
   return st, dict(ms_per_step=ms, timing=how, accepted_per_step=float(acc.mean()),
                   steps_timed=n_long, emitted_per_step=rounds[0][4] / n_long,
+                  wall_warm_ms=[1e3 * t for t in warm],
                   wall_short_ms=[1e3 * r[0] for r in rounds],
                   wall_long_ms=[1e3 * r[2] for r in rounds])
 

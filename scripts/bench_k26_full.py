@@ -13,13 +13,19 @@ Parts, in order (each compile counted and time-boxed; the run stops cleanly at -
      kernel intervals) and the host gap = loop ms per step - device-busy (cheap once compiled,
      so before the tables);
   3. phase tables at bench.profile_ctx: `ar`, then ddtree at bench.profile_budgets[0], with
-     verify's attention / moe (on the step's own MoE inputs, so its routing) / rest, the fused
-     step again without command buffers (`step_nograph`: every kernel launched by the host and
-     seen by CUPTI) and the host gap from it (loop ms per step at profile_ctx - its kernel
-     time), the slowest kernels of verify and step_nograph, and (ar) the verify program's
+     verify's attention / moe (on the step's own MoE inputs, so its routing) / rest, the host
+     gap (loop ms per step at profile_ctx - the fused step's CUPTI kernel time; when the run
+     uses command buffers, of the step compiled again without them, `step_nograph`: every
+     kernel host-launched and seen by CUPTI), the slowest kernel families of verify and the
+     step, verify's kernels by jax op (HLO op_name and source line of each kernel: the top
+     LISTING_TOP, from the same compiled program and CUPTI trace), and the verify program's
      matmuls that share an input (launches that could merge);
   4. phase tables for the other budgets (no attention / moe split).
-The printed summary puts compile times and the ar / first-budget tables first.
+Command buffers follow the runtime config (off by default; `--command_buffers` turns them on);
+bench.ab_loop_modes compiles those modes' loops again with the other setting (`_cmdbuf` rows:
+with command buffers; `_nograph`: without) for the throughput A/B.
+The printed summary puts compile times and the ar / first-budget tables first; a host gap
+negative beyond noise (a loop faster than its kernels) is printed with an IMPOSSIBLE warning.
 The config's `bench` section chooses the sizes (configs/bench_tiny.py runs it on a CPU).
 """
 
@@ -99,11 +105,16 @@ def _compile(lowered, options=None):
   return exe, cc.as_dict()
 
 
-NOGRAPH = "_nograph"  # a loop compiled again without command buffers: {mode}_nograph
+def ab_variant():
+  """(suffix, compiler_options) of the A/B loop: the other command-buffer setting than this
+  process's (`runtime`; off by default, so the variant is 'with command buffers')."""
+  if runtime.command_buffers_on():
+    return "_nograph", timing.NO_COMMAND_BUFFERS
+  return "_cmdbuf", runtime.COMMAND_BUFFER_OPTIONS
 
 
-def _nograph_modes(c):
-  return set(c.bench.get("nograph_loop_modes", ()))
+def _ab_modes(c):
+  return set(c.bench.get("ab_loop_modes", ()))
 
 
 def compile_modes(m, c, specs, deadline, rec):
@@ -121,12 +132,12 @@ def compile_modes(m, c, specs, deadline, rec):
       print(f"compile {spec.mode:>6}: lowering failed: {e}", flush=True)
       loops[spec.mode] = None
       continue
-    if spec.mode in _nograph_modes(c):
-      lowered["loop" + NOGRAPH] = lowered["loop"]
+    if spec.mode in _ab_modes(c):
+      lowered["loop" + ab_variant()[0]] = lowered["loop"]
     jobs += [(spec, part, low, max_len, (t0 - deadline.left()) / 2) for part, low in lowered.items()]
-  outs = deadline.box_all([lambda j=j: _compile(j[2], timing.NO_COMMAND_BUFFERS if
-                                                j[1].endswith(NOGRAPH) else None) for j in jobs],
-                          c.bench.compile_box_s)
+  suffix, options = ab_variant()
+  outs = deadline.box_all([lambda j=j: _compile(j[2], options if j[1].endswith(suffix) else None)
+                           for j in jobs], c.bench.compile_box_s)
   for (spec, part, _, max_len, lower_s), (out, secs, status) in zip(jobs, outs):
     exe, counts = out if out else (None, {})
     rec.add("compile", mode=spec.mode, budget=_budget(spec), part=part, seconds=lower_s + secs,
@@ -177,60 +188,67 @@ def phase_table(m, c, spec, ceil, deadline, rec, parts=True):
   print(f"\n== {title} ({status}, {secs:.1f} s, {counts})", flush=True)
   if rows:
     print(profiling.format_table(rows), flush=True)
-    for phase in ("rest", "verify", "step_nograph") if parts else ():
+    step = "step_nograph" if any(r.phase == "step_nograph" for r in rows) else "step"
+    for phase in ("rest", "verify", step) if parts else ():
       if profiling.format_kernels(rows, phase):
         print(profiling.format_kernels(rows, phase), flush=True)
+    if profiling.format_listing(rows, "verify"):
+      print(profiling.format_listing(rows, "verify"), flush=True)
   return status != "timeout"
 
 
 def host_gaps(c, rec):
-  """A host_gap row per phase table with a step_nograph row and a throughput row at its ctx."""
+  """A host_gap row per phase table with a CUPTI step row and a throughput row at its ctx."""
   for t in [r for r in rec.rows if r["kind"] == "phases" and r["rows"]]:
     gap = host_gap_row(rec.rows, t["mode"], t["budget"], t["rows"], c.bench.profile_ctx)
     if gap:
       rec.add("host_gap", **gap)
       print(f"host gap {t['mode']} budget={t['budget']} ctx={gap['ctx']}: loop "
-            f"{gap['loop_ms']:.3f} ms/step - step kernels without command buffers "
-            f"{gap['kernel_ms']:.3f} ms = {gap['host_gap_us']:.1f} us/step ({gap['method']})",
-            flush=True)
+            f"{gap['loop_ms']:.3f} ms/step - step kernels {gap['kernel_ms']:.3f} ms = "
+            f"{gap['host_gap_us']:.1f} us/step ({gap['method']}) {gap['warning']}", flush=True)
 
 
-GAP_METHOD = ("loop wall slope per step (command buffers on) - CUPTI kernel sum of the same step "
-              "compiled without command buffers (step_nograph)")
+GAP_METHOD = ("loop wall slope per step (the run's command-buffer setting) - CUPTI kernel sum of "
+              "the same step without command buffers (`step`, or `step_nograph` when the run "
+              "uses them)")
 
 
 def host_gap_row(rows, mode, budget, phase_rows, ctx):
-  """{mode, budget, ctx, loop_ms, kernel_ms, host_gap_us, method} from the throughput row of
-  (mode, budget) at `ctx` and the phase table's step_nograph row (dicts), or None when either is
-  missing."""
+  """{mode, budget, ctx, loop_ms, kernel_ms, host_gap_us, method, warning} from the throughput
+  row of (mode, budget) at `ctx` (the run's own loop, not the A/B variant) and the phase table's
+  step_nograph row, else its step row (dicts; CUPTI only), or None when either is missing."""
   loop_row = next((r for r in rows if r["kind"] == "throughput" and r.get("ctx") == ctx
                    and r["mode"] == mode and r["budget"] == budget
-                   and r.get("command_buffers", True)), None)
-  step = next((r for r in phase_rows if r["phase"] == "step_nograph" and r["timer"] == "cupti"),
-              None)
+                   and not r.get("ab_variant")), None)
+  cupti = {r["phase"]: r for r in phase_rows if r["timer"] == "cupti"}
+  step = cupti.get("step_nograph", cupti.get("step"))
   if loop_row is None or step is None:
     return None
+  gap = 1e3 * (loop_row["ms_per_step"] - step["ms"])
   return dict(mode=mode, budget=budget, ctx=ctx, loop_ms=loop_row["ms_per_step"],
-              kernel_ms=step["ms"], host_gap_us=1e3 * (loop_row["ms_per_step"] - step["ms"]),
-              method=GAP_METHOD)
+              kernel_ms=step["ms"], host_gap_us=gap, method=GAP_METHOD,
+              warning=throughput.gap_verdict(gap, 1e3 * step["ms"]))
 
 
-def throughput_rows(m, c, spec, compiled_loop, deadline, rec, command_buffers=True):
+def throughput_rows(m, c, spec, compiled_loop, deadline, rec, variant=""):
   """Throughput vs context with the compiled loop. Returns False on timeout (not on an error).
-  command_buffers=False: the loop compiled without them (rows say so; no host-gap rows)."""
+  variant: the A/B loop's suffix (`ab_variant`; rows say so, and carry no host-gap rows)."""
   tcfg, tp, dcfg, dp, dtype = m
   run = lambda pair, st, until: compiled_loop(pair, st, jnp.int32(until))
   out, secs, status = deadline.box(lambda: throughput.time_contexts(
       Pair(tcfg, tp, dcfg, dp), spec, list(c.bench.ctxs), dtype, gen=c.bench.gen, run=run))
-  label = spec.mode if command_buffers else spec.mode + NOGRAPH
+  label = spec.mode + variant
+  cmdbuf = runtime.command_buffers_on() != bool(variant)
   for r in out or []:
-    rec.add("throughput", **r, command_buffers=command_buffers)
+    rec.add("throughput", **r, command_buffers=cmdbuf, ab_variant=bool(variant))
     print(f"ctx={r['ctx']:>7} {label:>6}: {r['ms_per_step']:8.3f} ms/step "
           f"{r['accepted_per_step']:5.2f} tok/step {r['tokens_per_s']:9.1f} tok/s "
           f"device-busy {_num(r['kernel_us'])} us, kernels summed {_num(r['kernel_sum_us'])} us, "
           f"{_num(r['kernels_per_step'])} kernels, gap {_num(r['host_gap_us'])} us/step"
-          f"{' (SUSPECT: trace saw under half the step)' if r['gap_suspect'] else ''}",
-          flush=True)
+          f"{' (SUSPECT: trace saw under half the step)' if r['gap_suspect'] else ''} "
+          f"{r['gap_warning']}\n  walls (ms): warm-up {_ms(r['wall_warm_ms'])}, "
+          f"2 steps {_ms(r['wall_short_ms'])}, {r['steps_timed']} steps {_ms(r['wall_long_ms'])}; "
+          f"{r['timing']}; tokens emitted per step {r['emitted_per_step']:.2f}", flush=True)
   if out and out[0]["gap_method"]:
     print(f"  gap = {out[0]['gap_method']}", flush=True)
   if status != "ok":
@@ -252,16 +270,18 @@ def summary(rows) -> str:
     for p in t["rows"]:
       out.append(f"  {p['phase']:<12}{p['ms']:9.3f}{p['floor_ms']:9.3f}{p['pct_roofline']:7.1f}")
   out.append("throughput: ctx mode budget ms/step tok/step tok/s busy_us gap_us "
-             "(gap = loop ms/step - device-busy per step, jax.profiler trace)")
+             "(gap = loop ms/step - device-busy per step, jax.profiler trace; "
+             "_cmdbuf = with command buffers, _nograph = without)")
   for r in (r for r in rows if r["kind"] == "throughput" and "ctx" in r):
-    mode = r["mode"] + ("" if r.get("command_buffers", True) else NOGRAPH)
+    mode = r["mode"] + (_suffix(r) if r.get("ab_variant") else "")
     out.append(f"  {r['ctx']:>7} {mode:>6} {str(r['budget']):>4} {r['ms_per_step']:9.3f} "
                f"{r['accepted_per_step']:5.2f} {r['tokens_per_s']:9.1f} {_num(r['kernel_us'])} "
-               f"{_num(r['host_gap_us'])}{' SUSPECT' if r.get('gap_suspect') else ''}")
-  out.append("host gap from the no-command-buffer step: mode budget ctx loop_ms kernel_ms gap_us")
+               f"{_num(r['host_gap_us'])}{' SUSPECT' if r.get('gap_suspect') else ''} "
+               f"{r.get('gap_warning', '')}")
+  out.append("host gap from the step's CUPTI kernel time: mode budget ctx loop_ms kernel_ms gap_us")
   for r in (r for r in rows if r["kind"] == "host_gap"):
     out.append(f"  {r['mode']:>6} {str(r['budget']):>4} {r['ctx']:>7} {r['loop_ms']:9.3f} "
-               f"{r['kernel_ms']:9.3f} {r['host_gap_us']:9.1f}")
+               f"{r['kernel_ms']:9.3f} {r['host_gap_us']:9.1f} {r.get('warning', '')}")
   out.append("fused step per table: mode budget step_ms floor_ms %floor")
   for t in tables:
     step = next(p for p in t["rows"] if p["phase"] == "step")
@@ -277,6 +297,14 @@ def summary(rows) -> str:
 
 def _num(x):
   return "-" if x is None else f"{x:9.1f}"
+
+
+def _ms(xs):
+  return "/".join(f"{x:.1f}" for x in xs)
+
+
+def _suffix(row):
+  return "_cmdbuf" if row.get("command_buffers") else "_nograph"
 
 
 def run_parts(m, c, deadline, rec):
@@ -302,9 +330,10 @@ def run_parts(m, c, deadline, rec):
     if loops[mode] is not None and not throughput_rows(m, c, _spec(c, mode), loops[mode],
                                                        deadline, rec):
       return
-  for mode in (x for x in modes if loops.get(x + NOGRAPH) is not None):
-    if not throughput_rows(m, c, _spec(c, mode), loops[mode + NOGRAPH], deadline, rec,
-                           command_buffers=False):
+  suffix = ab_variant()[0]
+  for mode in (x for x in modes if loops.get(x + suffix) is not None):
+    if not throughput_rows(m, c, _spec(c, mode), loops[mode + suffix], deadline, rec,
+                           variant=suffix):
       return
   host_gaps(c, rec)
   for b in budgets[1:]:  # without the attention / moe split (two more 60-layer compiles each)

@@ -1,0 +1,45 @@
+"""runtime: command buffers off by default (XLA_FLAGS says so), on by config; the per-program
+option set that turns them on is one XLA accepts."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from kdtree_jax import runtime
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+
+
+def test_default_is_off_and_replaces_an_earlier_value():
+  assert runtime.RuntimeConfig().command_buffers is False
+  flags = runtime.xla_flags_with("--xla_foo=1 --xla_gpu_enable_command_buffer=FUSION", False)
+  assert flags.split() == ["--xla_foo=1", "--xla_gpu_enable_command_buffer="]
+  on = runtime.xla_flags_with("", True).split()
+  assert on == [f"--xla_gpu_enable_command_buffer={runtime.COMMAND_BUFFER_TYPES}"]
+
+
+def _setup_in_a_fresh_process(*args):
+  code = ("import os; from absl import app; from kdtree_jax import runtime\n"
+          "runtime.define_flags()\n"
+          "def main(_):\n"
+          "  print(os.environ['XLA_FLAGS'], runtime.command_buffers_on())\n"
+          "app.run(main)\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run([sys.executable, "-c", code, "--compile_cache_dir=", *args], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120, check=True)
+  return out.stdout.split()
+
+
+def test_scripts_default_to_no_command_buffers():
+  assert _setup_in_a_fresh_process() == ["--xla_gpu_enable_command_buffer=", "False"]
+  assert _setup_in_a_fresh_process("--command_buffers") == [
+      f"--xla_gpu_enable_command_buffer={runtime.COMMAND_BUFFER_TYPES}", "True"]
+
+
+def test_command_buffer_options_compile():
+  lowered = jax.jit(lambda x: 2 * x).lower(jnp.ones(3))
+  exe = lowered.compile(compiler_options=runtime.COMMAND_BUFFER_OPTIONS)
+  assert float(exe(jnp.ones(3))[0]) == 2.0
