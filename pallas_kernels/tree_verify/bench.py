@@ -60,9 +60,11 @@ FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64]
 # under the softmax (FA3-style; predictions: WORKSPACE.md, tree-verify, fifth session). With
 # 64-key tiles and 2 stages both ring slots are held while it runs (nothing streams): tried where
 # the shape is compute-bound (N >= 16); at N = 1 / 8 (stream-bound) on the 32-key, 4-stage ring
-# (N = 8: both).
+# (N = 8: both). shared_p=0 at N=1 (a diagnosis): both warpgroups score, no P hand-off, 1.5x the
+# tensor work; faster would mean wg0's serial QK^T -> softmax -> hand-off chain limits the tile,
+# not the tensor or SMEM throughput.
 _PIPE, _PIPE32 = "pipeline_qk=1", "block_kv=32,stages=4,pipeline_qk=1"
-PROBES = {(1, 1, 8, 46000): f"{_PIPE32}",
+PROBES = {(1, 1, 8, 46000): f"{_PIPE32};shared_p=0",
           (1, 8, 8, 46000): f"{_PIPE32};{_PIPE}",
           (1, 16, 8, 46000): f"{_PIPE};{_PIPE32}",
           (1, 64, 8, 46000): f"{_PIPE}",
