@@ -16,9 +16,9 @@ second kernel merges its partials into the o_proj input (draft_block's packed_io
 +splitio = the older form, packed_io=False: q, k, v sliced and transposed for the kernel, its
 partials merged by XLA; packed_io's kernel also applies the q/k norms and rope to the dot's
 raw heads (qk_in_kernel, the default; +xlaqk = XLA's norm + rope fusion instead); the A/B
-options +qkjoin, +exp2, +msplitN, +osplitN, +hgN, +ogemvN, +qgemvN (see --ctx_impls); +cublas = compiled with XLA's
-Triton GEMMs off). Both are
-the decode path's own functions (kdtree_jax/draft/model.py). Drafts (--drafts): k26_dflash_share
+options +qkjoin, +exp2, +msplitN, +osplitN, +hgN, +ogemvN, +qgemvN, +dgemvN (see --ctx_impls);
++cublas = compiled with XLA's Triton GEMMs off). Both are the decode path's own functions
+(kdtree_jax/draft/model.py). Drafts (--drafts): k26_dflash_share
 = bench_k26_full's draft (published K2.6 DFlash shape sliced 1/8: 6 layers, 8 q / 1 kv heads,
 F 2304, 6 taps), bench_k26 = a Qwen3-8B-DFlash-sized draft (3 layers, 32/8 heads, F 12288,
 3 taps); both at K2.6 width with the V/8 head, at 46k. On a GPU each phase also prints its
@@ -62,7 +62,8 @@ flags.DEFINE_list("ctx_impls", [
     "pallas:p66:128+block", "pallas+block+packed+splitio",
     "pallas+block+packed+xlaqk", "pallas+block+packed+qkjoin", "pallas+block+packed+exp2",
     "pallas+block+packed+msplit2", "pallas+block+packed+osplit4", "pallas+block+packed+hg2",
-    "pallas:p65+block+packed+hg2", "pallas+block+packed+ogemv2", "pallas+block+packed+qgemv14",
+    "pallas:p65+block+packed+hg2", "pallas+block+packed+ogemv2", "pallas+block+packed+qgemv7",
+    "pallas+block+packed+dgemv1",
     "pallas:512:128", "pallas:512:128+block", "pallas:512:32", "pallas:512:64:4",
     "pallas:512:64:8:3"],
                   "draft_block ctx attention: xla, or pallas[:chunk or pPROGRAMS[:block_k"
@@ -77,8 +78,9 @@ flags.DEFINE_list("ctx_impls", [
                   "softmax); +msplitN: Tuning.merge_pieces=N (merge programs of Y/N columns); "
                   "+osplitN: draft_block(o_splits=N), o_proj split-K by hand; +hgN: "
                   "Tuning.head_groups=N (each kv head's query heads in N program rows); "
-                  "+ogemvN / +qgemvN: o_proj / q|k|v by kdtree_jax/draft/gemv.py's split-K "
-                  "kernel, N splits (draft_block o_gemv / qkv_gemv); +cublas: "
+                  "+ogemvN / +qgemvN / +dgemvN: o_proj / q|k|v / down_proj by "
+                  "kdtree_jax/draft/gemv.py's split-K kernel, N splits (draft_block o_gemv / "
+                  "qkv_gemv / down_gemv); +cublas: "
                   "compiled with XLA's Triton GEMMs off, cuBLAS for every dot")
 flags.DEFINE_list("ctx_kv", ["xla", "nomerge", "packed"],
                   "draft_ctx K/V projections: xla (two dots per layer; XLA may merge them), "
@@ -230,9 +232,9 @@ def cache_sized_outputs(hlo_text, cache_shape):
 
 
 SUFFIXES = ("block", "packed", "splitio", "xlaqk", "cublas", "qkjoin", "exp2")
-NUMBERED = ("osplit", "msplit", "hg", "ogemv", "qgemv")  # +osplitN: draft_block(o_splits=N);
-# +msplitN: Tuning.merge_pieces=N; +hgN: Tuning.head_groups=N; +ogemvN / +qgemvN: o_proj / q|k|v
-# through gemv.py's kernel with N K-splits (draft_block o_gemv / qkv_gemv)
+NUMBERED = ("osplit", "msplit", "hg", "ogemv", "qgemv", "dgemv")  # +osplitN: o_splits=N;
+# +msplitN: Tuning.merge_pieces=N; +hgN: Tuning.head_groups=N; +ogemvN / +qgemvN / +dgemvN:
+# o_proj / q|k|v / down through gemv.py's kernel, N K-splits (draft_block o_/qkv_/down_gemv)
 
 
 def parse_ctx_impl(name):
@@ -278,7 +280,8 @@ def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
       block_in_kernel="block" in extras, packed_io="splitio" not in extras,
       qk_in_kernel="xlaqk" not in extras, o_splits=extras.get("osplit", 1),
       o_gemv=gemv.Gemv(extras["ogemv"]) if "ogemv" in extras else None,
-      qkv_gemv=gemv.Gemv(extras["qgemv"]) if "qgemv" in extras else None))
+      qkv_gemv=gemv.Gemv(extras["qgemv"]) if "qgemv" in extras else None,
+      down_gemv=gemv.Gemv(extras["dgemv"]) if "dgemv" in extras else None))
   args = (params, cache, block, start, embed, head)
   compiled = prog.lower(*args).compile(options)  # timed as is: one compile per impl
   text = compiled.as_text()

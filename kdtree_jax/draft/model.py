@@ -344,13 +344,14 @@ def _qkv(lp, cfg, h_bsd, pos_bs):
   return rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), pos_bs, cfg.rope_theta), k, v
 
 
-def _mlp(lp, h_bsd):
-  """SwiGLU: one dot over lp["gate_up_proj"] for gate and up when packed, else two."""
+def _mlp(lp, h_bsd, down_dot=jnp.matmul):
+  """SwiGLU: one dot over lp["gate_up_proj"] for gate and up when packed, else two; the down
+  projection by down_dot(a, w) (a @ w)."""
   if "gate_up_proj" in lp:
     gate, up = jnp.split(h_bsd @ lp["gate_up_proj"], 2, axis=-1)
   else:
     gate, up = h_bsd @ lp["gate_proj"], h_bsd @ lp["up_proj"]
-  return (jax.nn.silu(gate) * up) @ lp["down_proj"]
+  return down_dot(jax.nn.silu(gate) * up, lp["down_proj"])
 
 
 def attend_key_sets(key_sets):
@@ -416,14 +417,15 @@ def residual_dot(o_splits=1, o_gemv=None, interpret=False):
   return lambda x, a, w: x + gemv.dot(a, w, o_gemv, interpret)
 
 
-def _layer(lp, cfg, x_bsd, q_pos_bs, attend, o_dot=residual_dot()):
+def _layer(lp, cfg, x_bsd, q_pos_bs, attend, o_dot=residual_dot(), down_dot=jnp.matmul):
   """One draft decoder layer; attend(lp, cfg, h, q_pos) -> o [B, S, H*Y] is its attention
-  (attend_key_sets or attend_packed_kernel); o_dot(x, o, w) -> x + o @ w (residual_dot)."""
+  (attend_key_sets or attend_packed_kernel); o_dot(x, o, w) -> x + o @ w (residual_dot);
+  down_dot(a, w) -> a @ w for down_proj."""
   h = rms_norm(x_bsd, lp["input_layernorm"], cfg.rms_norm_eps)
   o = attend(lp, cfg, h, q_pos_bs)
   x_bsd = o_dot(x_bsd, o, lp["o_proj"])
   h = rms_norm(x_bsd, lp["post_attention_layernorm"], cfg.rms_norm_eps)
-  return x_bsd + _mlp(lp, h)
+  return x_bsd + _mlp(lp, h, down_dot)
 
 
 def _logits(params, cfg, x_bsd, head_dv):
@@ -511,7 +513,7 @@ def _attention(cfg, cache, i, lp, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_ch
 def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, start_b, embed_vd,
                 head_dv, ctx_chunk=CTX_CHUNK, ctx_impl="auto", kernel_chunk=None,
                 kernel_tuning=(), block_in_kernel=True, packed_io=True, qk_in_kernel=True,
-                o_splits=1, o_gemv=None, qkv_gemv=None):
+                o_splits=1, o_gemv=None, qkv_gemv=None, down_gemv=None):
   """One non-causal block [bonus, MASK...] at positions start.. over the ctx cache -> [B, S, V] f32.
 
   Ctx keys are the cache rows < ctx_len, in chunks of ctx_chunk rows when that divides the
@@ -529,8 +531,10 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   runs between the q|k|v dot and the kernel (H200, bench_k26_full's draft at 46k: 530.6 us vs
   547.9 us with the XLA norm + rope fusion, same logits; results/h200/2026-12-01/s5_draft_io.log).
   A/B options (H200 timing pending): o_splits: o_proj's contraction split into that many pieces
-  by hand (add_split_dot); o_gemv / qkv_gemv (gemv.Gemv, kernel ctx_impls only): o_proj / the
-  packed kernel path's q|k|v dot through the split-K Pallas kernel of gemv.py.
+  by hand (add_split_dot); o_gemv / qkv_gemv / down_gemv (gemv.Gemv, kernel ctx_impls only):
+  o_proj / the packed kernel path's q|k|v dot / down_proj through gemv.py's split-K Pallas
+  kernel (with 1 split its f32 output needs no reduction, so XLA can fuse the cast and the
+  residual add into the consumers: no add kernel of its own).
   """
   ctx_impl = resolve_ctx_impl(ctx_impl)
   B, S = block_tokens_bs.shape
@@ -539,13 +543,16 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   L = cache.pos.shape[1]
   chunk = ctx_chunk if L % ctx_chunk == 0 else None
   live = (jnp.arange(L)[None, :] < cache.ctx_len[:, None])[:, None, :]  # [B, 1, L]
-  if ctx_impl == "xla" and (o_gemv or qkv_gemv):
-    raise ValueError("o_gemv / qkv_gemv are Pallas kernels: ctx_impl 'pallas' or 'interpret'")
+  if ctx_impl == "xla" and (o_gemv or qkv_gemv or down_gemv):
+    raise ValueError("o_gemv / qkv_gemv / down_gemv are Pallas kernels: ctx_impl 'pallas' or "
+                     "'interpret'")
   o_dot = residual_dot(o_splits, o_gemv, ctx_impl == "interpret")
+  down_dot = jnp.matmul if down_gemv is None else (
+      lambda a, w: gemv.dot(a, w, down_gemv, ctx_impl == "interpret"))
   for i, lp in enumerate(params["layers"]):
     attend = _attention(cfg, cache, i, lp, q_pos, live, ctx_impl, chunk, kernel_chunk,
                         kernel_tuning, block_in_kernel, packed_io, qk_in_kernel, qkv_gemv)
-    x = _layer(lp, cfg, x, q_pos, attend, o_dot)
+    x = _layer(lp, cfg, x, q_pos, attend, o_dot, down_dot)
   return _logits(params, cfg, x, head_dv)
 
 

@@ -575,7 +575,8 @@ OPTIONS = dict(join_exp2_msplit=dict(kernel_tuning=(("join_halves", True), ("exp
                osplit=dict(o_splits=4), join=dict(kernel_tuning=(("join_halves", True),)),
                head_groups=dict(kernel_tuning=(("head_groups", 2),)),
                gemv=dict(o_gemv=gemv.Gemv(2, block_n=16, block_k=16),
-                         qkv_gemv=gemv.Gemv(2, block_n=16, block_k=16)))
+                         qkv_gemv=gemv.Gemv(2, block_n=16, block_k=16),
+                         down_gemv=gemv.Gemv(1, block_n=16, block_k=16)))
 
 
 @pytest.mark.parametrize("heads,kv_heads,qk_in_kernel,options", [
@@ -589,7 +590,7 @@ def test_packed_io_matches_numpy(tmp_path, heads, kv_heads, qk_in_kernel, option
   o_proj input; qk_in_kernel: the kernel norms and ropes the raw q / k heads itself), also
   without qk_in_kernel and with the A/B options (OPTIONS: roped halves joined, base-2 softmax,
   merge in column pieces, o_proj split by hand, each kv head's query heads in 2 program rows,
-  o_proj and q|k|v by gemv.py's kernel; join without in-kernel rope is a no-op), on
+  o_proj, q|k|v and down by gemv.py's kernel; join without in-kernel rope is a no-op), on
   pack_for_decode'd params equals the float64 numpy draft (f32, 1e-5), with one or two kv
   heads (U = 2 or 4 query heads each) and ctx rows split over 3 programs."""
   cfg = draft.DraftConfig.tiny(block_size=16, num_attention_heads=heads,

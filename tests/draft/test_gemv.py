@@ -39,10 +39,12 @@ def test_rejects_shapes_it_does_not_tile():
 
 
 @pytest.mark.parametrize("k,n,g", [(1024, 7168, gemv.Gemv(splits=2)),
-                                   (7168, 1280, gemv.Gemv(splits=14))])
+                                   (7168, 1280, gemv.Gemv(splits=7)),
+                                   (2304, 7168, gemv.Gemv(splits=1))])
 def test_lowers_for_h200(k, n, g):
-  """bench_k26_full's draft o_proj ([16, 1024] x [1024, 7168]) and q|k|v ([16, 7168] x
-  [7168, 1280]) in bf16 lower to Triton for an abstract H200."""
+  """bench_k26_full's draft o_proj ([16, 1024] x [1024, 7168]), q|k|v ([16, 7168] x
+  [7168, 1280]) and down ([16, 2304] x [2304, 7168]) in bf16 lower to Triton for an abstract
+  H200."""
   from jax._src import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   sd = jax.ShapeDtypeStruct
   dev = mesh_lib.AbstractDevice("NVIDIA H200", 132, "gpu")
