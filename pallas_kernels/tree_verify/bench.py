@@ -145,10 +145,26 @@ def shape_cost(b, n, h, l, lengths, ceil):
 
 
 def check(out, ref):
-  """(relative L2 error vs the f32 reference, all finite)."""
-  o32, r32 = out.astype(jnp.float32), ref.astype(jnp.float32)
-  err = float(jnp.linalg.norm(o32 - r32) / jnp.linalg.norm(r32))
-  return err, bool(jnp.isfinite(o32).all())
+  """(relative L2 error vs the f32 reference, all finite), on the host."""
+  o32, r32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  err = float(np.linalg.norm(o32 - r32) / np.linalg.norm(r32))
+  return err, bool(np.isfinite(o32).all())
+
+
+CPU_REFERENCE_BYTES = 1e9  # f32 scores [B, N, H, L] up to this size: the reference runs on the CPU
+
+
+def reference_out(args, scale):
+  """The f32 reference's output for one input set, as numpy. Compiled for and run on the host CPU
+  when its scores take <= CPU_REFERENCE_BYTES (every default-grid shape): its XLA GPU compile took
+  ~10 s a shape on the H200 (s3 verify_probes log: a shape's first variant 13-16 s after the
+  last, every further variant, a kernel compile + check + timing, ~3 s)."""
+  b, n, h, _ = args[0].shape
+  small = b * n * h * args[1].shape[1] * 4 <= CPU_REFERENCE_BYTES
+  if small:
+    args = jax.device_put(args, jax.devices("cpu")[0])
+  fn = jax.jit(lambda *a: reference.tree_verify_attention_reference(*a, scale=scale)[0])
+  return np.asarray(fn(*args), np.float32)
 
 
 def time_variant(t, sets, ref, scale):
@@ -173,7 +189,7 @@ def bench_shape(b, n, h, l, ceil, deadline, scale=1.0 / math.sqrt(C)):
   nsets = max(1, min(6, math.ceil(3 * L2_BYTES / (1152 * l * b))))
   sets = [make_set(b, n, h, l, seed) for seed in range(nsets)]
   byts, flops, floor_us = shape_cost(b, n, h, l, sets[0][2], ceil)
-  ref = jax.jit(lambda *a: reference.tree_verify_attention_reference(*a, scale=scale)[0])(*sets[0])
+  ref = reference_out(sets[0], scale)
   packed_sets = [(q, c, le, masks.pack_tree_mask(m, h)) for q, c, le, m in sets]
   rows = []
   for name, t, packed in parse_tunings(variant_spec((b, n, h, l)), b, n, h, l):
