@@ -39,7 +39,7 @@ from pallas_kernels.tree_verify.merge_triton import split_pieces  # power-of-two
 
 NUM_SMS = 132  # H200 SXM
 LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * LOG2_E)
-LN_2 = 0.6931471805599453  # log(x) = log2(x) * LN_2
+LN_2 = 0.6931471805599453  # ln(2^x) = x * LN_2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,9 +219,9 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *refs, scale, block_k, n_chunks, split
     o, m, l = jax.lax.cond(j == n_chunks, block, lambda c: c, (o, m, l))
   seen = l > 0  # False only for a chunk wholly past ctx_len (then m = -inf, o = 0)
   o_ref[...] = (o / jnp.where(seen, l, 1.0)[:, None]).astype(o_ref.dtype)
-  log = (lambda x: jnp.log2(x)) if exp2 else jnp.log
-  lse = m + log(jnp.where(seen, l, 1.0))
-  lse_ref[...] = jnp.where(seen, lse * LN_2 if exp2 else lse, -jnp.inf)
+  # base 2: sum_k exp(s_k) = 2^m * l, so lse = m ln 2 + ln l
+  lse = (m * LN_2 if exp2 else m) + jnp.log(jnp.where(seen, l, 1.0))
+  lse_ref[...] = jnp.where(seen, lse, -jnp.inf)
 
 
 def _call(len_b, q, q_spec, k_bgly, v_bgly, blk, blk_specs, M, *, scale, tuning, interpret,
