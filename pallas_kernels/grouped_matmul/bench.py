@@ -33,7 +33,7 @@ from kdtree_jax.target import config as C
 from kdtree_jax.target import experts, moe
 from kdtree_jax.target import params as P
 from pallas_kernels.grouped_matmul import Tuning, expert_mlp, grouped_matmul, kernel, work
-from pallas_kernels.grouped_matmul.tuning import apply_variant, default_tuning
+from pallas_kernels.grouped_matmul.tuning import apply_variant, call_variant, default_tuning
 
 _T = flags.DEFINE_list("tokens", ["1", "9", "17", "33", "65"], "Token counts (verify widths).")
 _TUNE_T = flags.DEFINE_list("tune_tokens", ["1", "16", "65"], "Token counts of the tuning sweep.")
@@ -75,7 +75,8 @@ _MLP_VARIANTS = flags.DEFINE_list(
     "mlp_variants", [],
     "mlp_tune: rows for every case: 'promoted' (default_tuning's choice) or tuning.apply_variant "
     "names ('+'-joined changes to both calls' base tunings: once, ismem, dqN, rN, kBK, sN, "
-    "xN[cC], wN, wide; 'default': none); empty: MLP_VARIANTS[T] per case (12 programs): "
+    "xN[cC], wN, wide; 'default': none; 'GATED|DOWN': one per call, same rN); empty: "
+    "MLP_VARIANTS[T] per case (12 programs): "
     f"{MLP_VARIANTS}.")
 # A row whose output is further than this from the f32 XLA reference (relative L2 error) is
 # wrong, not slow: bf16 inputs and one bf16 rounding of each product give ~2e-3 here.
@@ -242,13 +243,15 @@ def _mlp_sizes(t, touched):
 
 def mlp_tunings(name, m, e_l, d, f, interpret=False):
   """(gated, down) tunings of an mlp_tune row: 'promoted' = default_tuning's own choice for M
-  rows (tuning.DEFAULT_VARIANTS), else the apply_variant name on the base tuning."""
+  rows (tuning.DEFAULT_VARIANTS), else the apply_variant name ('GATED|DOWN': one per call) on
+  the base tuning."""
   variant = None if name == "promoted" else "default"
   tg = default_tuning(m, e_l, d, f, True, interpret=interpret, gated=True, variant=variant)
   td = default_tuning(m, e_l, f, d, True, interpret=interpret, variant=variant)
   if name == "promoted":
     return tg, td
-  return apply_variant(name, tg, d, f), apply_variant(name, td, f, d)
+  return (apply_variant(call_variant(name, True), tg, d, f),
+          apply_variant(call_variant(name, False), td, f, d))
 
 
 def part_mlp_tune(ceil, sink, rows):

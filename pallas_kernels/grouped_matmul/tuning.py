@@ -10,7 +10,9 @@ NUM_SMS = 132  # H200 SXM
 # (H200, `bash scripts/gpu_measure.sh $OUT moe_tune:160`: `bench.py --parts mlp_tune`, both
 # calls of the INT4 expert FFN on one GPU's share of K2.6, 48 local experts, D 7168, F 2048;
 # whole-call CUPTI us; results/h200/2026-12-01/s5_moe_tune.log, copy 4.08 TB/s). bf16 calls take
-# none (measured on INT4 only). A new row of the mlp_tune bench is promoted by naming it here.
+# none (measured on INT4 only). A new row of the mlp_tune bench is promoted by naming it here;
+# 'GATED|PLAIN' names the gated (gate|up) call's and the plain (down) call's variants apart (the
+# bench times each call: both must keep one R, the work list is shared).
 DEFAULT_VARIANTS = (
     # max_rows, variant, measured (s5 = fifth session, 2026-12-01 10:54 UTC)
     (8, "once+ismem", "s5 T=1 (1 expert): 26.6 us vs 27.3 base (+x2 27.2: noise; the simpler)"),
@@ -22,12 +24,20 @@ DEFAULT_VARIANTS = (
 )
 
 
-def promoted_variant(m: int) -> str:
-  """DEFAULT_VARIANTS' variant for an INT4 call of M rows."""
+def promoted_variant(m: int, gated: bool = False) -> str:
+  """DEFAULT_VARIANTS' variant for an INT4 call of M rows (gated: the gate|up call)."""
   for max_rows, name, _ in DEFAULT_VARIANTS:
     if max_rows is None or m <= max_rows:
-      return name
+      return call_variant(name, gated)
   raise ValueError(f"DEFAULT_VARIANTS has no entry for M={m}: its last bound must be None")
+
+
+def call_variant(name: str, gated: bool) -> str:
+  """'GATED|PLAIN' -> the gated or the plain call's variant name; a name without '|': both."""
+  parts = name.split("|")
+  if len(parts) > 2:
+    raise ValueError(f"{name!r}: at most one '|' (gated call's variant | plain call's)")
+  return parts[0] if gated or len(parts) == 1 else parts[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +116,8 @@ def default_tuning(m: int, g: int, k: int, n: int, int4: bool, interpret: bool =
   INT4 weight tiles are 4x smaller than bf16 ones, so INT4 takes 4x longer K steps for the same
   bytes per step (bf16 [128, 128] = INT4 [128, 256] x 2 in SMEM terms; both fit 4 stages).
   block_n 64 measured faster than 128 for INT4 (H200, T=65: 144 vs 153 us; WORKSPACE.md).
-  variant: an `apply_variant` name on top (None: `promoted_variant(M)` for INT4, none for
-  bf16; "default": none, the base tuning).
+  variant: an `apply_variant` name on top, or 'GATED|PLAIN' (None: `promoted_variant(M)` for
+  INT4, none for bf16; "default": none, the base tuning).
   """
   per_expert = -(-m // max(min(g, m), 1)) + 7
   rows = 8
@@ -124,8 +134,8 @@ def default_tuning(m: int, g: int, k: int, n: int, int4: bool, interpret: bool =
   t = Tuning(rows=rows, block_k=block_k, block_n=block_n, splits=splits, slots=slots,
              a_operand="smem" if interpret else "registers")
   if variant is None:  # the promoted variants were measured on INT4 calls only
-    variant = promoted_variant(m) if int4 else "default"
-  return apply_variant(variant, t, k, n)
+    variant = promoted_variant(m, gated) if int4 else "default"
+  return apply_variant(call_variant(variant, gated), t, k, n)
 
 
 def scale_splits(t: Tuning, k: int, n: int, factor: int, ctas_per_sm: int = 2) -> Tuning:

@@ -425,6 +425,7 @@ def test_default_variants_promote_per_row_count():
           521: "default", 4096: "default"}
   for m, name in want.items():
     assert tuning_module.promoted_variant(m) == name, m
+    assert tuning_module.promoted_variant(m, gated=True) == name, m
     assert default_tuning(m, 48, d, f, True, gated=True) == \
         apply_variant(name, base(m, d, f, gated=True), d, f), m
     assert default_tuning(m, 48, f, d, True) == apply_variant(name, base(m, f, d), f, d), m
@@ -438,6 +439,24 @@ def test_default_variants_promote_per_row_count():
     assert default_tuning(m, 48, d, f, False) == default_tuning(m, 48, d, f, False,
                                                                 variant="default")
   assert tuning_module.DEFAULT_VARIANTS[-1][0] is None  # every M has an entry
+
+
+def test_gated_and_plain_calls_take_their_own_variant(monkeypatch):
+  """'GATED|PLAIN' names each call's variant (the bench's per-call times can promote each); a
+  name without '|' is both calls'; two '|' are an error."""
+  assert tuning_module.call_variant("once+r8|r8+s2", True) == "once+r8"
+  assert tuning_module.call_variant("once+r8|r8+s2", False) == "r8+s2"
+  assert tuning_module.call_variant("once", False) == "once"
+  with pytest.raises(ValueError, match="at most one"):
+    tuning_module.call_variant("a|b|c", True)
+  monkeypatch.setattr(tuning_module, "DEFAULT_VARIANTS", ((None, "once+r8+s2|ismem+r8", "test"),))
+  gated = default_tuning(520, 48, 7168, 2048, True, gated=True)
+  plain = default_tuning(520, 48, 2048, 7168, True)
+  assert (gated.store_once, gated.items_smem, gated.stages, gated.rows) == (True, False, 2, 8)
+  assert (plain.store_once, plain.items_smem, plain.stages, plain.rows) == (False, True, 4, 8)
+  # pylint: disable-next=import-outside-toplevel
+  from pallas_kernels.grouped_matmul import bench
+  assert bench.mlp_tunings("once+r8+s2|ismem+r8", 520, 48, 7168, 2048) == (gated, plain)
 
 
 # Each promoted tuning at its row class (T tokens x top-8 rows over 48 local experts, ~T local
