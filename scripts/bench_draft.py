@@ -16,7 +16,8 @@ second kernel merges its partials into the o_proj input (draft_block's packed_io
 +splitio = the older form, packed_io=False: q, k, v sliced and transposed for the kernel, its
 partials merged by XLA; packed_io's kernel also applies the q/k norms and rope to the dot's
 raw heads (qk_in_kernel, the default; +xlaqk = XLA's norm + rope fusion instead); the A/B
-options +qkjoin, +exp2, +msplitN, +osplitN, +hgN, +ogemvN, +qgemvN, +dgemvN (see --ctx_impls);
+options +qkjoin, +exp2, +msplitN, +hgN, +osplitN, +ogemvN, +qgemvN, +ugemvN, +dgemvN, +fold
+(see --ctx_impls);
 +cublas = compiled with XLA's Triton GEMMs off). Both are the decode path's own functions
 (kdtree_jax/draft/model.py). Drafts (--drafts): k26_dflash_share
 = bench_k26_full's draft (published K2.6 DFlash shape sliced 1/8: 6 layers, 8 q / 1 kv heads,
@@ -63,7 +64,8 @@ flags.DEFINE_list("ctx_impls", [
     "pallas+block+packed+xlaqk", "pallas+block+packed+qkjoin", "pallas+block+packed+exp2",
     "pallas+block+packed+msplit2", "pallas+block+packed+osplit4", "pallas+block+packed+hg2",
     "pallas:p65+block+packed+hg2", "pallas+block+packed+ogemv2", "pallas+block+packed+qgemv7",
-    "pallas+block+packed+dgemv1",
+    "pallas+block+packed+dgemv1", "pallas+block+packed+ugemv4",
+    "pallas+block+packed+qgemv7+ugemv4+fold+ogemv1+dgemv1",
     "pallas:512:128", "pallas:512:128+block", "pallas:512:32", "pallas:512:64:4",
     "pallas:512:64:8:3"],
                   "draft_block ctx attention: xla, or pallas[:chunk or pPROGRAMS[:block_k"
@@ -78,9 +80,9 @@ flags.DEFINE_list("ctx_impls", [
                   "softmax); +msplitN: Tuning.merge_pieces=N (merge programs of Y/N columns); "
                   "+osplitN: draft_block(o_splits=N), o_proj split-K by hand; +hgN: "
                   "Tuning.head_groups=N (each kv head's query heads in N program rows); "
-                  "+ogemvN / +qgemvN / +dgemvN: o_proj / q|k|v / down_proj by "
-                  "kdtree_jax/draft/gemv.py's split-K kernel, N splits (draft_block o_gemv / "
-                  "qkv_gemv / down_gemv); +cublas: "
+                  "+ogemvN / +qgemvN / +ugemvN / +dgemvN: o_proj / q|k|v / gate|up / down "
+                  "by kdtree_jax/draft/gemv.py's split-K kernel, N splits (model.LayerDots); "
+                  "+fold: the two RMSNorms folded into the q|k|v and gate|up kernels; +cublas: "
                   "compiled with XLA's Triton GEMMs off, cuBLAS for every dot")
 flags.DEFINE_list("ctx_kv", ["xla", "nomerge", "packed"],
                   "draft_ctx K/V projections: xla (two dots per layer; XLA may merge them), "
@@ -231,10 +233,11 @@ def cache_sized_outputs(hlo_text, cache_shape):
   return found
 
 
-SUFFIXES = ("block", "packed", "splitio", "xlaqk", "cublas", "qkjoin", "exp2")
-NUMBERED = ("osplit", "msplit", "hg", "ogemv", "qgemv", "dgemv")  # +osplitN: o_splits=N;
-# +msplitN: Tuning.merge_pieces=N; +hgN: Tuning.head_groups=N; +ogemvN / +qgemvN / +dgemvN:
-# o_proj / q|k|v / down through gemv.py's kernel, N K-splits (draft_block o_/qkv_/down_gemv)
+SUFFIXES = ("block", "packed", "splitio", "xlaqk", "cublas", "qkjoin", "exp2", "fold")
+NUMBERED = ("osplit", "msplit", "hg", "ogemv", "qgemv", "ugemv", "dgemv")  # +osplitN:
+# LayerDots.o_splits=N; +msplitN: Tuning.merge_pieces=N; +hgN: Tuning.head_groups=N; +ogemvN /
+# +qgemvN / +ugemvN / +dgemvN: o_proj / q|k|v / gate|up / down through gemv.py's kernel with N
+# K-splits; +fold: LayerDots.fold_norms (needs +qgemvN and +ugemvN)
 
 
 def parse_ctx_impl(name):
@@ -263,6 +266,13 @@ def parse_ctx_impl(name):
   return impl, chunk, tuning, extras
 
 
+def layer_dots(extras):
+  """model.LayerDots of a row's suffixes (+osplitN, +ogemvN, +qgemvN, +ugemvN, +dgemvN, +fold)."""
+  g = lambda name: gemv.Gemv(extras[name]) if name in extras else None
+  return model.LayerDots(o_splits=extras.get("osplit", 1), o=g("ogemv"), qkv=g("qgemv"),
+                         gate_up=g("ugemv"), down=g("dgemv"), fold_norms="fold" in extras)
+
+
 def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
   """draft_block over ctx committed rows (cache capacity ctx + W rounded up as init_draft_cache
   does, as the decode loop sizes it).
@@ -278,10 +288,7 @@ def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
   prog = jax.jit(lambda p, c, t, s, e, h: model.draft_block(
       p, cfg, c, t, s, e, h, ctx_impl=impl, kernel_chunk=chunk, kernel_tuning=tuning,
       block_in_kernel="block" in extras, packed_io="splitio" not in extras,
-      qk_in_kernel="xlaqk" not in extras, o_splits=extras.get("osplit", 1),
-      o_gemv=gemv.Gemv(extras["ogemv"]) if "ogemv" in extras else None,
-      qkv_gemv=gemv.Gemv(extras["qgemv"]) if "qgemv" in extras else None,
-      down_gemv=gemv.Gemv(extras["dgemv"]) if "dgemv" in extras else None))
+      qk_in_kernel="xlaqk" not in extras, dots=layer_dots(extras)))
   args = (params, cache, block, start, embed, head)
   compiled = prog.lower(*args).compile(options)  # timed as is: one compile per impl
   text = compiled.as_text()

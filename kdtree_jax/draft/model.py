@@ -344,14 +344,14 @@ def _qkv(lp, cfg, h_bsd, pos_bs):
   return rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), pos_bs, cfg.rope_theta), k, v
 
 
-def _mlp(lp, h_bsd, down_dot=jnp.matmul):
-  """SwiGLU: one dot over lp["gate_up_proj"] for gate and up when packed, else two; the down
-  projection by down_dot(a, w) (a @ w)."""
+def _swiglu(lp, h_bsd):
+  """silu(gate) * up, the down projection's input: one dot over lp["gate_up_proj"] for gate and
+  up when packed, else two."""
   if "gate_up_proj" in lp:
     gate, up = jnp.split(h_bsd @ lp["gate_up_proj"], 2, axis=-1)
   else:
     gate, up = h_bsd @ lp["gate_proj"], h_bsd @ lp["up_proj"]
-  return down_dot(jax.nn.silu(gate) * up, lp["down_proj"])
+  return jax.nn.silu(gate) * up
 
 
 def attend_key_sets(key_sets):
@@ -364,22 +364,20 @@ def attend_key_sets(key_sets):
   return attend
 
 
-def attend_packed_kernel(k_bgly, v_bgly, ctx_len_b, tuning, interpret, qk_in_kernel=False,
-                         qkv_gemv=None):
+def attend_packed_kernel(k_bgly, v_bgly, ctx_len_b, tuning, interpret, qk_in_kernel=False):
   """An attention for _layer (packed layers, every block key visible): the ctx kernel reads q
   and the block's K/V straight from _qk_packed's arrays (ctx_attention.packed_block_partials)
   and a second kernel merges its partials into the o_proj input (merge_to_heads): no slice,
   transpose or XLA merge between the q|k|v dot and the o_proj dot. qk_in_kernel: the kernel
   reads the q|k|v dot's raw output and applies q_norm / k_norm and rope itself (no XLA norm or
-  rope launch either; the scores as two half-width dots); qkv_gemv (a gemv.Gemv, with
-  qk_in_kernel): the q|k|v dot through gemv.dot instead of XLA's."""
-  def attend(lp, cfg, h_bsd, q_pos_bs):
+  rope launch either; the scores as two half-width dots); then attend also takes that output
+  precomputed (qkv [B, S, (H+2G)*Y]: LayerDots' own q|k|v dot) in place of h."""
+  def attend(lp, cfg, h_bsd, q_pos_bs, qkv=None):
     G = cfg.num_key_value_heads
     if qk_in_kernel:
-      B, S, _ = h_bsd.shape
+      qkv = h_bsd @ lp["qkv_proj"] if qkv is None else qkv
+      B, S, _ = qkv.shape
       qk, rope_eps = None, cfg.rms_norm_eps
-      qkv = (h_bsd @ lp["qkv_proj"] if qkv_gemv is None else
-             gemv.dot(h_bsd, lp["qkv_proj"], qkv_gemv, interpret))
       qkv = qkv.reshape(B, S, -1, cfg.head_dim)
       rope_in = (lp["q_norm"], lp["k_norm"], *rope_tables(q_pos_bs, cfg.head_dim, cfg.rope_theta))
     else:
@@ -390,6 +388,7 @@ def attend_packed_kernel(k_bgly, v_bgly, ctx_len_b, tuning, interpret, qk_in_ker
     return ctx_attention.merge_to_heads(o, lse, heads=cfg.num_attention_heads,
                                         dtype=qkv.dtype, interpret=interpret,
                                         pieces=tuning.merge_pieces)
+  attend.takes_qkv = qk_in_kernel
   return attend
 
 
@@ -409,23 +408,61 @@ def add_split_dot(x_bsd, a_bsk, w_kd, splits):
   return x_bsd + part.sum(0).reshape(B, S, -1).astype(a_bsk.dtype)  # rounded as a @ w is
 
 
-def residual_dot(o_splits=1, o_gemv=None, interpret=False):
-  """(x, a, w) -> x + a @ w for o_proj: XLA's dot (o_splits 1), split by hand (add_split_dot),
-  or through gemv.partials (o_gemv: a gemv.Gemv), its f32 partials summed in the add's fusion."""
-  if o_gemv is None:
-    return lambda x, a, w: add_split_dot(x, a, w, o_splits)
-  return lambda x, a, w: x + gemv.dot(a, w, o_gemv, interpret)
+@dataclasses.dataclass(frozen=True)
+class LayerDots:
+  """How a packed decoder layer runs its dots (draft_block's A/B options; the default = XLA's
+  dots): o_splits: o_proj split-K by hand (add_split_dot); o, qkv, gate_up, down: a gemv.Gemv
+  runs that dot through gemv.py's kernel (o and down with one split: the residual add in the
+  kernel; qkv only where attend takes the q|k|v output, i.e. attend_packed_kernel with
+  qk_in_kernel); fold_norms (with qkv and gate_up): the input and post-attention RMSNorms
+  folded into those two kernels (gemv.normed_dot: no norm kernel; equal up to rounding);
+  interpret: the kernels in interpret mode."""
+  o_splits: int = 1
+  o: gemv.Gemv | None = None
+  qkv: gemv.Gemv | None = None
+  gate_up: gemv.Gemv | None = None
+  down: gemv.Gemv | None = None
+  fold_norms: bool = False
+  interpret: bool = False
+
+  def add_o(self, x, a, w):
+    """x + a @ o_proj."""
+    if self.o is None:
+      return add_split_dot(x, a, w, self.o_splits)
+    return gemv.add_dot(x, a, w, self.o, self.interpret)
+
+  def add_down(self, x, a, w):
+    """x + a @ down_proj."""
+    return x + a @ w if self.down is None else gemv.add_dot(x, a, w, self.down, self.interpret)
+
+  def normed(self, x, norm_w, w, g, eps):
+    """rms_norm(x, norm_w) @ w in x's dtype: folded into the gemv kernel (fold_norms), or the
+    norm by XLA then the dot by g's kernel (g None: XLA's dot)."""
+    if self.fold_norms:
+      return gemv.normed_dot(x, norm_w, w, eps, g, self.interpret).astype(x.dtype)
+    h = rms_norm(x, norm_w, eps)
+    return h @ w if g is None else gemv.dot(h, w, g, self.interpret)
 
 
-def _layer(lp, cfg, x_bsd, q_pos_bs, attend, o_dot=residual_dot(), down_dot=jnp.matmul):
+def _layer(lp, cfg, x_bsd, q_pos_bs, attend, dots=LayerDots()):
   """One draft decoder layer; attend(lp, cfg, h, q_pos) -> o [B, S, H*Y] is its attention
-  (attend_key_sets or attend_packed_kernel); o_dot(x, o, w) -> x + o @ w (residual_dot);
-  down_dot(a, w) -> a @ w for down_proj."""
-  h = rms_norm(x_bsd, lp["input_layernorm"], cfg.rms_norm_eps)
-  o = attend(lp, cfg, h, q_pos_bs)
-  x_bsd = o_dot(x_bsd, o, lp["o_proj"])
-  h = rms_norm(x_bsd, lp["post_attention_layernorm"], cfg.rms_norm_eps)
-  return x_bsd + _mlp(lp, h, down_dot)
+  (attend_key_sets or attend_packed_kernel); dots: how the other dots run (LayerDots; its
+  kernels only on packed layers whose attend takes the q|k|v output)."""
+  eps = cfg.rms_norm_eps
+  if not (getattr(attend, "takes_qkv", False) and "gate_up_proj" in lp):
+    dots = LayerDots(o_splits=dots.o_splits)  # XLA's dots
+  if dots.qkv is not None or dots.fold_norms:
+    o = attend(lp, cfg, None, q_pos_bs,
+               qkv=dots.normed(x_bsd, lp["input_layernorm"], lp["qkv_proj"], dots.qkv, eps))
+  else:
+    o = attend(lp, cfg, rms_norm(x_bsd, lp["input_layernorm"], eps), q_pos_bs)
+  x_bsd = dots.add_o(x_bsd, o, lp["o_proj"])
+  if dots.gate_up is not None or dots.fold_norms:
+    gate, up = jnp.split(dots.normed(x_bsd, lp["post_attention_layernorm"], lp["gate_up_proj"],
+                                     dots.gate_up, eps), 2, axis=-1)
+    return dots.add_down(x_bsd, jax.nn.silu(gate) * up, lp["down_proj"])
+  h = rms_norm(x_bsd, lp["post_attention_layernorm"], eps)
+  return dots.add_down(x_bsd, _swiglu(lp, h), lp["down_proj"])
 
 
 def _logits(params, cfg, x_bsd, head_dv):
@@ -475,13 +512,13 @@ def resolve_ctx_impl(ctx_impl: str) -> str:
 
 
 def _attention(cfg, cache, i, lp, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_chunk,
-               kernel_tuning, block_in_kernel, packed_io, qk_in_kernel, qkv_gemv=None):
+               kernel_tuning, block_in_kernel, packed_io, qk_in_kernel):
   """Layer i's attend for _layer: the ctx part through the fused kernel (ctx_impl 'pallas', or
   'interpret' = its CPU interpret mode) for full-attention layers whose shapes it supports,
   else XLA in chunks; the block part by XLA, or as one more program of the kernel
   (block_in_kernel, where every block key is visible: non-causal, no window, and the kernel
   takes the block's rows); with packed_io too and a packed layer, attend_packed_kernel
-  (qk_in_kernel: q/k norm and rope inside the kernel; qkv_gemv: its q|k|v dot by gemv.dot).
+  (qk_in_kernel: q/k norm and rope inside the kernel).
   kernel_tuning: (field, value) pairs replacing default_tuning's."""
   k, v, window = cache.k[i], cache.v[i], cfg.window(i)
   B, G, L, Y = k.shape
@@ -499,8 +536,7 @@ def _attention(cfg, cache, i, lp, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_ch
       qk_like = jax.ShapeDtypeStruct((B, S, cfg.num_attention_heads + G, Y), k.dtype)
       if packed_io and "qkv_proj" in lp and (
           interpret or ctx_attention.supports_packed_block(qk_like, G)):
-        return attend_packed_kernel(k, v, cache.ctx_len, tuning, interpret, qk_in_kernel,
-                                    qkv_gemv)
+        return attend_packed_kernel(k, v, cache.ctx_len, tuning, interpret, qk_in_kernel)
       return attend_key_sets(
           lambda kb, vb: [kernel_part(k, v, cache.ctx_len, tuning, interpret, kb, vb)])
     ctx = kernel_part(k, v, cache.ctx_len, tuning, interpret)
@@ -513,7 +549,7 @@ def _attention(cfg, cache, i, lp, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_ch
 def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, start_b, embed_vd,
                 head_dv, ctx_chunk=CTX_CHUNK, ctx_impl="auto", kernel_chunk=None,
                 kernel_tuning=(), block_in_kernel=True, packed_io=True, qk_in_kernel=True,
-                o_splits=1, o_gemv=None, qkv_gemv=None, down_gemv=None):
+                dots=LayerDots()):
   """One non-causal block [bonus, MASK...] at positions start.. over the ctx cache -> [B, S, V] f32.
 
   Ctx keys are the cache rows < ctx_len, in chunks of ctx_chunk rows when that divides the
@@ -530,11 +566,9 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   applies q_norm / k_norm and rope to the dot's raw q and k heads, so no XLA norm / rope launch
   runs between the q|k|v dot and the kernel (H200, bench_k26_full's draft at 46k: 530.6 us vs
   547.9 us with the XLA norm + rope fusion, same logits; results/h200/2026-12-01/s5_draft_io.log).
-  A/B options (H200 timing pending): o_splits: o_proj's contraction split into that many pieces
-  by hand (add_split_dot); o_gemv / qkv_gemv / down_gemv (gemv.Gemv, kernel ctx_impls only):
-  o_proj / the packed kernel path's q|k|v dot / down_proj through gemv.py's split-K Pallas
-  kernel (with 1 split its f32 output needs no reduction, so XLA can fuse the cast and the
-  residual add into the consumers: no add kernel of its own).
+  dots (A/B options, H200 timing pending): how the layers' other dots run (LayerDots: XLA's by
+  default; split-K by hand, gemv.py's kernel per dot, the RMSNorms folded into the q|k|v and
+  gate|up kernels; the kernels with the kernel ctx_impls only).
   """
   ctx_impl = resolve_ctx_impl(ctx_impl)
   B, S = block_tokens_bs.shape
@@ -543,16 +577,11 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   L = cache.pos.shape[1]
   chunk = ctx_chunk if L % ctx_chunk == 0 else None
   live = (jnp.arange(L)[None, :] < cache.ctx_len[:, None])[:, None, :]  # [B, 1, L]
-  if ctx_impl == "xla" and (o_gemv or qkv_gemv or down_gemv):
-    raise ValueError("o_gemv / qkv_gemv / down_gemv are Pallas kernels: ctx_impl 'pallas' or "
-                     "'interpret'")
-  o_dot = residual_dot(o_splits, o_gemv, ctx_impl == "interpret")
-  down_dot = jnp.matmul if down_gemv is None else (
-      lambda a, w: gemv.dot(a, w, down_gemv, ctx_impl == "interpret"))
+  dots = dataclasses.replace(dots, interpret=ctx_impl == "interpret")
   for i, lp in enumerate(params["layers"]):
     attend = _attention(cfg, cache, i, lp, q_pos, live, ctx_impl, chunk, kernel_chunk,
-                        kernel_tuning, block_in_kernel, packed_io, qk_in_kernel, qkv_gemv)
-    x = _layer(lp, cfg, x, q_pos, attend, o_dot, down_dot)
+                        kernel_tuning, block_in_kernel, packed_io, qk_in_kernel)
+    x = _layer(lp, cfg, x, q_pos, attend, dots)
   return _logits(params, cfg, x, head_dv)
 
 

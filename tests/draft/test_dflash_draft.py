@@ -572,25 +572,33 @@ def test_ctx_impl_auto_and_tuning_overrides():
 # draft_block A/B options (bench_draft.py's +qkjoin, +exp2, +msplitN, +osplitN rows)
 OPTIONS = dict(join_exp2_msplit=dict(kernel_tuning=(("join_halves", True), ("exp2", True),
                                                     ("merge_pieces", 2))),
-               osplit=dict(o_splits=4), join=dict(kernel_tuning=(("join_halves", True),)),
+               join=dict(kernel_tuning=(("join_halves", True),)),
                head_groups=dict(kernel_tuning=(("head_groups", 2),)),
-               gemv=dict(o_gemv=gemv.Gemv(2, block_n=16, block_k=16),
-                         qkv_gemv=gemv.Gemv(2, block_n=16, block_k=16),
-                         down_gemv=gemv.Gemv(1, block_n=16, block_k=16)))
+               osplit=dict(dots=model.LayerDots(o_splits=4)),
+               gemv=dict(dots=model.LayerDots(o=gemv.Gemv(2, block_n=16, block_k=16),
+                                              qkv=gemv.Gemv(2, block_n=16, block_k=16),
+                                              gate_up=gemv.Gemv(2, block_n=16, block_k=16),
+                                              down=gemv.Gemv(1, block_n=16, block_k=16))),
+               gemv_fold=dict(dots=model.LayerDots(o=gemv.Gemv(1, block_n=16, block_k=16),
+                                                   qkv=gemv.Gemv(2, block_n=16, block_k=16),
+                                                   gate_up=gemv.Gemv(1, block_n=16, block_k=16),
+                                                   down=gemv.Gemv(1, block_n=16, block_k=16),
+                                                   fold_norms=True)))
 
 
 @pytest.mark.parametrize("heads,kv_heads,qk_in_kernel,options", [
     (2, 1, False, None), (8, 2, False, None), (2, 1, True, None), (8, 2, True, None),
     (2, 1, True, "join_exp2_msplit"), (8, 2, True, "join_exp2_msplit"), (8, 2, True, "osplit"),
     (8, 2, False, "join"), (8, 2, True, "head_groups"), (8, 2, False, "head_groups"),
-    (8, 2, True, "gemv")])
+    (8, 2, True, "gemv"), (8, 2, True, "gemv_fold"), (2, 1, True, "gemv_fold")])
 def test_packed_io_matches_numpy(tmp_path, heads, kv_heads, qk_in_kernel, options):
   """draft_block's default kernel I/O (packed_io: the ctx kernel, interpret mode, reads q and the
   block's K/V from the q|k|v dot's packed output; merge_to_heads merges its partials into the
   o_proj input; qk_in_kernel: the kernel norms and ropes the raw q / k heads itself), also
   without qk_in_kernel and with the A/B options (OPTIONS: roped halves joined, base-2 softmax,
   merge in column pieces, o_proj split by hand, each kv head's query heads in 2 program rows,
-  o_proj, q|k|v and down by gemv.py's kernel; join without in-kernel rope is a no-op), on
+  o_proj, q|k|v, gate|up and down by gemv.py's kernel, also with the RMSNorms folded into it;
+  join without in-kernel rope is a no-op), on
   pack_for_decode'd params equals the float64 numpy draft (f32, 1e-5), with one or two kv
   heads (U = 2 or 4 query heads each) and ctx rows split over 3 programs."""
   cfg = draft.DraftConfig.tiny(block_size=16, num_attention_heads=heads,

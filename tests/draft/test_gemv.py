@@ -29,6 +29,31 @@ def test_partials_sum_to_the_product(m, k, n, g):
   np.testing.assert_allclose(np.asarray(got)[0], x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_add_dot_and_normed_dot(splits):
+  """add_dot = x + a @ w (one split: the add in the kernel's epilogue); normed_dot = the
+  float64 rms_norm(x, norm) @ w (the norm folded: x * norm in the prologue, the rows' sums of
+  squares from the kernel); f32, 1e-5."""
+  rng = np.random.default_rng(1)
+  B, S, K, N, eps = 2, 8, 128, 64, 1e-6
+  g = gemv.Gemv(splits=splits, block_n=32, block_k=32)
+  a = rng.normal(size=(B, S, K)).astype(np.float32)
+  w = rng.normal(size=(K, N)).astype(np.float32)
+  x = rng.normal(size=(B, S, N)).astype(np.float32)
+  norm = rng.normal(size=(K,)).astype(np.float32)
+  got = gemv.add_dot(jnp.asarray(x), jnp.asarray(a), jnp.asarray(w), g, interpret=True)
+  np.testing.assert_allclose(np.asarray(got), x + a.astype(np.float64) @ w, rtol=1e-5,
+                             atol=1e-4)
+  a64 = a.astype(np.float64)
+  h = a64 / np.sqrt((a64 * a64).mean(-1, keepdims=True) + eps) * norm
+  got = gemv.normed_dot(jnp.asarray(a), jnp.asarray(norm), jnp.asarray(w), eps, g,
+                        interpret=True)
+  np.testing.assert_allclose(np.asarray(got), h @ w, rtol=1e-5, atol=1e-4)
+  with pytest.raises(ValueError, match="residual"):
+    gemv.add_dot(jnp.asarray(x[:, :, :48]), jnp.asarray(a), jnp.asarray(w[:, :48]),
+                 gemv.Gemv(splits=1, block_n=32, block_k=32), interpret=True)
+
+
 def test_rejects_shapes_it_does_not_tile():
   """K not a multiple of splits * block_k, or N of block_n: a ValueError, not a wrong result."""
   x, w = jnp.zeros((16, 96)), jnp.zeros((96, 64))
