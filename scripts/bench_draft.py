@@ -89,6 +89,9 @@ flags.DEFINE_list("ctx_kv", ["xla", "nomerge", "packed"],
                   "nomerge (compiled with XLA's DotMerger off), packed (model.pack_ctx_kv: one "
                   "dot for all layers)")
 flags.DEFINE_integer("top", 12, "kernels listed per phase")
+flags.DEFINE_bool("f32_ref", False, "draft_block rows also report their logits' rel L2 against "
+                  "the same draft in f32 (XLA attention; weights, cache and inputs upcast): "
+                  "the bf16 error of each form, to compare A/B forms that round differently")
 
 
 def draft_setup(small, name):
@@ -297,6 +300,18 @@ def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
           kernel_ops(text, kernels, FLAGS.top))
 
 
+def f32_reference(cfg, params, embed, head, b, ctx):
+  """bench_block's draft_block inputs upcast to f32 through the XLA form: [B, S, V] f32 logits
+  (the bf16 rows' common reference)."""
+  up = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x,
+                              t)
+  cache = up(filled_cache(cfg, b, ctx + cfg.block_size, ctx))
+  block = model.make_block(cfg, jnp.ones((b,), jnp.int32))
+  start = jnp.full((b,), ctx, jnp.int32)
+  prog = jax.jit(lambda p, c, t, s, e, h: model.draft_block(p, cfg, c, t, s, e, h, ctx_impl="xla"))
+  return prog(up(params), cache, block, start, up(embed), up(head))
+
+
 def rel_l2(got, ref):
   """||got - ref|| / ||ref|| in f32."""
   got, ref = got.astype(jnp.float32), ref.astype(jnp.float32)
@@ -368,6 +383,7 @@ def bench_draft(name, ceil, t0):
                       ctx_cost(cfg, params, b, cfg.block_size), ceil, cfg, b)
                   | dict(ctx_kv=variant, kernel_ops=ops))
     first = None  # the first impl's logits: the others' rel L2 is against them
+    ref = f32_reference(cfg, params, embed, head, b, ctx) if FLAGS.f32_ref else None
     for impl in FLAGS.ctx_impls:
       if parse_ctx_impl(impl)[0] != "xla" and not on_gpu:
         continue
@@ -382,12 +398,14 @@ def bench_draft(name, ceil, t0):
       rows.append(row("draft_block", ctx, us, timer, kernels,
                       block_cost(cfg, params, head, b, ctx), ceil, cfg, b)
                   | dict(cache_sized_outputs=rewrites, ctx_impl=impl, kernel_ops=ops,
-                         logits_rel_l2_vs_first=rel_l2(logits, first)))
+                         logits_rel_l2_vs_first=rel_l2(logits, first))
+                  | ({} if ref is None else dict(logits_rel_l2_vs_f32=rel_l2(logits, ref))))
       r = rows[-1]  # printed now too: a run cut off by its time box still shows it
+      vs_f32 = f", vs f32: {r['logits_rel_l2_vs_f32']:.2e}" if ref is not None else ""
       print(f"{name} draft_block {impl} ctx={ctx}: {us:.1f} us = {r['x_floor']:.2f}x floor, "
             f"{sum(n for _, n, _ in kernels):.0f} launches, logits rel L2 vs "
-            f"{rows_first_impl()}: {r['logits_rel_l2_vs_first']:.1e} ({time.time() - t0:.0f} s)",
-            flush=True)
+            f"{rows_first_impl()}: {r['logits_rel_l2_vs_first']:.1e}{vs_f32} "
+            f"({time.time() - t0:.0f} s)", flush=True)
     if FLAGS.probe_cudnn and on_gpu:
       rows += ctx_attention_probe(cfg, b, ctx, FLAGS.reps)
     print(f"{name} ctx={ctx} done ({time.time() - t0:.0f} s)", flush=True)
