@@ -42,9 +42,9 @@
 #               default (the norm + rope in the kernel) (draft_ctx packed only; every kernel
 #               listed with its HLO ops);
 #               draft_io:130 (~100 s)
-#   draft_gap   the packed-I/O GPU tests (every compiled form incl. the A/B options), then
+#   draft_gap   the packed-I/O GPU tests (every compiled form incl. the A/B options; 35 s), then
 #               bench_draft.py on k26_dflash_share, draft_block only: today's default (q/k norm +
-#               rope in the kernel) beside issue 17's A/B options one by one and combined
+#               rope in the kernel) beside issue 17's A/B options combined, then one by one
 #               (+qkjoin, +hg2 at 131 and 65 programs, the gemv.py dots +ogemv1/2, +qgemv7,
 #               +dgemv1, +ugemv4, all of them with the norms folded (+fold), +exp2, +msplit2;
 #               each row printed when timed, with its logits' rel L2 vs the default and vs
@@ -111,10 +111,10 @@ run_part() {
                 tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
                 --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv packed --top 40 \
                 --ctx_impls pallas+block+packed+splitio+xlaqk,pallas+block+packed+xlaqk,pallas+block+packed" ;;
-    draft_gap) one_gpu timeout "$secs" bash -c "timeout 40 python3 -m pytest -q -rs -m gpu \
+    draft_gap) one_gpu timeout "$secs" bash -c "timeout 35 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
                 --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv= --top 40 --f32_ref \
-                --ctx_impls pallas+block+packed,pallas+block+packed+qkjoin,pallas+block+packed+hg2,pallas+block+packed+ogemv1,pallas+block+packed+ogemv2,pallas+block+packed+qgemv7,pallas+block+packed+dgemv1,pallas+block+packed+ugemv4,pallas+block+packed+qgemv7+ugemv4+fold+ogemv1+dgemv1,pallas+block+packed+exp2,pallas+block+packed+msplit2,pallas:p65+block+packed+hg2,pallas+block+packed+qkjoin+exp2+msplit2+qgemv7+ugemv4+fold+ogemv1+dgemv1" ;;
+                --ctx_impls pallas+block+packed,pallas+block+packed+qkjoin+exp2+msplit2+qgemv7+ugemv4+fold+ogemv1+dgemv1,pallas+block+packed+qgemv7+ugemv4+fold+ogemv1+dgemv1,pallas+block+packed+qkjoin,pallas+block+packed+hg2,pallas+block+packed+ogemv1,pallas+block+packed+dgemv1,pallas+block+packed+qgemv7,pallas+block+packed+ugemv4,pallas+block+packed+ogemv2,pallas+block+packed+exp2,pallas+block+packed+msplit2,pallas:p65+block+packed+hg2" ;;
     draft_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed ;;
     draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \

@@ -63,19 +63,26 @@ def test_rejects_shapes_it_does_not_tile():
   assert not gemv.supports(8, 128, 64, gemv.Gemv(splits=1, block_n=32, block_k=32))
 
 
-@pytest.mark.parametrize("k,n,g", [(1024, 7168, gemv.Gemv(splits=2)),
+@pytest.mark.parametrize("k,n,g", [(1024, 7168, gemv.Gemv(splits=1)),
+                                   (1024, 7168, gemv.Gemv(splits=2)),
                                    (7168, 1280, gemv.Gemv(splits=7)),
+                                   (7168, 4608, gemv.Gemv(splits=4)),
                                    (2304, 7168, gemv.Gemv(splits=1))])
 def test_lowers_for_h200(k, n, g):
   """bench_k26_full's draft o_proj ([16, 1024] x [1024, 7168]), q|k|v ([16, 7168] x
-  [7168, 1280]) and down ([16, 2304] x [2304, 7168]) in bf16 lower to Triton for an abstract
-  H200."""
+  [7168, 1280]), gate|up ([16, 7168] x [7168, 4608]) and down ([16, 2304] x [2304, 7168]) in
+  bf16 lower to Triton for an abstract H200: the plain partials, the folded norm (normed_dot)
+  and, with one split, the epilogue add (add_dot)."""
   from jax._src import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   sd = jax.ShapeDtypeStruct
   dev = mesh_lib.AbstractDevice("NVIDIA H200", 132, "gpu")
-  f = lambda x, w: gemv.partials(x, w, g=g)
-  with jax.sharding.use_abstract_mesh(
-      jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
-    text = jax.jit(f).trace(sd((16, k), jnp.bfloat16), sd((k, n), jnp.bfloat16)).lower(
-        lowering_platforms=("cuda",)).as_text()
-  assert "draft_gemv" in text
+  x, w = sd((1, 16, k), jnp.bfloat16), sd((k, n), jnp.bfloat16)
+  forms = [(lambda x, w: gemv.dot(x, w, g), (x, w)),
+           (lambda x, w, nw: gemv.normed_dot(x, nw, w, 1e-6, g), (x, w, sd((k,), jnp.bfloat16)))]
+  if g.splits == 1:
+    forms.append((lambda x, w, r: gemv.add_dot(r, x, w, g), (x, w, sd((1, 16, n), jnp.bfloat16))))
+  for f, args in forms:
+    with jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
+      text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "draft_gemv" in text
