@@ -19,6 +19,7 @@ from kdtree_jax import sharding
 from kdtree_jax.target.config import TargetConfig
 from kdtree_jax.target.norm import rms_norm
 from kdtree_jax.target.pack import dot_t
+from kdtree_jax.target import rope
 from kdtree_jax.target.rope import apply_rope, cos_sin
 from pallas_kernels.tree_verify.api import resolve_backend
 
@@ -69,10 +70,28 @@ def project_q(p, cfg: TargetConfig, q_in, mean_square=None):
 
 def latent_rows(cfg: TargetConfig, p, a_bsc, cos, sin, mean_square=None):
   """Cache rows [B, S, C] from a = x @ kv_a: normalized c_kv (R) followed by the rotated shared
-  rope key (P); mean_square: input_dots' for c_kv, or None."""
-  c_kv = rms_norm(a_bsc[..., :cfg.kv_lora_rank], p["kv_a_norm"], cfg.lora_norm_eps, mean_square)
-  k_pe = apply_rope(a_bsc[..., cfg.kv_lora_rank:], cos, sin)
-  return jnp.concatenate([c_kv, k_pe], axis=-1)
+  rope key (P); mean_square: input_dots' for c_kv, or None.
+
+  One full-width elementwise expression over a, no concatenate: column j is
+  a[i1[j]] * f1[j] + a[i2[j]] * f2[j] with static column indices (`rope.row_columns`): the
+  norm's w * (a * rsqrt) for j < R, the rope rotation (norm.rms_norm's and rope.apply_rope's
+  own operations in their order, so the same values) for the P rope columns. The two parts
+  joined by a concatenate were a separate kernel before the cache write (XLA:GPU, K2.6 share:
+  one `input_concatenate_fusion` per layer)."""
+  r, width = cfg.kv_lora_rank, a_bsc.shape[-1]
+  af = a_bsc.astype(jnp.float32)
+  if mean_square is None:
+    mean_square = jnp.mean(af[..., :r] * af[..., :r], axis=-1, keepdims=True)
+  i1, i2 = rope.row_columns(r, width - r)
+  x1, x2 = af[..., i1], af[..., i2]
+  w = jnp.pad(p["kv_a_norm"].astype(jnp.float32), (0, width - r))
+  norm = w * (x1 * jax.lax.rsqrt(mean_square + cfg.lora_norm_eps))
+  # per step, not per layer (the layers share cos / sin): [1 ... | cos | cos], [0 ... | -sin | sin]
+  c1 = jnp.concatenate([jnp.ones(cos.shape[:-1] + (r,), cos.dtype), cos, cos], axis=-1)
+  c2 = jnp.concatenate([jnp.zeros(sin.shape[:-1] + (r,), sin.dtype), -sin, sin], axis=-1)
+  roped = x1 * c1 + x2 * c2
+  rope_col = jnp.arange(width) >= r
+  return jnp.where(rope_col, roped.astype(a_bsc.dtype), norm.astype(a_bsc.dtype))
 
 
 def split_q(cfg: TargetConfig, q_bshy, cos, sin):

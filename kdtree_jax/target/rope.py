@@ -50,3 +50,13 @@ def apply_rope(x, cos, sin):
   even, odd = xf[..., 0::2], xf[..., 1::2]
   out = jnp.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
   return out.astype(x.dtype)
+
+
+def row_columns(start: int, p: int):
+  """(i1, i2) static column indices [start + p] of a row of `start` plain columns followed by
+  p interleaved rope columns, so the rotated row is x[i1] * [cos | cos] + x[i2] * [-sin | sin]
+  with no concatenate of x's parts: apply_rope's column k < p/2 is x[2k] cos_k - x[2k+1] sin_k,
+  column p/2 + k is x[2k+1] cos_k + x[2k] sin_k. The plain columns map to themselves."""
+  head, k = np.arange(start), np.arange(p // 2)
+  even, odd = start + 2 * k, start + 2 * k + 1
+  return np.concatenate([head, even, odd]), np.concatenate([head, odd, even])
