@@ -16,10 +16,13 @@ NUM_SMS = 132  # H200 SXM
 DEFAULT_VARIANTS = (
     # max_rows, variant, measured (s5 = fifth session, 2026-12-01 10:54 UTC)
     (8, "once+ismem", "s5 T=1 (1 expert): 26.6 us vs 27.3 base (+x2 27.2: noise; the simpler)"),
-    (33 * 8 - 1, "once+ismem+x4c4+s2", "s5 T=16 (4 experts): 78.0 us vs 87.3 base; T=2..32 "
-     "unmeasured (T=9: bench mlp_tune case 9:8)"),
-    (65 * 8, "once+ismem+r8+s2", "s5 T=65 (36 experts): 336.4 us vs 555.9 base (64.9% of "
-     "copy); R = 8 fits ~2 local rows per expert, not prefill's hundreds"),
+    (12 * 8, "once+ismem+x4c4+s2+r8", "s5 run 2 T=9 (8 experts): 107.9 us vs 123.8 with R 16 "
+     "(the T=16 class's); T=2..12: up to the midpoint to the measured T=16"),
+    (33 * 8 - 1, "once+ismem+x4c4+s2", "s5 T=16 (4 experts): 78.0 us vs 87.3 base (run 2: 78.8; "
+     "+dq2 76.5, +s3 slower: within noise, not promoted); T=13..32 unmeasured"),
+    (65 * 8, "once+ismem+r8+s2+w16", "s5 run 2 T=65 (36 experts): 325.2 us (66.7% of copy) vs "
+     "336.5 r8+s2 (run 1: 336.4) vs 555.9 base; R = 8 fits ~2 local rows per expert, not "
+     "prefill's hundreds; w16: a persistent grid over the live items"),
     (None, "default", "unmeasured (prefill chunks): the base tuning, R from the rows per expert"),
 )
 

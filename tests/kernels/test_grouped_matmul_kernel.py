@@ -416,13 +416,14 @@ def test_apply_variant_parses_every_change():
 
 def test_default_variants_promote_per_row_count():
   """default_tuning gives INT4 calls DEFAULT_VARIANTS' entry for their M: T=1 (M 8) fixed-cost
-  options only, T=9 and 16 (M 72, 128) 4x the K splits on 2 stages, T=33..65 (M 264..520) R = 8
-  on 2 stages, larger M (prefill) the base; bf16 calls and variant='default' the base."""
+  options only, T=9 and 16 (M 72, 128) 4x the K splits on 2 stages (T <= 12 with R = 8),
+  T=33..65 (M 264..520) R = 8 on 2 stages in a persistent grid, larger M (prefill) the base; bf16 calls and variant='default' the base."""
   d, f = 7168, 2048
   base = lambda m, k, n, **kw: default_tuning(m, 48, k, n, True, variant="default", **kw)
-  want = {8: "once+ismem", 72: "once+ismem+x4c4+s2", 128: "once+ismem+x4c4+s2",
-          263: "once+ismem+x4c4+s2", 264: "once+ismem+r8+s2", 520: "once+ismem+r8+s2",
-          521: "default", 4096: "default"}
+  want = {8: "once+ismem", 72: "once+ismem+x4c4+s2+r8", 96: "once+ismem+x4c4+s2+r8",
+          97: "once+ismem+x4c4+s2", 128: "once+ismem+x4c4+s2", 263: "once+ismem+x4c4+s2",
+          264: "once+ismem+r8+s2+w16", 520: "once+ismem+r8+s2+w16", 521: "default",
+          4096: "default"}
   for m, name in want.items():
     assert tuning_module.promoted_variant(m) == name, m
     assert tuning_module.promoted_variant(m, gated=True) == name, m
@@ -462,7 +463,7 @@ def test_gated_and_plain_calls_take_their_own_variant(monkeypatch):
 # Each promoted tuning at its row class (T tokens x top-8 rows over 48 local experts, ~T local
 # rows spread over the experts touched) on a small D / F in interpret mode: both calls of
 # expert_mlp on one work list vs the dequantise-first XLA reference (bf16 tolerance).
-PROMOTED_CLASSES = [(1, 1), (16, 4), (65, 36)]  # (T, experts touched), as bench mlp_tune
+PROMOTED_CLASSES = [(1, 1), (9, 8), (16, 4), (65, 36)]  # (T, experts touched), as bench mlp_tune
 
 
 def _class_sizes(t, touched, e_l=48):
