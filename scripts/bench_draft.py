@@ -63,9 +63,9 @@ flags.DEFINE_list("ctx_impls", [
     "pallas:p66:128+block", "pallas+block+packed+splitio",
     "pallas+block+packed+xlaqk", "pallas+block+packed+qkjoin", "pallas+block+packed+exp2",
     "pallas+block+packed+msplit2", "pallas+block+packed+osplit4", "pallas+block+packed+hg2",
-    "pallas:p65+block+packed+hg2", "pallas+block+packed+ogemv2", "pallas+block+packed+qgemv7",
-    "pallas+block+packed+dgemv1", "pallas+block+packed+ugemv4",
-    "pallas+block+packed+qgemv7+ugemv4+fold+ogemv1+dgemv1",
+    "pallas:p65+block+packed+hg2", "pallas+block+packed+ogemv1", "pallas+block+packed+ogemv4",
+    "pallas+block+packed+qgemv28", "pallas+block+packed+dgemv1", "pallas+block+packed+ugemv14",
+    "pallas+block+packed+qgemv28+ugemv14+fold+ogemv1+dgemv1",
     "pallas:512:128", "pallas:512:128+block", "pallas:512:32", "pallas:512:64:4",
     "pallas:512:64:8:3"],
                   "draft_block ctx attention: xla, or pallas[:chunk or pPROGRAMS[:block_k"

@@ -5,7 +5,7 @@ On the H200 XLA's Triton GEMMs ran o_proj ([16, 1024] x [1024, 7168], no split-K
 q|k|v ([16, 7168] x [7168, 1280], split-K 16) at ~2.4 TB/s of a 4.1 TB/s copy rate
 (results/h200/2026-12-01/s5_draft_io.log). Here the grid is chosen for that read: program
 (s, n) streams rows [s*K/splits, (s+1)*K/splits) of weight columns [n*block_n, (n+1)*block_n)
-in tiles of block_k rows (num_stages of them in flight) and writes its f32 partial
+in tiles of block_k rows (num_stages - 1 of them in flight ahead) and writes its f32 partial
 [M, block_n]; the caller sums the `splits` partials where it needs the result (XLA fuses the
 sum into the consumer: the residual add, or the cast before the attention kernel).
 """
@@ -24,12 +24,16 @@ from jax.experimental.pallas import triton as pltriton
 @dataclasses.dataclass(frozen=True)
 class Gemv:
   """splits: K pieces (programs along K); block_n: weight columns per program; block_k: rows per
-  tile of the program's loop; num_warps, num_stages: Triton's."""
+  tile of the program's loop; num_warps, num_stages: Triton's. The defaults keep a program's
+  shared memory at 3 x (4 + 16) KB, so 3 programs fit on an SM: many small programs (several
+  per SM, e.g. 560 of 32 KB for q|k|v at 28 splits) balance the SMs better than one wave of
+  ~132 programs, which 132 = 4 x 3 x 11 SMs never divide evenly for these power-of-two x 7
+  shapes."""
   splits: int
   block_n: int = 64
   block_k: int = 128
   num_warps: int = 4
-  num_stages: int = 4
+  num_stages: int = 3
 
 
 def supports(m: int, k: int, n: int, g: Gemv) -> bool:

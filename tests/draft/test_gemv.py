@@ -65,8 +65,9 @@ def test_rejects_shapes_it_does_not_tile():
 
 @pytest.mark.parametrize("k,n,g", [(1024, 7168, gemv.Gemv(splits=1)),
                                    (1024, 7168, gemv.Gemv(splits=2)),
-                                   (7168, 1280, gemv.Gemv(splits=7)),
-                                   (7168, 4608, gemv.Gemv(splits=4)),
+                                   (1024, 7168, gemv.Gemv(splits=4)),
+                                   (7168, 1280, gemv.Gemv(splits=28)),
+                                   (7168, 4608, gemv.Gemv(splits=14)),
                                    (2304, 7168, gemv.Gemv(splits=1))])
 def test_lowers_for_h200(k, n, g):
   """bench_k26_full's draft o_proj ([16, 1024] x [1024, 7168]), q|k|v ([16, 7168] x
