@@ -684,6 +684,36 @@ def test_packed_io_lowers_for_h200():
     assert ("draft_ctx_merge" in text) == packed_io
 
 
+@pytest.mark.parametrize("tuning,dots", [
+    ((("join_halves", True), ("exp2", True), ("merge_pieces", 2)),
+     model.LayerDots(qkv=gemv.Gemv(28), gate_up=gemv.Gemv(14), o=gemv.Gemv(1),
+                     down=gemv.Gemv(1), fold_norms=True)),
+    ((("head_groups", 2), ("programs", 65)), model.LayerDots(o=gemv.Gemv(4)))])
+def test_ab_forms_lower_at_k26_share(tuning, dots):
+  """One layer of bench_k26_full's draft (k26_dflash_share: hidden 7168, 8 q / 1 kv heads of
+  128, FFN 2304, block 16, 46016 cache rows, bf16) with the A/B options of gpu_measure's
+  draft_gap rows lowers to Triton for an abstract H200 (the ctx kernel, its merge and gemv.py's
+  kernel) at the shapes the GPU run uses: no Gemv split that fails to tile them."""
+  from jax._src import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from kdtree_jax import bench_models  # pylint: disable=import-outside-toplevel
+  tcfg = bench_models.k26_share(layers=4)
+  cfg = dataclasses.replace(bench_models.k26_dflash_share(tcfg), num_hidden_layers=1,
+                            layer_types=("full_attention",))
+  params = jax.eval_shape(lambda: model.pack_for_decode(model.init_draft_params(
+      jax.random.key(0), cfg, cfg.hidden_size, cfg.n_taps, jnp.bfloat16)))
+  cache = jax.eval_shape(lambda: model.init_draft_cache(cfg, 1, 46016, jnp.bfloat16))
+  sd, V, D = jax.ShapeDtypeStruct, tcfg.vocab_size, cfg.hidden_size
+  f = lambda p, c, t, s, e, h: model.draft_block(p, cfg, c, t, s, e, h, ctx_impl="pallas",
+                                                 kernel_tuning=tuning, dots=dots)
+  dev = mesh_lib.AbstractDevice("NVIDIA H200", 132, "gpu")
+  with jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
+    text = jax.jit(f).trace(params, cache, sd((1, 16), jnp.int32), sd((1,), jnp.int32),
+                            sd((V, D), jnp.bfloat16), sd((D, V), jnp.bfloat16)).lower(
+                                lowering_platforms=("cuda",)).as_text()
+  assert "draft_ctx_attention" in text and "draft_ctx_merge" in text and "draft_gemv" in text
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernel: GPU only")
 @pytest.mark.parametrize("ctx", [46000, 3000, 0])
