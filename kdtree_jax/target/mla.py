@@ -3,7 +3,7 @@
 Letters: B batch, S/N tokens, H heads, D hidden, R kv_lora_rank (latent), P rope dim,
 Dn qk_nope dim, Dv value dim, C = R + P latent cache width, L cache rows.
 Weights: q_a [D, Rq], q_b [Rq, H, Dn+P] (or q [D, H, Dn+P]), kv_a [D, R+P], kv_b [R, H, Dn+Dv],
-o [H, Dv, D]; packed (target/pack.py): qkv_a_t [Rq+R+P, D], w_uk [H, R, Dn], w_uv [H, Dv, R] in
+o [H, Dv, D]; packed (target/pack.py): qkv_a_t [Rq+R+P, D], w_qc [H, Dn+P, R+P], w_uv [H, Dv, R] in
 place of q_a (or q), kv_a and kv_b.
 """
 
@@ -78,19 +78,14 @@ def latent_rows(cfg: TargetConfig, p, a_bsc, cos, sin, mean_square=None):
   own operations in their order, so the same values) for the P rope columns. The two parts
   joined by a concatenate were a separate kernel before the cache write (XLA:GPU, K2.6 share:
   one `input_concatenate_fusion` per layer)."""
-  r, width = cfg.kv_lora_rank, a_bsc.shape[-1]
+  r = cfg.kv_lora_rank
   af = a_bsc.astype(jnp.float32)
   if mean_square is None:
     mean_square = jnp.mean(af[..., :r] * af[..., :r], axis=-1, keepdims=True)
-  i1, i2 = rope.row_columns(r, width - r)
-  x1, x2 = af[..., i1], af[..., i2]
-  w = jnp.pad(p["kv_a_norm"].astype(jnp.float32), (0, width - r))
-  norm = w * (x1 * jax.lax.rsqrt(mean_square + cfg.lora_norm_eps))
-  # per step, not per layer (the layers share cos / sin): [1 ... | cos | cos], [0 ... | -sin | sin]
-  c1 = jnp.concatenate([jnp.ones(cos.shape[:-1] + (r,), cos.dtype), cos, cos], axis=-1)
-  c2 = jnp.concatenate([jnp.zeros(sin.shape[:-1] + (r,), sin.dtype), -sin, sin], axis=-1)
-  roped = x1 * c1 + x2 * c2
-  rope_col = jnp.arange(width) >= r
+  w = jnp.pad(p["kv_a_norm"].astype(jnp.float32), (0, af.shape[-1] - r))
+  norm = w * (af * jax.lax.rsqrt(mean_square + cfg.lora_norm_eps))
+  roped = rope.rotate_tail(af, r, cos, sin)
+  rope_col = jnp.arange(af.shape[-1]) >= r
   return jnp.where(rope_col, roped.astype(a_bsc.dtype), norm.astype(a_bsc.dtype))
 
 
@@ -108,8 +103,9 @@ def prefill_attention(p, cfg: TargetConfig, x_bsd, positions_bs):
   q_nope, q_pe = split_q(cfg, project_q(p, cfg, q_in, ms_q), cos, sin)
   rows = latent_rows(cfg, p, a, cos, sin, ms_kv)
   c_kv, k_pe = rows[..., :cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank:]
-  if "w_uk" in p:
-    k_nope = jnp.einsum("bsr,hrk->bshk", c_kv, p["w_uk"])
+  if "w_qc" in p:  # w_uk^T is its top-left block
+    dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    k_nope = jnp.einsum("bsr,hkr->bshk", c_kv, p["w_qc"][:, :dn, :r])
     v = jnp.einsum("bsr,hvr->bshv", c_kv, p["w_uv"])
   else:
     kv = jnp.einsum("bsr,rhk->bshk", c_kv, p["kv_b"])
@@ -134,20 +130,33 @@ def absorbed_attention(p, cfg: TargetConfig, x_bnd, positions_bn, layer_cache_bl
   """
   cos, sin = cos_sin(cfg, positions_bn)
   q_in, a, (ms_q, ms_kv) = input_dots(p, cfg, x_bnd)
-  q_nope, q_pe = split_q(cfg, project_q(p, cfg, q_in, ms_q), cos, sin)
+  q = kernel_queries(p, cfg, project_q(p, cfg, q_in, ms_q), cos, sin).astype(layer_cache_blc.dtype)
   rows = latent_rows(cfg, p, a, cos, sin, ms_kv).astype(layer_cache_blc.dtype)
   layer_cache_blc = write_rows(layer_cache_blc, rows, lengths_b)
-  q = jnp.concatenate([absorb_q(p, cfg, q_nope), q_pe], axis=-1).astype(layer_cache_blc.dtype)
   u = verify_attention(cfg, q, layer_cache_blc, lengths_b, tree_mask_bnn, backend)
   o = unabsorb_u(p, cfg, u.astype(x_bnd.dtype))
   return jnp.einsum("bnhv,hvd->bnd", o, p["o"]), layer_cache_blc
 
 
+def kernel_queries(p, cfg: TargetConfig, q_bnhy, cos, sin):
+  """The tree-verify kernel's queries [B, N, H, R + P]: q_nope through kv_b's key half, then the
+  rotated q_pe. Packed (target/pack.py's w_qc [H, Dn + P, R + P] = [[w_uk^T, 0], [0, I]]): ONE
+  product of the rotated queries (`rope.rotate_tail`, no concatenate) gives both parts, the
+  rope columns multiplied by exact ones (the same values; the absorbed part's sums gain zero
+  terms), so no concatenate joins them (on the H200 one kernel per layer); else absorb_q and
+  the rotated q_pe joined."""
+  if "w_qc" in p:
+    dn = cfg.qk_nope_head_dim
+    qf = rope.rotate_tail(q_bnhy.astype(jnp.float32), dn, cos[:, :, None, :],
+                          sin[:, :, None, :]).astype(q_bnhy.dtype)
+    return jnp.einsum("bnhk,hkc->bnhc", qf, p["w_qc"])
+  q_nope, q_pe = split_q(cfg, q_bnhy, cos, sin)
+  return jnp.concatenate([absorb_q(p, cfg, q_nope), q_pe], axis=-1)
+
+
 def absorb_q(p, cfg: TargetConfig, q_nope_bnhk):
-  """q_nope through kv_b's key half -> [B, N, H, R]: over p["w_uk"] [H, R, Dn] when packed (the
-  heads major: no per-step slice or transpose of kv_b), else kv_b[..., :Dn] [R, H, Dn]."""
-  if "w_uk" in p:
-    return jnp.einsum("bnhk,hrk->bnhr", q_nope_bnhk, p["w_uk"])
+  """q_nope through kv_b's key half -> [B, N, H, R] (per-layer weights: kv_b[..., :Dn]
+  [R, H, Dn]; packed weights go through kernel_queries' one product)."""
   return jnp.einsum("bnhk,rhk->bnhr", q_nope_bnhk, p["kv_b"][..., :cfg.qk_nope_head_dim])
 
 

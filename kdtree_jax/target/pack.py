@@ -16,9 +16,11 @@ writers and the optimiser name the per-layer weights): `loader.load_pair` packs 
 mesh. Per layer (the forward reads either layout; see mla.input_dots, mlp.swiglu, moe.moe):
   * attn "qkv_a_t" [Rq + R + P, D] = (q_a | kv_a)^T (both read the normed hidden state; without the
     q LoRA, q flattened to [D, H * (Dn + P)] | kv_a), replacing q_a (or q) and kv_a; and kv_b
-    [R, H, Dn + Dv] as its key half "w_uk" [H, R, Dn] and value half "w_uv" [H, Dv, R], heads
-    major (the batch dim of the absorbed products; mla.absorb_q / unabsorb_u), so no step slices
-    or transposes the weight;
+    [R, H, Dn + Dv] as "w_qc" [H, Dn + P, R + P] = [[key half^T, 0], [0, I_P]] (the kernel's
+    queries, absorbed q_nope and q_pe, from ONE product: mla.kernel_queries; P / R more bytes
+    than the key half alone, no concatenate per layer) and its value half "w_uv" [H, Dv, R],
+    heads major (the batch dim of the absorbed products), so no step slices or transposes the
+    weight;
   * mlp (the dense layers) "gate_up_t" [2F, D] = (gate | up)^T, replacing gate and up;
   * moe "router_gate_up_t" [E + 2Fs, D] = (router | shared gate | shared up)^T, replacing the router
     and the shared expert's gate and up, where the router has the shared expert's dtype (one
@@ -45,7 +47,7 @@ def dot_t(x, w_t, **kw):
 
 
 def pack_layer(cfg: TargetConfig, lp):
-  out = dict(lp, attn=_pack_attn(lp["attn"], cfg.qk_nope_head_dim))
+  out = dict(lp, attn=_pack_attn(lp["attn"], cfg.qk_nope_head_dim, cfg.qk_rope_head_dim))
   if "mlp" in lp:
     out["mlp"] = _pack_gate_up(lp["mlp"])
   if "moe" in lp:
@@ -58,21 +60,27 @@ def _cat_t(ws):
   return jnp.concatenate(ws, axis=1).T
 
 
-def _pack_attn(p, qk_nope_head_dim):
+def _pack_attn(p, qk_nope_head_dim, qk_rope_head_dim):
   q_name = "q_a" if "q_a" in p else "q"
   q = p[q_name].reshape(p[q_name].shape[0], -1)
-  out = {k: w for k, w in p.items() if k != "kv_b"} | _split_kv_b(p["kv_b"], qk_nope_head_dim)
+  out = {k: w for k, w in p.items() if k != "kv_b"} | _split_kv_b(p["kv_b"], qk_nope_head_dim,
+                                                                  qk_rope_head_dim)
   if q.dtype != p["kv_a"].dtype:
     return out
   out = {k: w for k, w in out.items() if k not in (q_name, "kv_a")}
   return out | {"qkv_a_t": _cat_t([q, p["kv_a"]])}
 
 
-def _split_kv_b(kv_b, dn):
-  """kv_b [R, H, Dn + Dv] -> w_uk [H, R, Dn], w_uv [H, Dv, R]: heads major (the batch of the
-  absorbed products), the contracted dim minor."""
-  return {"w_uk": jnp.transpose(kv_b[..., :dn], (1, 0, 2)),
-          "w_uv": jnp.transpose(kv_b[..., dn:], (1, 2, 0))}
+def _split_kv_b(kv_b, dn, rope_dim):
+  """kv_b [R, H, Dn + Dv] -> w_qc [H, Dn + P, R + P] = [[w_uk^T, 0], [0, I_P]] (the queries'
+  product: absorbed q_nope and q_pe side by side, mla.kernel_queries) and w_uv [H, Dv, R]:
+  heads major (the batch of the absorbed products)."""
+  r, h = kv_b.shape[0], kv_b.shape[1]
+  w_qc = jnp.zeros((h, dn + rope_dim, r + rope_dim), kv_b.dtype)
+  w_qc = w_qc.at[:, :dn, :r].set(jnp.transpose(kv_b[..., :dn], (1, 2, 0)))
+  w_qc = w_qc.at[:, dn:, r:].set(jnp.broadcast_to(jnp.eye(rope_dim, dtype=kv_b.dtype),
+                                                  (h, rope_dim, rope_dim)))
+  return {"w_qc": w_qc, "w_uv": jnp.transpose(kv_b[..., dn:], (1, 2, 0))}
 
 
 def _pack_gate_up(p):

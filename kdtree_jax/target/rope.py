@@ -60,3 +60,16 @@ def row_columns(start: int, p: int):
   head, k = np.arange(start), np.arange(p // 2)
   even, odd = start + 2 * k, start + 2 * k + 1
   return np.concatenate([head, even, odd]), np.concatenate([head, odd, even])
+
+
+def rotate_tail(xf, start: int, cos, sin):
+  """f32 x [..., start + P] with its last P (interleaved pair) columns rotated as apply_rope
+  does and its first `start` columns kept (x * 1 + x * 0: the same finite values), in ONE
+  elementwise expression: no concatenate of x's parts. cos / sin broadcast against
+  x[..., P/2]; the [1 | cos | cos], [0 | -sin | sin] factors are the only concatenates (of
+  cos / sin: shared by every layer that rotates at the same positions)."""
+  i1, i2 = row_columns(start, xf.shape[-1] - start)
+  ones = jnp.ones(cos.shape[:-1] + (start,), cos.dtype)
+  c1 = jnp.concatenate([ones, cos, cos], axis=-1)
+  c2 = jnp.concatenate([jnp.zeros_like(ones), -sin, sin], axis=-1)
+  return xf[..., i1] * c1 + xf[..., i2] * c2

@@ -1,7 +1,8 @@
-"""mla.latent_rows (one full-width expression, no concatenate) against the formulation it replaced:
-rms_norm of c_kv and apply_rope of k_pe joined by a concatenate (the norm and rope modules'
-own functions, the HF-parity path); the same values in f32 and bf16, with and without the
-packed path's mean squares; and the decode program's HLO has no concatenate from latent_rows."""
+"""mla.latent_rows and mla.kernel_queries (one full-width expression / one product, no concatenate
+per layer) against the formulations they replaced: rms_norm of c_kv and apply_rope of k_pe
+joined by a concatenate; q_nope through kv_b's key half and the rotated q_pe joined (the norm
+and rope modules' own functions, the per-layer weights' path); the same values in f32 (and bf16
+for the rows); and the packed decode program's HLO has no concatenate per layer from either."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 
 from kdtree_jax import profiling_hlo
 from kdtree_jax.target import config as C
-from kdtree_jax.target import mla, transformer
+from kdtree_jax.target import mla, pack, transformer
 from kdtree_jax.target.cache import LatentCache
 from kdtree_jax.target.norm import rms_norm
 from kdtree_jax.target.params import init_params
@@ -41,10 +42,29 @@ def test_latent_rows_equal_norm_and_rope_joined(dtype, given_mean_square):
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-def _latent_rows_concats(layers):
-  """Concatenates made by latent_rows in the CPU-optimised HLO of a tiny decode step."""
+def test_kernel_queries_of_packed_weights_equal_absorbed_and_roped_joined():
+  cfg = C.tiny()
+  params = init_params(jax.random.key(0), cfg, jnp.float32)
+  p = params["layers"][1]["attn"]
+  packed = pack.pack_for_decode(cfg, params)["layers"][1]["attn"]
+  k = jax.random.split(jax.random.key(4), 2)
+  q = jax.random.normal(k[0], (2, 5, cfg.num_attention_heads, cfg.qk_head_dim))
+  cos, sin = cos_sin(cfg, jax.random.randint(k[1], (2, 5), 0, 5000))
+  dn = cfg.qk_nope_head_dim
+  want = jnp.concatenate([
+      jnp.einsum("bnhk,rhk->bnhr", q[..., :dn], p["kv_b"][..., :dn]),
+      apply_rope(q[..., dn:], cos[:, :, None, :], sin[:, :, None, :])], axis=-1)
+  got = mla.kernel_queries(packed, cfg, q, cos, sin)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(got[..., cfg.kv_lora_rank:], want[..., cfg.kv_lora_rank:])
+  np.testing.assert_array_equal(mla.kernel_queries(p, cfg, q, cos, sin), want)
+
+
+def _concats(layers, fn):
+  """Concatenates made by mla.`fn` in the CPU-optimised HLO of a tiny packed decode step."""
   cfg = C.tiny(num_hidden_layers=layers)
-  params = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg, jnp.float32))
+  params = jax.eval_shape(lambda: pack.pack_for_decode(
+      cfg, init_params(jax.random.key(0), cfg, jnp.float32)))
   cache = jax.eval_shape(lambda: LatentCache.zeros(cfg, 1, 64, jnp.float32))
   i32 = jax.ShapeDtypeStruct((1, 4), jnp.int32)
   mask = jax.ShapeDtypeStruct((1, 4, 4), jnp.bool_)
@@ -53,11 +73,13 @@ def _latent_rows_concats(layers):
   frames = [profiling_hlo._FRAME_ID.search(i.attrs) for i in index.instr.values()  # pylint: disable=protected-access
             if i.opcode == "concatenate"]
   return [s for f in frames if f for s in [index.sources.get(int(f.group(1)), "")]
-          if "latent_rows" in s]
+          if f" {fn}" in s]
 
 
-def test_decode_hlo_has_no_concatenate_per_layer_from_latent_rows():
-  """Before: one concatenate per layer joined c_kv and k_pe (XLA:GPU ran it as its own kernel,
-  `input_concatenate_fusion`, before the cache write). Now the program of 3 layers has no more
-  of them than that of 2 (the per-step [1 | cos | cos] factors are shared by the layers)."""
-  assert len(_latent_rows_concats(3)) == len(_latent_rows_concats(2))
+@pytest.mark.parametrize("fn", ["latent_rows", "absorbed_attention", "kernel_queries"])
+def test_packed_decode_hlo_has_no_concatenate_per_layer(fn):
+  """Before: per layer one concatenate joined c_kv and k_pe (latent_rows) and one the absorbed
+  q_nope and q_pe (absorbed_attention): on the H200 two `input_concatenate_fusion` kernels per
+  layer. Now the program of 3 layers has no more of them than that of 2 (the per-step
+  [1 | cos | cos] factors of rope.rotate_tail are shared by the layers)."""
+  assert len(_concats(3, fn)) == len(_concats(2, fn))

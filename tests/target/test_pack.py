@@ -45,7 +45,12 @@ def test_packed_layout_replaces_the_per_layer_weights():
   assert "q_a" not in attn and "kv_a" not in attn and "kv_b" not in attn
   assert attn["qkv_a_t"].shape == (cfg.q_lora_rank + cfg.cache_dim, cfg.hidden_size)
   h, r = cfg.num_attention_heads, cfg.kv_lora_rank
-  assert attn["w_uk"].shape == (h, r, cfg.qk_nope_head_dim)
+  dn, pe = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+  assert attn["w_qc"].shape == (h, dn + pe, r + pe)
+  kv_b = params["layers"][1]["attn"]["kv_b"]  # [[key half^T, 0], [0, I]]
+  np.testing.assert_array_equal(attn["w_qc"][:, :dn, :r], jnp.transpose(kv_b[..., :dn], (1, 2, 0)))
+  np.testing.assert_array_equal(attn["w_qc"][:, dn:, r:], jnp.broadcast_to(jnp.eye(pe), (h, pe, pe)))
+  assert not jnp.any(attn["w_qc"][:, :dn, r:]) and not jnp.any(attn["w_qc"][:, dn:, :r])
   assert attn["w_uv"].shape == (h, cfg.v_head_dim, r)
   assert set(mlp) == {"gate_up_t", "down"}
   assert "router" not in moe and set(moe["shared"]) == {"down"}
