@@ -16,7 +16,7 @@ second kernel merges its partials into the o_proj input (draft_block's packed_io
 +splitio = the older form, packed_io=False: q, k, v sliced and transposed for the kernel, its
 partials merged by XLA; packed_io's kernel also applies the q/k norms and rope to the dot's
 raw heads (qk_in_kernel, the default; +xlaqk = XLA's norm + rope fusion instead); the A/B
-options +qkjoin, +exp2, +msplitN, +hgN, +osplitN, +ogemvN, +qgemvN, +ugemvN, +dgemvN, +fold
+options +qkjoin, +expe (base-e softmax; base 2 is the default since s5), +msplitN, +hgN, +osplitN, +ogemvN, +qgemvN, +ugemvN, +dgemvN, +fold
 (see --ctx_impls);
 +cublas = compiled with XLA's Triton GEMMs off). Both are the decode path's own functions
 (kdtree_jax/draft/model.py). Drafts (--drafts): k26_dflash_share
@@ -61,7 +61,7 @@ flags.DEFINE_list("ctx_impls", [
     "pallas+block+packed+cublas", "pallas:p132", "pallas:p131+block", "pallas:p131:128+block",
     "pallas:p131+block+packed", "pallas:p131:128+block+packed", "pallas:p131:64:8:3+block+packed",
     "pallas:p66:128+block", "pallas+block+packed+splitio",
-    "pallas+block+packed+xlaqk", "pallas+block+packed+qkjoin", "pallas+block+packed+exp2",
+    "pallas+block+packed+xlaqk", "pallas+block+packed+qkjoin", "pallas+block+packed+expe",
     "pallas+block+packed+msplit2", "pallas+block+packed+osplit4", "pallas+block+packed+hg2",
     "pallas:p65+block+packed+hg2", "pallas+block+packed+ogemv1", "pallas+block+packed+ogemv4",
     "pallas+block+packed+qgemv28", "pallas+block+packed+dgemv1", "pallas+block+packed+ugemv14",
@@ -77,7 +77,7 @@ flags.DEFINE_list("ctx_impls", [
                   "+xlaqk: draft_block(qk_in_kernel=False), q/k norm and rope by XLA (the "
                   "default before the fifth session); +qkjoin: Tuning.join_halves (in-kernel "
                   "roped halves joined, full-width score dots); +exp2: Tuning.exp2 (base-2 "
-                  "softmax); +msplitN: Tuning.merge_pieces=N (merge programs of Y/N columns); "
+                  "softmax, the default); +expe: the base-e softmax (before s5); +msplitN: Tuning.merge_pieces=N (merge programs of Y/N columns); "
                   "+osplitN: draft_block(o_splits=N), o_proj split-K by hand; +hgN: "
                   "Tuning.head_groups=N (each kv head's query heads in N program rows); "
                   "+ogemvN / +qgemvN / +ugemvN / +dgemvN: o_proj / q|k|v / gate|up / down "
@@ -236,7 +236,7 @@ def cache_sized_outputs(hlo_text, cache_shape):
   return found
 
 
-SUFFIXES = ("block", "packed", "splitio", "xlaqk", "cublas", "qkjoin", "exp2", "fold")
+SUFFIXES = ("block", "packed", "splitio", "xlaqk", "cublas", "qkjoin", "exp2", "expe", "fold")
 NUMBERED = ("osplit", "msplit", "hg", "ogemv", "qgemv", "ugemv", "dgemv")  # +osplitN:
 # LayerDots.o_splits=N; +msplitN: Tuning.merge_pieces=N; +hgN: Tuning.head_groups=N; +ogemvN /
 # +qgemvN / +ugemvN / +dgemvN: o_proj / q|k|v / gate|up / down through gemv.py's kernel with N
@@ -264,6 +264,7 @@ def parse_ctx_impl(name):
   tuning += (("programs", fields[0]),) if split else ()
   tuning += tuple((field, True) for field, x in (("join_halves", "qkjoin"), ("exp2", "exp2"))
                   if x in extras)
+  tuning += (("exp2", False),) if "expe" in extras else ()  # the base-e softmax (before s5)
   tuning += (("merge_pieces", extras["msplit"]),) if "msplit" in extras else ()
   tuning += (("head_groups", extras["hg"]),) if "hg" in extras else ()
   return impl, chunk, tuning, extras
