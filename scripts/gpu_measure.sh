@@ -11,9 +11,9 @@
 #   moe_bench   pallas_kernels/grouped_matmul/bench.py: routed FFN per T, tuning sweep, whole MoE layer
 #   moe_tune    pallas_kernels/grouped_matmul/bench.py --parts mlp_tune: the INT4 expert FFN's gated
 #               and down calls at T=16 (4 experts), 1 (1), 9 (8), 65 (36): the promoted default
-#               tuning (tuning.DEFAULT_VARIANTS, by rows) beside the next round's variants (dq2,
-#               s3, k512, w16, R 8, x2), per-call Mosaic us, wrong rows marked FAIL;
-#               12 programs: moe_tune:150
+#               tuning (tuning.DEFAULT_VARIANTS, by rows) beside, at T=9 and 65, the same + cat
+#               (select-free INT4 scales), per-call Mosaic us, wrong rows marked FAIL;
+#               6 programs: moe_tune:90
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 1, 9, 65: one MoE layer
 #               of bench_k26_full per kernel, sorted vs dense glue (rows of
 #               one T together, T=1 first); each variant's optimized HLO in raw/moe_layer_hlo/

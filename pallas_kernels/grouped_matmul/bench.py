@@ -55,28 +55,22 @@ _MLP_CASES = flags.DEFINE_list(
     "(ar: 1:1; T=9: ~8 of 48; a ddtree 15 verify touched ~3.5 on bench_k26_full; T=65: ~36).")
 # mlp_tune's rows per case T: 'promoted' (default_tuning's choice by M, tuning.DEFAULT_VARIANTS:
 # the baseline every other row is compared with) and tuning.apply_variant names applied to the
-# base tuning (variant 'default'). At T=65 (~65 local rows over ~36 experts, R = 8: 149 items, ~40
-# live) a gated CTA streams 2 x 9 KB of weights + 4 KB of x per K step, 2 steps in flight, 45 KB
-# SMEM (5 CTAs/SM); ~1300 of its 4768 CTAs (down: ~4500 of 16688) have a live item. dq2: two
-# chunks dequantised per wgmma wait (more loads in flight per warp); s3: 3 steps in flight (67 KB,
-# 3 CTAs/SM); k512: half the K steps and barrier waits (89 KB, 2 CTAs/SM); w16: a persistent grid
-# (~16 CTAs/SM worth: 2112 gated / 2016 down CTAs looping over the items, live ones first)
-# instead of launching every dead item's CTA. T=16: dq2 and s3 on the promoted x4c4+s2 (7 K
-# steps per CTA). T=9 (new class, ~9 local rows over ~8 experts): the promoted T=16 class's
-# tuning (R = 16), the same with R = 8, and the base with 2 splits (x2).
-MLP_VARIANTS = {
+# base tuning (variant 'default'). This round (sixth session): at T=9 and T=65 the promoted row
+# + cat (int4_scale_concat: a 64-column chunk's two scale rows joined along K instead of 16
+# selects per thread and chunk, ~125 -> ~109 instructions for 32 values); the earlier rounds'
+# rows (dq2, s3, k512, x2, R 16) are in WORKSPACE.md. 6 programs.
+MLP_VARIANTS = {  # the promoted rows beside the select-free scales (cat) on top of them
     1: ("promoted",),
-    9: ("promoted", "once+ismem+x4c4+s2+r8", "once+ismem+x2"),
-    16: ("promoted", "once+ismem+x4c4+s2+dq2", "once+ismem+x4c4+s3"),
-    65: ("promoted", "once+ismem+r8+s2+dq2", "once+ismem+r8+s3", "once+ismem+r8+s2+k512",
-         "once+ismem+r8+s2+w16"),
+    9: ("promoted", "once+ismem+x4c4+s2+r8+cat"),
+    16: ("promoted",),
+    65: ("promoted", "once+ismem+r8+s2+w16+cat"),
 }
 _MLP_VARIANTS = flags.DEFINE_list(
     "mlp_variants", [],
     "mlp_tune: rows for every case: 'promoted' (default_tuning's choice) or tuning.apply_variant "
     "names ('+'-joined changes to both calls' base tunings: once, ismem, dqN, rN, kBK, sN, "
     "xN[cC], wN, wide; 'default': none; 'GATED|DOWN': one per call, same rN); empty: "
-    "MLP_VARIANTS[T] per case (12 programs): "
+    "MLP_VARIANTS[T] per case (6 programs): "
     f"{MLP_VARIANTS}.")
 # A row whose output is further than this from the f32 XLA reference (relative L2 error) is
 # wrong, not slow: bf16 inputs and one bf16 rounding of each product give ~2e-3 here.

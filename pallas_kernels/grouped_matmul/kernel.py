@@ -22,7 +22,7 @@ The work list (work.py) is an operand: one MoE layer builds it once for its gate
 The grid's first axis is one CTA column per item, or `Tuning.slots` columns looping over them
 (`Tuning.items_smem`: the list is read from SMEM after one TMA). `Tuning.store_once` fences and
 waits once for every epilogue part; `Tuning.dequant_batch` dequantises several 64-column chunks
-per wgmma wait. (32-column pieces against a 64-byte-swizzled x tile, the removed `scale_halves`,
+per wgmma wait; `Tuning.int4_scale_concat` builds a chunk's scales without selects. (32-column pieces against a 64-byte-swizzled x tile, the removed `scale_halves`,
 passed interpret mode, which runs only the SMEM-operand path and ignores swizzles, and were wrong
 on the H200 with the register operand, 2-3x slower: WORKSPACE.md.) `launch_shape` says what a
 call launches (CTAs, K steps, SMEM per CTA).
@@ -50,13 +50,21 @@ def supports(x_mk, k: int, n: int, group: int | None, t: Tuning) -> bool:
           and n % t.block_n == 0 and (group is None or group == 32 or group % CHUNK == 0))
 
 
-def _chunk_scales(s_smem, j, shape, group, block_k):
-  """Scales of chunk j's [BN, 64] weights: one or two scale rows, broadcast along K."""
-  def row(r):
+def _chunk_scales(s_smem, j, shape, group, block_k, concat=False):
+  """Scales of chunk j's [BN, 64] weights: one or two scale rows, broadcast along K.
+
+  Group 32 (K2.6: 32 consecutive K columns share a scale, so every 64-column chunk spans exactly
+  scale rows 2j and 2j + 1): a select per register pair on a column iota (16 selects per thread
+  and chunk in the lowered module), or `concat`: each row broadcast to [BN, 32] and the two
+  joined along K, which in the WGMMA layout (8-column register tiles) only lists registers."""
+  def row(r, row_shape=shape):
     vec = plgpu.load(s_smem.at[r], layout=_ROW, optimized=False)
-    return lax.broadcast_in_dim(vec, shape, [0])
+    return lax.broadcast_in_dim(vec, row_shape, [0])
   if group >= CHUNK:
     return row(0 if group >= block_k else (CHUNK * j) // group)
+  if concat:
+    half = (shape[0], group)
+    return jnp.concatenate([row(2 * j, half), row(2 * j + 1, half)], axis=1)
   col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
   return jnp.where(col < group, row(2 * j), row(2 * j + 1))
 
@@ -72,7 +80,7 @@ def _load_int4(q_smem, j, wide: bool):
 
 
 def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtype, wide,
-               batch=1):
+               batch=1, scale_concat=False):
   """One K step: per 64-column chunk, dequantise W^T in registers and issue wgmma.
 
   `batch` chunks are dequantised before their wgmmas are issued (more independent loads and
@@ -85,7 +93,8 @@ def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtyp
     ws = []
     for j in range(j0, min(j0 + batch, n_chunks)):
       q = _load_int4(q_smem, j, wide)
-      w = q.astype(dtype) * _chunk_scales(s_smem, j, q.shape, group, block_k).astype(dtype)
+      scales = _chunk_scales(s_smem, j, q.shape, group, block_k, scale_concat)
+      w = q.astype(dtype) * scales.astype(dtype)
       if w_stage is not None:
         buf = j % (2 * batch)
         w_stage[buf] = w
@@ -213,7 +222,8 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int):
             tiles = w_smem[j * per_stack:(j + 1) * per_stack]
             if int4:
               _int4_step(acc_ref, x_smem, *tiles, w_stage, group=group, block_k=t.block_k,
-                         dtype=dtype, wide=t.int4_wide_loads, batch=t.dequant_batch)
+                         dtype=dtype, wide=t.int4_wide_loads, batch=t.dequant_batch,
+                         scale_concat=t.int4_scale_concat)
             else:
               _bf16_step(acc_ref, x_smem, *tiles)
 

@@ -63,6 +63,9 @@ class Tuning:
   dequant_batch: INT4 only: 64-column chunks dequantised before their wgmmas are issued (1:
     chunk j+1's dequantise overlaps chunk j's MMA; 2 or 4: more loads and conversions in flight
     between waits, 16 more registers per chunk per thread).
+  int4_scale_concat: INT4 with group 32 only: a chunk's [BN, 64] scales as two [BN, 32] row
+    broadcasts joined along K instead of a select per register pair on a column iota (the
+    selects are 16 of the ~125 instructions per thread and chunk); same values.
   items_smem: each CTA copies the work list to SMEM with one TMA before its first item, so the
     slots loop reads each item's 4 fields from SMEM instead of a dependent GMEM round trip per
     item (T=1: 8 items per CTA, 1 live).
@@ -78,6 +81,7 @@ class Tuning:
   store_once: bool = False
   dequant_batch: int = 1
   items_smem: bool = False
+  int4_scale_concat: bool = False
 
   def __post_init__(self):
     if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -156,13 +160,14 @@ def scale_splits(t: Tuning, k: int, n: int, factor: int, ctas_per_sm: int = 2) -
 def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   """A named change of a [K -> N] call's tuning t (the bench's --mlp_variants; promote one by
   naming it in DEFAULT_VARIANTS): '+'-joined parts, applied in order:
-  once: store_once; ismem: items_smem; wide: int4_wide_loads;
+  once: store_once; ismem: items_smem; wide: int4_wide_loads; cat: int4_scale_concat;
   dqN: dequant_batch N;
   rN: rows N (both calls of one work list must share it); kBK: block_k BK; sN: stages N;
   xN[cC]: scale_splits by N for ~C CTAs per SM (2); wN: slots for ~N CTAs per SM (a
   persistent grid: no launched-and-exiting CTAs for dead items ahead of live ones);
   default: no change."""
-  flags = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads"}
+  flags = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads",
+           "cat": "int4_scale_concat"}
   for part in name.split("+"):
     if part == "default":
       continue

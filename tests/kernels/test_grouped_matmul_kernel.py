@@ -4,10 +4,13 @@ list against a brute-force enumeration, and the routed-expert FFN through it.
 On CPU the kernel runs in GPU interpret mode; `-m gpu` runs the compiled kernel on a GPU.
 """
 
+import collections
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax._src.lib.mlir import ir
+from jax.experimental.mosaic.gpu import core
 import numpy as np
 import pytest
 
@@ -372,7 +375,8 @@ LEAN = dict(store_once=True, items_smem=True)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("opts", [dict(store_once=True), dict(items_smem=True),
-                                  dict(LEAN, dequant_batch=2), dict(LEAN, dequant_batch=4)])
+                                  dict(LEAN, dequant_batch=2), dict(LEAN, dequant_batch=4),
+                                  dict(LEAN, int4_scale_concat=True)])
 def test_fixed_cost_options_interpret_match_reference(opts):
   sizes, m, k, n = [30, 0, 50, 3, 10], 100, 512, 128
   x, _, q_a = _operands(m, k, n, len(sizes), 32, seed=12)
@@ -402,9 +406,9 @@ def test_scale_splits_spreads_one_expert_over_more_ctas():
 
 def test_apply_variant_parses_every_change():
   t = default_tuning(128, 48, 7168, 2048, True, gated=True, variant="default")
-  v = apply_variant("once+ismem+dq4+k512+s3+wide+r32", t, 7168, 2048)
+  v = apply_variant("once+ismem+dq4+k512+s3+wide+r32+cat", t, 7168, 2048)
   assert (v.store_once, v.items_smem, v.dequant_batch, v.block_k, v.stages, v.int4_wide_loads,
-          v.rows) == (True, True, 4, 512, 3, True, 32)
+          v.rows, v.int4_scale_concat) == (True, True, 4, 512, 3, True, 32, True)
   assert apply_variant("default", t, 7168, 2048) == t
   c4 = apply_variant("x4c4", t, 7168, 2048)
   assert (c4.splits, c4.slots) == (4, 4)  # 4 x 132 CTAs // (32 N tiles x 4 splits)
@@ -518,6 +522,47 @@ def test_lean_options_lower_for_h200():
   assert "gmm_int4_gated_mosaic_gpu" in text and "gmm_int4_mosaic_gpu" in text  # both calls
 
 
+def _module_op_counts(m, tunings):
+  """Op counts of the Mosaic modules of expert_mlp's two calls lowered for an H200 (summed)."""
+  # pylint: disable=import-outside-toplevel
+  from jax._src.interpreters import mlir as jax_mlir
+  from jax.experimental.mosaic.gpu import dialect as mgpu_dialect
+  core.KNOWN_KERNELS.clear()
+  jax.clear_caches()  # a cached lowering would not register its modules again
+  _lower_expert_mlp_h200(m, tunings, d=512, f=256)
+  assert len(core.KNOWN_KERNELS) == 2, len(core.KNOWN_KERNELS)  # gated + down
+  counts = collections.Counter()
+  ctx = jax_mlir._create_ir_context()  # pylint: disable=protected-access
+  with ctx, ir.Location.unknown():
+    mgpu_dialect.register_dialect(ctx)  # as Mosaic's own lowering context does
+    ctx.append_dialect_registry(jax_mlir.upstream_dialects)
+    ctx.load_all_available_dialects()
+    ctx.allow_unregistered_dialects = True  # the serialised ops: stable_mosaic_gpu.*
+    for module_bytes in core.KNOWN_KERNELS.values():
+      module = core._run_serde_pass(  # pylint: disable=protected-access
+          ir.Module.parse(module_bytes), serialize=False)  # kept alive while walked
+      stack = [module.operation]
+      while stack:
+        for region in stack.pop().regions:
+          for block in region:
+            for op in block:
+              counts[op.operation.name] += 1
+              stack.append(op.operation)
+  return counts
+
+
+def test_scale_concat_drops_the_per_register_selects():
+  """int4_scale_concat: no select per register pair of a chunk's scales (16 per thread and
+  chunk: [64, 64] / 128 threads / 2 values per register), the same multiplies."""
+  t = Tuning(rows=8, block_n=64, block_k=256, stages=2)
+  base = _module_op_counts(8, (t, t))
+  cat_t = dataclasses.replace(t, int4_scale_concat=True)
+  cat = _module_op_counts(8, (cat_t, cat_t))
+  chunks = 2 * 256 // 64 + 256 // 64  # the unrolled step bodies: gated (2 stacks) + down
+  assert base["arith.select"] - cat["arith.select"] == 16 * chunks
+  assert base["arith.mulf"] == cat["arith.mulf"] >= 16 * chunks  # + the epilogue's
+
+
 @pytest.mark.slow
 def test_bench_mlp_variants_lower_for_h200():
   """Every mlp_tune row the bench times (default --mlp_variants x --mlp_cases) lowers: the GPU
@@ -534,9 +579,10 @@ def test_bench_mlp_variants_lower_for_h200():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [dict(LEAN, dequant_batch=4)])
+@pytest.mark.parametrize("opts", [dict(LEAN, dequant_batch=4), dict(LEAN, int4_scale_concat=True)])
 def test_gated_kernel_gpu_lean_options_match_reference(opts):
-  """store_once + items_smem + dequant_batch 4 on the GPU: gated split-K with the slots loop."""
+  """store_once + items_smem + dequant_batch 4 (or the select-free scales: the register operand,
+  which interpret mode cannot run) on the GPU: gated split-K with the slots loop."""
   sizes, m, k, n = RAGGED
   x, _, q_a = _operands(m, k, n, len(sizes), 32, seed=3)
   _, _, q_b = _operands(m, k, n, len(sizes), 32, seed=4)
