@@ -66,7 +66,7 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
   array: q rows when N*H is not kernel_rows (q is tiny; none at N*H = 8, 16, .., 56 or 64k), the
   cache when L % 8 != 0 (never in the model, whose caches have a multiple of 64 rows)."""
   # pylint: disable-next=import-outside-toplevel
-  from pallas_kernels.tree_verify import combine, kernel, kernel_v1, merge_triton
+  from pallas_kernels.tree_verify import combine, kernel, kernel_swap, kernel_v1, merge_triton
   b, n, h, c = q.shape
   l = cache.shape[1]
   r = value_dim if value_dim is not None else c - 64
@@ -86,7 +86,8 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
     words = tree_mask.words
   else:
     words = masks.tree_mask_words(tree_mask, h, _round_up(m, BLOCK_M))
-  out, lse = kernel.attention_kernel(q_rows, cache, lengths.astype(jnp.int32), words, n=n,
+  attention_kernel = kernel_swap.attention_kernel if t.swap_ab else kernel.attention_kernel
+  out, lse = attention_kernel(q_rows, cache, lengths.astype(jnp.int32), words, n=n,
                                      scale=scale, tuning=t, value_dim=r, cache_rows=l,
                                      interpret=interpret)
   if t.num_splits > 1 and t.merge == "triton":

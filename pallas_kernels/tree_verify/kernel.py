@@ -184,10 +184,16 @@ def _visible(c, tile, words, shape):
   w0, vecs = words
   pos = _tile_start(tile, c.t) + plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                         layout=plgpu.Layout.WGMMA)
+  return visible_keys(c, pos, w0, [_bcast_rows(v, shape) for v in vecs])
+
+
+def visible_keys(c, pos, w0, word_tiles):
+  """Bool tile of key positions `pos`: pos < len, or a tree key len + k (pos < E) whose bit k is
+  set in its row's mask word (word_tiles: the 3 words from word w0 on, broadcast to pos' shape)."""
   k = pos - c.length
   widx = lax.shift_right_arithmetic(k, masks.WORD_BITS) - w0
-  vecs = [_bcast_rows(v, shape) for v in vecs]
-  word = jnp.where(widx == 0, vecs[0], jnp.where(widx == 1, vecs[1], vecs[2]))
+  word = jnp.where(widx == 0, word_tiles[0],
+                   jnp.where(widx == 1, word_tiles[1], word_tiles[2]))
   bit = lax.shift_right_logical(word, k & (masks.WORD - 1)) & 1
   return (pos < c.length) | ((k >= 0) & (pos < c.end) & (bit != 0))
 

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.tree_verify import api, combine, kernel, masks, merge_triton, reference
+from pallas_kernels.tree_verify import (api, combine, kernel, kernel_swap, masks, merge_triton,
+                                        reference)
 from pallas_kernels.tree_verify.tuning import SMEM_BYTES, Tuning, default_tuning
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -215,6 +216,19 @@ SMALL = [
     # GPU: 32-key tiles (64-byte swizzle, 4-deep ring), L2 prefetch, Triton merge of 2 + 1 pieces
     GPU((2, 16, 8, 3000, [2984, 1000], Tuning(block_kv=32, stages=4, prefetch=4, num_splits=3,
                                               merge="triton"))),
+    # swap_ab (kernel_swap.py: keys as the wgmma M, the M q rows its N): M = 8 one split (final
+    # output), M = 40 ragged with len 0 and empty splits, M = 32 past L / len > L / L % 8 != 0,
+    # M = 8 from N*H = 3 (q pad) with L < block_kv, M = 64 (N=8, H=8) over several masked tiles
+    (1, 1, 8, 64, [63], Tuning(num_splits=1, swap_ab=True)),
+    (3, 5, 8, 200, [130, 0, 195], Tuning(num_splits=2, swap_ab=True)),
+    (2, 4, 8, 150, [148, 151], Tuning(num_splits=1, swap_ab=True)),
+    (2, 3, 1, 40, [10, 30], Tuning(num_splits=1, swap_ab=True)),
+    (1, 8, 8, 300, [250], Tuning(num_splits=4, swap_ab=True)),
+    (2, 8, 8, 700, [630, 64], Tuning(num_splits=3, swap_ab=True, merge="triton")),
+    # GPU: swap_ab at N=1, H=8 (the ar shape's M = 8), ragged, many tiles a split, Triton merge
+    GPU((2, 1, 8, 3000, [2999, 1000], Tuning(num_splits=5, swap_ab=True, merge="triton"))),
+    # GPU: swap_ab at M = 16 (two reduction registers), XLA merge, masked tiles
+    GPU((1, 2, 8, 1000, [900], Tuning(num_splits=2, swap_ab=True))),
 ]
 
 
@@ -227,17 +241,19 @@ class TestKernelSmall:
     q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=n * h + l)
     check_against_reference(q, cache, ln, mask, tuning)
 
-  @pytest.mark.parametrize("splits,bf16_partials", [(1, True), GPU((3, True)), (3, False)])
-  def test_every_output_written_and_deterministic(self, splits, bf16_partials):
+  @pytest.mark.parametrize("splits,bf16_partials,swap_ab", [(1, True, False), GPU((3, True, False)),
+                                                           (3, False, False), (3, True, True), (1, True, True)])
+  def test_every_output_written_and_deterministic(self, splits, bf16_partials, swap_ab):
     """Outputs land in buffers that held NaN (the interpreter fills fresh buffers with NaN; on
     a GPU a freed NaN buffer of the same size is reused): every row of every split is written."""
     b, n, h, l, lengths = 3, 5, 8, 200, [130, 0, 195]
     q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=7)
-    t = Tuning(num_splits=splits, bf16_partials=bf16_partials)
+    t = Tuning(num_splits=splits, bf16_partials=bf16_partials, swap_ab=swap_ab)
     words = masks.tree_mask_words(mask, h, 64)  # M = 40: one tile, 40-row windows
     # Inputs on the device first: no input transfer takes a freed NaN buffer meant for an output.
     q_rows, cache, ln = (jnp.asarray(x) for x in (q.reshape(b, n * h, C), cache, ln))
-    run = jax.jit(lambda qr, c, le, w: kernel.attention_kernel(
+    attention_kernel = kernel_swap.attention_kernel if swap_ab else kernel.attention_kernel
+    run = jax.jit(lambda qr, c, le, w: attention_kernel(
         qr, c, le, w, n=n, scale=0.05, tuning=t, value_dim=R, interpret=not ON_GPU))
     results = []
     for _ in range(2):
@@ -310,7 +326,12 @@ class TestLowersForGpu:
       (1, 1, 8, 46000, Tuning(num_splits=132, prefetch=1)),
       (1, 1, 8, 46000, Tuning(block_kv=32, stages=4, num_splits=132, pipeline_qk=True)),
       (1, 64, 64, 46000, Tuning(num_splits=2, pipeline_qk=True)),
-      (2, 15, 8, 4096, Tuning(num_splits=3, shared_p=False, pipeline_qk=True))])
+      (2, 15, 8, 4096, Tuning(num_splits=3, shared_p=False, pipeline_qk=True)),
+      (1, 1, 8, 46000, Tuning(num_splits=132, swap_ab=True, merge="triton")),
+      (1, 8, 8, 46000, Tuning(num_splits=132, swap_ab=True, merge="triton")),
+      (4, 1, 8, 46000, Tuning(num_splits=33, swap_ab=True, merge="triton")),
+      (1, 4, 8, 46000, Tuning(num_splits=132, swap_ab=True)),
+      (2, 5, 8, 4100, Tuning(num_splits=1, swap_ab=True))])
   def test_lowers(self, b, n, h, l, tuning):
     assert "mosaic_gpu" in self.lower_text(b, n, h, l, tuning)
 
@@ -320,6 +341,17 @@ class TestLowersForGpu:
     assert kernel.smem_bytes(Tuning(block_kv=32, stages=4), C, R) <= SMEM_BYTES
     with pytest.raises(ValueError, match="SMEM"):
       self.lower_text(1, 1, 8, 4096, Tuning(stages=3, num_splits=2))
+
+  @pytest.mark.parametrize("n,h,tuning", [
+      (16, 8, Tuning(swap_ab=True)), (1, 8, Tuning(swap_ab=True, block_kv=32, stages=4)),
+      (1, 8, Tuning(swap_ab=True, pipeline_qk=True)), (1, 8, Tuning(swap_ab=True, stages=3)),
+      (1, 8, Tuning(swap_ab=True, num_splits=2, bf16_partials=False))])
+  def test_swap_ab_rejects(self, n, h, tuning):
+    """swap_ab: one row tile (M <= 64), 64-key tiles, its own warpgroup split, 2 stages (SMEM),
+    bf16 partials."""
+    with pytest.raises(ValueError, match="swap_ab|SMEM"):
+      self.lower_text(1, n, h, 4096, tuning)
+    assert kernel_swap.smem_bytes(Tuning(), 64, C, R) <= SMEM_BYTES
 
   def test_triton_merge_lowers(self):
     """The Pallas Triton merge needs a GPU kind to lower on a CPU host: an abstract H200."""
