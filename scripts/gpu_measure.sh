@@ -17,11 +17,12 @@
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 1, 9, 65: one MoE layer
 #               of bench_k26_full per kernel, sorted vs dense glue (rows of
 #               one T together, T=1 first); each variant's optimized HLO in raw/moe_layer_hlo/
-#   verify      tree-verify kernel: GPU tests (-m gpu, 13 cases, one kernel compile each, the f32
+#   verify      tree-verify kernel: GPU tests (-m gpu, 15 cases, one kernel compile each, the f32
 #               reference on the CPU: < 2 min), short bench (default L=46000 grid); verify:240
 #   verify_probes  tree-verify bench at L=46000, B=1, H=8 (N=1,8,16,64) then H=64 (N=64 first)
-#               with the PROBES variants (pipeline_qk, on the 32-key ring at N=1/8; packed
-#               mask; ~17 variants, one compile each): verify_probes:200; ends with the best
+#               with the PROBES variants (swap_ab at N=1/8 and 1x1x64, pipeline_qk, on the
+#               32-key ring at N=1/8; packed mask; ~22 variants, one compile each):
+#               verify_probes:200; ends with the best
 #               variant per shape and its % of copy
 #   verify_full tree-verify kernel: every test + the full GPU grid, per-kernel profile, the issue's
 #               whole bench table (with probes and XLA) until half the time box is spent

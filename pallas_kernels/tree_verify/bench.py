@@ -63,13 +63,18 @@ FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64]
 # (N = 8: both). shared_p=0 at N=1 (a diagnosis): both warpgroups score, no P hand-off, 1.5x the
 # tensor work; faster would mean wg0's serial QK^T -> softmax -> hand-off chain limits the tile,
 # not the tensor or SMEM throughput.
+# swap_ab=1 (kernel_swap.py): one row tile of M = N*H <= 64 rows scored as S^T = K Q^T (keys the
+# wgmma M, the q rows its N): at N=1, H=8 1/8 of the default's tensor work and a 9 KB Q tile; at
+# N=8, H=8 (M = 64) the same work (a check of the swapped structure only). First where it applies.
 _PIPE, _PIPE32 = "pipeline_qk=1", "block_kv=32,stages=4,pipeline_qk=1"
-PROBES = {(1, 1, 8, 46000): f"{_PIPE32};shared_p=0",
-          (1, 8, 8, 46000): f"{_PIPE32};{_PIPE}",
+_SWAP = "swap_ab=1;swap_ab=1,mask=packed"
+PROBES = {(1, 1, 8, 46000): f"{_SWAP};swap_ab=1,num_splits=66;{_PIPE32};shared_p=0",
+          (1, 8, 8, 46000): f"swap_ab=1;{_PIPE32};{_PIPE}",
+          (1, 1, 64, 46000): "swap_ab=1",
           (1, 16, 8, 46000): f"{_PIPE};{_PIPE32}",
           (1, 64, 8, 46000): f"{_PIPE}",
           (1, 64, 64, 46000): f"{_PIPE};num_splits=1;shared_p=0",
-          (4, 1, 8, 46000): f"num_splits=66;{_PIPE32}",
+          (4, 1, 8, 46000): f"swap_ab=1;num_splits=66;{_PIPE32}",
           (4, 16, 8, 46000): f"num_splits=32;{_PIPE}"}
 
 

@@ -275,10 +275,12 @@ class TestKernelSmall:
     check_against_reference(q, cache, ln, mask, Tuning(num_splits=2))
 
   @pytest.mark.slow
-  def test_packed_mask_same_as_bool_mask(self):
+  @pytest.mark.parametrize("n,tuning", [(9, Tuning(num_splits=2)),
+                                        (3, Tuning(num_splits=2, swap_ab=True))])
+  def test_packed_mask_same_as_bool_mask(self, n, tuning):
     """A mask packed once (pack_tree_mask) gives the bool mask's output bit for bit."""
-    q, cache, ln, mask = make_inputs(2, 9, 8, 130, [100, 121], seed=4)
-    t = Tuning(num_splits=2)
+    q, cache, ln, mask = make_inputs(2, n, 8, 130, [100, 121], seed=4)
+    t = tuning
     f = lambda m: api.tree_verify_attention(q, cache, ln, m, scale=0.1, backend=BACKEND, tuning=t)
     np.testing.assert_array_equal(np.asarray(f(mask), np.float32),
                                   np.asarray(f(masks.pack_tree_mask(mask, 8)), np.float32))
@@ -381,11 +383,12 @@ class TestLowersForGpu:
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")
 class TestKernelGPU:
-  """The default GPU set (`pytest -m gpu`): 13 cases, one compiled kernel program each, the f32
+  """The default GPU set (`pytest -m gpu`): 15 cases, one compiled kernel program each, the f32
   reference on the CPU. One case per path (M = kernel rows; windows of min(M, 64) rows):
   - SMALL GPU(...): no shared P + f32 partials + XLA merge (M 40); L % 8 != 0 cache pad, tree
     past L, len > L (M 32); q pad N*H % 8 != 0, L < block_kv, one split (M 8); pipeline_qk
-    (M 128); 32-key tiles, prefetch, Triton merge of 2 + 1 pieces (M 128, 2 row tiles unpadded).
+    (M 128); 32-key tiles, prefetch, Triton merge of 2 + 1 pieces (M 128, 2 row tiles unpadded);
+    swap_ab at M 8 (B=2 ragged, 5 splits, Triton merge) and M 16 (2 splits, XLA merge).
   - test_every_output_written_and_deterministic[3-True]: raw partials in NaN-filled buffers.
   - here, default tuning: 1x1x8x46000 (the ar shape: 132 splits, merge pieces 128 + 4, M 8);
     B=4 ragged with len 0 at L=4100 (32 splits, one piece, L % 8 != 0); N=15 = 8k-1 (q padded to
