@@ -12,8 +12,8 @@
 #   moe_tune    pallas_kernels/grouped_matmul/bench.py --parts mlp_tune: the INT4 expert FFN's gated
 #               and down calls at T=16 (4 experts), 1 (1), 9 (8), 65 (36): the promoted default
 #               tuning (tuning.DEFAULT_VARIANTS, by rows) beside, at T=9 and 65, the same + cat
-#               (select-free INT4 scales), per-call Mosaic us, wrong rows marked FAIL;
-#               6 programs: moe_tune:90
+#               (select-free INT4 scales) and + cat + kp (K-packed weights, one ldmatrix per
+#               chunk), per-call Mosaic us, wrong rows marked FAIL; 8 programs: moe_tune:95
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 1, 9, 65: one MoE layer
 #               of bench_k26_full per kernel, sorted vs dense glue (rows of
 #               one T together, T=1 first); each variant's optimized HLO in raw/moe_layer_hlo/

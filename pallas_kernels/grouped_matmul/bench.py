@@ -32,7 +32,7 @@ from kdtree_jax.checkpoint import int4
 from kdtree_jax.target import config as C
 from kdtree_jax.target import experts, moe
 from kdtree_jax.target import params as P
-from pallas_kernels.grouped_matmul import Tuning, expert_mlp, grouped_matmul, kernel, work
+from pallas_kernels.grouped_matmul import Tuning, expert_mlp, grouped_matmul, kernel, kpack, work
 from pallas_kernels.grouped_matmul.tuning import apply_variant, call_variant, default_tuning
 
 _T = flags.DEFINE_list("tokens", ["1", "9", "17", "33", "65"], "Token counts (verify widths).")
@@ -57,20 +57,22 @@ _MLP_CASES = flags.DEFINE_list(
 # the baseline every other row is compared with) and tuning.apply_variant names applied to the
 # base tuning (variant 'default'). This round (sixth session): at T=9 and T=65 the promoted row
 # + cat (int4_scale_concat: a 64-column chunk's two scale rows joined along K instead of 16
-# selects per thread and chunk, ~125 -> ~109 instructions for 32 values); the earlier rounds'
-# rows (dq2, s3, k512, x2, R 16) are in WORKSPACE.md. 6 programs.
+# selects per thread and chunk) and + cat + kp (int4_k_packed: weights K-packed once by
+# kpack.pack_int4_k, so the tile is read with 4 32-bit loads per thread and chunk instead of 16
+# byte loads, relabelled as wgmma registers without shuffles); the earlier rounds' rows (dq2,
+# s3, k512, x2, R 16) are in WORKSPACE.md. 8 programs.
 MLP_VARIANTS = {  # the promoted rows beside the select-free scales (cat) on top of them
     1: ("promoted",),
-    9: ("promoted", "once+ismem+x4c4+s2+r8+cat"),
+    9: ("promoted", "once+ismem+x4c4+s2+r8+cat", "once+ismem+x4c4+s2+r8+cat+kp"),
     16: ("promoted",),
-    65: ("promoted", "once+ismem+r8+s2+w16+cat"),
+    65: ("promoted", "once+ismem+r8+s2+w16+cat", "once+ismem+r8+s2+w16+cat+kp"),
 }
 _MLP_VARIANTS = flags.DEFINE_list(
     "mlp_variants", [],
     "mlp_tune: rows for every case: 'promoted' (default_tuning's choice) or tuning.apply_variant "
     "names ('+'-joined changes to both calls' base tunings: once, ismem, dqN, rN, kBK, sN, "
     "xN[cC], wN, wide; 'default': none; 'GATED|DOWN': one per call, same rN); empty: "
-    "MLP_VARIANTS[T] per case (6 programs): "
+    "MLP_VARIANTS[T] per case (8 programs): "
     f"{MLP_VARIANTS}.")
 # A row whose output is further than this from the f32 XLA reference (relative L2 error) is
 # wrong, not slow: bf16 inputs and one bf16 rounding of each product give ~2e-3 here.
@@ -248,6 +250,13 @@ def mlp_tunings(name, m, e_l, d, f, interpret=False):
           apply_variant(call_variant(name, False), td, f, d))
 
 
+def _packed_for(tg, td, gate, up, down):
+  """The stacks each call reads: K-packed (kpack.pack_int4_k, once, where a model would load
+  its weights) for a tuning with int4_k_packed, else as stored."""
+  pack = lambda w, t: (kpack.pack_int4_k(w[0]), w[1]) if t.int4_k_packed else w
+  return pack(gate, tg), pack(up, tg), pack(down, td)
+
+
 def part_mlp_tune(ceil, sink, rows):
   """The INT4 expert FFN's gated and down calls per --mlp_cases x --mlp_variants vs XLA."""
   gate, up, down = [(w.packed, w.scale) for w in _weights("int4")]
@@ -273,7 +282,7 @@ def part_mlp_tune(ceil, sink, rows):
           row.update({f"{call}_{key}": v for key, v in shape.items()})
         fn = jax.jit(lambda x, ws, s, tg=tg, td=td: expert_mlp(
             x, *ws, s, backend=backend, tunings=(tg, td)).sum(axis=0))
-        args = (x, (gate, up, down), sizes)
+        args = (x, _packed_for(tg, td, gate, up, down), sizes)
         row["rel_err"] = _rel(fn(*args)[:t], ref[:t])
         row["us"] = _time_us(fn, *args)
         kernels = timing.kernel_breakdown(fn, args)

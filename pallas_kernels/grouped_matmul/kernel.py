@@ -22,7 +22,8 @@ The work list (work.py) is an operand: one MoE layer builds it once for its gate
 The grid's first axis is one CTA column per item, or `Tuning.slots` columns looping over them
 (`Tuning.items_smem`: the list is read from SMEM after one TMA). `Tuning.store_once` fences and
 waits once for every epilogue part; `Tuning.dequant_batch` dequantises several 64-column chunks
-per wgmma wait; `Tuning.int4_scale_concat` builds a chunk's scales without selects. (32-column pieces against a 64-byte-swizzled x tile, the removed `scale_halves`,
+per wgmma wait; `Tuning.int4_scale_concat` builds a chunk's scales without selects;
+`Tuning.int4_k_packed` reads weight stacks stored by `kpack.pack_int4_k` with 32-bit loads. (32-column pieces against a 64-byte-swizzled x tile, the removed `scale_halves`,
 passed interpret mode, which runs only the SMEM-operand path and ignores swizzles, and were wrong
 on the H200 with the register operand, 2-3x slower: WORKSPACE.md.) `launch_shape` says what a
 call launches (CTAs, K steps, SMEM per CTA).
@@ -36,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import work
+from pallas_kernels.grouped_matmul import kpack, work
 from pallas_kernels.grouped_matmul.tuning import Tuning
 
 CHUNK = 64  # K columns per wgmma call (128-byte swizzle of bf16)
@@ -69,10 +70,13 @@ def _chunk_scales(s_smem, j, shape, group, block_k, concat=False):
   return jnp.where(col < group, row(2 * j), row(2 * j + 1))
 
 
-def _load_int4(q_smem, j, wide: bool):
+def _load_int4(q_smem, j, wide: bool, k_packed=False, interpret=False):
   """Chunk j's [BN, 64] int4 in the WGMMA layout: byte loads (2 values each) in that layout, or
-  `wide`: 32-bit loads (8 values) in WGMMA_UPCAST_4X, relaid out by in-warp shuffles."""
+  `wide`: 32-bit loads (8 values) in WGMMA_UPCAST_4X, relaid out by in-warp shuffles, or
+  `k_packed` (a kpack.pack_int4_k stack): 32-bit loads relabelled as WGMMA registers."""
   chunk = q_smem.at[:, pl.ds(CHUNK * j, CHUNK)]
+  if k_packed:
+    return kpack.load_chunk(chunk, interpret)
   if not wide:
     return plgpu.load(chunk, layout=plgpu.Layout.WGMMA, optimized=False)
   q = plgpu.load(chunk, layout=plgpu.Layout.WGMMA_UPCAST_4X, optimized=False)
@@ -80,7 +84,7 @@ def _load_int4(q_smem, j, wide: bool):
 
 
 def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtype, wide,
-               batch=1, scale_concat=False):
+               batch=1, scale_concat=False, k_packed=False, interpret=False):
   """One K step: per 64-column chunk, dequantise W^T in registers and issue wgmma.
 
   `batch` chunks are dequantised before their wgmmas are issued (more independent loads and
@@ -92,7 +96,7 @@ def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtyp
   for j0 in range(0, n_chunks, batch):
     ws = []
     for j in range(j0, min(j0 + batch, n_chunks)):
-      q = _load_int4(q_smem, j, wide)
+      q = _load_int4(q_smem, j, wide, k_packed, interpret)
       scales = _chunk_scales(s_smem, j, q.shape, group, block_k, scale_concat)
       w = q.astype(dtype) * scales.astype(dtype)
       if w_stage is not None:
@@ -195,7 +199,7 @@ def _padded_items(n_items: int) -> int:
   return -(-n_items // 4) * 4
 
 
-def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int):
+def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret: bool):
   per_stack = 2 if int4 else 1
   n_stacks = 2 if gated else 1
   k_steps = k // t.block_k // t.splits
@@ -223,7 +227,8 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int):
             if int4:
               _int4_step(acc_ref, x_smem, *tiles, w_stage, group=group, block_k=t.block_k,
                          dtype=dtype, wide=t.int4_wide_loads, batch=t.dequant_batch,
-                         scale_concat=t.int4_scale_concat)
+                         scale_concat=t.int4_scale_concat, k_packed=t.int4_k_packed,
+                         interpret=interpret)
             else:
               _bf16_step(acc_ref, x_smem, *tiles)
 
@@ -316,7 +321,7 @@ def grouped_matmul_mgpu(x_mk, stacks, items, *, tuning: Tuning, interpret=False)
     items = jnp.pad(items, ((0, 0), (0, pad))) if pad else items  # padding: size-0 items
     scratch += [plgpu.SMEM(items.shape, jnp.int32), plgpu.Barrier()]
   fn = plgpu.kernel(
-      _make_body(k, group or 0, int4, gated, x_mk.dtype, tuning, n_items),
+      _make_body(k, group or 0, int4, gated, x_mk.dtype, tuning, n_items, interpret),
       out_type=(jax.ShapeDtypeStruct((tuning.splits, x.shape[0], n), x_mk.dtype),) * n_out,
       scratch_types=scratch,
       grid=(_slots(tuning, items.shape[1]), n // tuning.block_n, tuning.splits),

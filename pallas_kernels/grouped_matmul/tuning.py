@@ -66,6 +66,11 @@ class Tuning:
   int4_scale_concat: INT4 with group 32 only: a chunk's [BN, 64] scales as two [BN, 32] row
     broadcasts joined along K instead of a select per register pair on a column iota (the
     selects are 16 of the ~125 instructions per thread and chunk); same values.
+  int4_k_packed: INT4 only: the weight stacks are stored K-packed (`kpack.pack_int4_k`, a
+    permutation inside each 32-column scale group, done once where weights are loaded): a
+    thread's 8 values of a row and group are one 32-bit word, loaded and used as wgmma A
+    registers without shuffles (4 loads per thread and chunk instead of 16 byte loads). The
+    CALLER must pass packed stacks: the values are wrong on unpacked ones.
   items_smem: each CTA copies the work list to SMEM with one TMA before its first item, so the
     slots loop reads each item's 4 fields from SMEM instead of a dependent GMEM round trip per
     item (T=1: 8 items per CTA, 1 live).
@@ -82,6 +87,7 @@ class Tuning:
   dequant_batch: int = 1
   items_smem: bool = False
   int4_scale_concat: bool = False
+  int4_k_packed: bool = False
 
   def __post_init__(self):
     if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -161,13 +167,14 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   """A named change of a [K -> N] call's tuning t (the bench's --mlp_variants; promote one by
   naming it in DEFAULT_VARIANTS): '+'-joined parts, applied in order:
   once: store_once; ismem: items_smem; wide: int4_wide_loads; cat: int4_scale_concat;
+  kp: int4_k_packed (the caller packs the weights: bench.mlp_tune does);
   dqN: dequant_batch N;
   rN: rows N (both calls of one work list must share it); kBK: block_k BK; sN: stages N;
   xN[cC]: scale_splits by N for ~C CTAs per SM (2); wN: slots for ~N CTAs per SM (a
   persistent grid: no launched-and-exiting CTAs for dead items ahead of live ones);
   default: no change."""
   flags = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads",
-           "cat": "int4_scale_concat"}
+           "cat": "int4_scale_concat", "kp": "int4_k_packed"}
   for part in name.split("+"):
     if part == "default":
       continue

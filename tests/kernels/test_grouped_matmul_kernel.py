@@ -20,6 +20,7 @@ from pallas_kernels.grouped_matmul import expert_mlp as pallas_expert_mlp
 from pallas_kernels.grouped_matmul import (Tuning, gated_grouped_matmul, grouped_matmul,
                                            grouped_matmul_reference,
                                            int4_grouped_matmul_reference, work)
+from pallas_kernels.grouped_matmul import kpack
 from pallas_kernels.grouped_matmul import tuning as tuning_module
 from pallas_kernels.grouped_matmul.tuning import apply_variant, default_tuning, scale_splits
 
@@ -406,9 +407,10 @@ def test_scale_splits_spreads_one_expert_over_more_ctas():
 
 def test_apply_variant_parses_every_change():
   t = default_tuning(128, 48, 7168, 2048, True, gated=True, variant="default")
-  v = apply_variant("once+ismem+dq4+k512+s3+wide+r32+cat", t, 7168, 2048)
+  v = apply_variant("once+ismem+dq4+k512+s3+wide+r32+cat+kp", t, 7168, 2048)
   assert (v.store_once, v.items_smem, v.dequant_batch, v.block_k, v.stages, v.int4_wide_loads,
-          v.rows, v.int4_scale_concat) == (True, True, 4, 512, 3, True, 32, True)
+          v.rows, v.int4_scale_concat, v.int4_k_packed) == (True, True, 4, 512, 3, True, 32, True,
+                                                            True)
   assert apply_variant("default", t, 7168, 2048) == t
   c4 = apply_variant("x4c4", t, 7168, 2048)
   assert (c4.splits, c4.slots) == (4, 4)  # 4 x 132 CTAs // (32 N tiles x 4 splits)
@@ -522,6 +524,44 @@ def test_lean_options_lower_for_h200():
   assert "gmm_int4_gated_mosaic_gpu" in text and "gmm_int4_mosaic_gpu" in text  # both calls
 
 
+def test_k_packing_matches_the_register_relabel():
+  """pack_int4_k's column table vs the relabel kpack.relabel_registers does, from the two
+  layouts' column formulas (jax 0.11.2 fragmented_array: WGMMA (64, 8) tiles, 2-vectors, lane
+  % 4 across; WGMMA_UPCAST_4X (64, 32) tiles, 8-vectors): WGMMA register i, piece e of lane l
+  (column 8i + 2l + e) is piece i % 4 of UPCAST_4X word i // 4 of the same lane (storage column
+  32 (i // 4) + 8l + 2 (i % 4) + e), and a 32-column scale group stays in its half."""
+  assert sorted(kpack.STORED_COLUMN) == list(range(64))
+  for lane, i, e in np.ndindex(4, 8, 2):
+    storage = 32 * (i // 4) + 8 * lane + 2 * (i % 4) + e
+    assert kpack.STORED_COLUMN[storage] == 8 * i + 2 * lane + e
+  assert (kpack.STORED_COLUMN // 32 == np.arange(64) // 32).all()
+  q = jnp.asarray(np.arange(2 * 128) % 16 - 8, jnp.int4).reshape(2, 128)
+  packed = np.asarray(kpack.pack_int4_k(q), np.int32)
+  np.testing.assert_array_equal(packed[:, 64 + kpack.STORAGE_OF], np.asarray(q, np.int32)[:, 64:])
+  np.testing.assert_array_equal(kpack.logical_order(packed[:, :64]), np.asarray(q, np.int32)[:, :64])
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_k_packed_weights_interpret_match_reference(gated):
+  """Tuning.int4_k_packed on pack_int4_k'd stacks == the reference on the stacks as stored
+  (interpret mode: the gather emulation of the relabel; the relabel itself is the GPU test's)."""
+  sizes, m, k, n = [30, 0, 50, 3, 10], 100, 256, 128
+  x, _, (q_a, s_a) = _operands(m, k, n, len(sizes), 32, seed=14)
+  _, _, (q_b, s_b) = _operands(m, k, n, len(sizes), 32, seed=15)
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = Tuning(rows=32, block_n=64, block_k=128, stages=2, a_operand="smem", int4_k_packed=True,
+             store_once=True, items_smem=True)
+  pa, pb = (kpack.pack_int4_k(q_a), s_a), (kpack.pack_int4_k(q_b), s_b)
+  if gated:
+    t = dataclasses.replace(t, splits=2, slots=2)
+    got = gated_grouped_matmul(x, pa, pb, gs, backend="interpret", tuning=t)
+    want = gated_grouped_matmul(x, (q_a, s_a), (q_b, s_b), gs, backend="xla")
+  else:
+    got = grouped_matmul(x, pa, gs, backend="interpret", tuning=t)
+    want = grouped_matmul(x, (q_a, s_a), gs, backend="xla")
+  _check(got, want, sum(sizes))
+
+
 def _module_op_counts(m, tunings):
   """Op counts of the Mosaic modules of expert_mlp's two calls lowered for an H200 (summed)."""
   # pylint: disable=import-outside-toplevel
@@ -551,16 +591,21 @@ def _module_op_counts(m, tunings):
   return counts
 
 
-def test_scale_concat_drops_the_per_register_selects():
-  """int4_scale_concat: no select per register pair of a chunk's scales (16 per thread and
-  chunk: [64, 64] / 128 threads / 2 values per register), the same multiplies."""
+def test_dequant_options_cut_the_lowered_ops_per_chunk():
+  """Per thread and [64, 64] chunk (32 values, 2 per register) in the lowered modules:
+  int4_scale_concat drops the 16 selects (and their 16 compares) of a chunk's scales, same
+  multiplies; int4_k_packed replaces the 16 one-byte tile loads (and their 16 sign extends) by
+  one ldmatrix (4 words). Modules: gated (2 stacks) + down, one K step of 4 chunks each."""
   t = Tuning(rows=8, block_n=64, block_k=256, stages=2)
-  base = _module_op_counts(8, (t, t))
-  cat_t = dataclasses.replace(t, int4_scale_concat=True)
-  cat = _module_op_counts(8, (cat_t, cat_t))
-  chunks = 2 * 256 // 64 + 256 // 64  # the unrolled step bodies: gated (2 stacks) + down
+  base, cat, kp = (_module_op_counts(8, (dataclasses.replace(t, **kw),) * 2) for kw in (
+      {}, dict(int4_scale_concat=True), dict(int4_k_packed=True)))
+  chunks = 2 * 256 // 64 + 256 // 64
   assert base["arith.select"] - cat["arith.select"] == 16 * chunks
-  assert base["arith.mulf"] == cat["arith.mulf"] >= 16 * chunks  # + the epilogue's
+  assert base["arith.cmpi"] - cat["arith.cmpi"] == 16 * chunks
+  assert base["arith.mulf"] == cat["arith.mulf"] == kp["arith.mulf"] >= 16 * chunks
+  assert base["llvm.load"] - kp["llvm.load"] == 16 * chunks
+  assert base["arith.extsi"] - kp["arith.extsi"] == 16 * chunks
+  assert (base["nvvm.ldmatrix"], kp["nvvm.ldmatrix"]) == (0, chunks)
 
 
 @pytest.mark.slow
@@ -579,16 +624,20 @@ def test_bench_mlp_variants_lower_for_h200():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [dict(LEAN, dequant_batch=4), dict(LEAN, int4_scale_concat=True)])
+@pytest.mark.parametrize("opts", [dict(LEAN, dequant_batch=4),
+                                  dict(LEAN, int4_scale_concat=True, int4_k_packed=True)])
 def test_gated_kernel_gpu_lean_options_match_reference(opts):
-  """store_once + items_smem + dequant_batch 4 (or the select-free scales: the register operand,
-  which interpret mode cannot run) on the GPU: gated split-K with the slots loop."""
+  """store_once + items_smem + dequant_batch 4 (or the select-free scales, or those + K-packed
+  weights through 32-bit loads relabelled as registers: the register operand, which interpret
+  mode cannot run) on the GPU: gated split-K with the slots loop."""
   sizes, m, k, n = RAGGED
   x, _, q_a = _operands(m, k, n, len(sizes), 32, seed=3)
   _, _, q_b = _operands(m, k, n, len(sizes), 32, seed=4)
   gs = jnp.asarray(sizes, jnp.int32)
   t = _ragged_tuning("int4", splits=2, slots=2, **opts)
-  _check(gated_grouped_matmul(x, q_a, q_b, gs, backend="pallas", tuning=t),
+  pack = kpack.pack_int4_k if t.int4_k_packed else lambda q: q
+  packed_a, packed_b = (pack(q_a[0]), q_a[1]), (pack(q_b[0]), q_b[1])
+  _check(gated_grouped_matmul(x, packed_a, packed_b, gs, backend="pallas", tuning=t),
          gated_grouped_matmul(x, q_a, q_b, gs, backend="xla"), sum(sizes))
 
 
