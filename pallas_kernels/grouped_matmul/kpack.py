@@ -36,12 +36,19 @@ STORAGE_OF = np.argsort(STORED_COLUMN)
 
 
 def pack_int4_k(q):
-  """q [..., K] (int4, K a multiple of 64) -> the packed-K stack `Tuning.int4_k_packed` reads."""
+  """q [..., K] (int4, K a multiple of 64) -> the packed-K stack `Tuning.int4_k_packed` reads.
+
+  Column 32h + 8j + 2l + e of each 64-column block goes to 32h + 8l + 2j + e: the (j, l) axes
+  swapped (its own inverse, = `logical_order`), by a transpose through int8 (no int4 gather or
+  transpose asked of XLA)."""
   k = q.shape[-1]
   if k % CHUNK:
     raise ValueError(f"K={k} must be a multiple of {CHUNK}")
-  cols = (np.arange(k) // CHUNK) * CHUNK + STORED_COLUMN[np.arange(k) % CHUNK]
-  return jnp.take(q, jnp.asarray(cols), axis=-1)
+  lead = q.shape[:-1]
+  v = q.astype(jnp.int8).reshape(*lead, k // CHUNK, 2, 4, 4, 2)
+  n = v.ndim
+  v = jnp.swapaxes(v, n - 3, n - 2)
+  return v.reshape(*lead, k).astype(q.dtype)
 
 
 def load_chunk(chunk_ref, interpret: bool):
