@@ -23,8 +23,9 @@ The grid's first axis is one CTA column per item, or `Tuning.slots` columns loop
 (`Tuning.items_smem`: the list is read from SMEM after one TMA). `Tuning.store_once` fences and
 waits once for every epilogue part; `Tuning.dequant_batch` dequantises several 64-column chunks
 per wgmma wait; `Tuning.int4_scale_concat` builds a chunk's scales without selects;
-`Tuning.int4_k_packed` reads weight stacks stored by `kpack.pack_int4_k` with 32-bit loads. (32-column pieces against a 64-byte-swizzled x tile, the removed `scale_halves`,
-passed interpret mode, which runs only the SMEM-operand path and ignores swizzles, and were wrong
+`Tuning.int4_k_packed` reads weight stacks stored by `kpack.pack_int4_k` with 32-bit loads.
+(32-column pieces against a 64-byte-swizzled x tile, the removed `scale_halves`, passed
+interpret mode, which runs only the SMEM-operand path and ignores swizzles, and were wrong
 on the H200 with the register operand, 2-3x slower: WORKSPACE.md.) `launch_shape` says what a
 call launches (CTAs, K steps, SMEM per CTA).
 """
