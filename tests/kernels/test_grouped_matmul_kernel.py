@@ -538,7 +538,8 @@ def test_k_packing_matches_the_register_relabel():
   q = jnp.asarray(np.arange(2 * 128) % 16 - 8, jnp.int4).reshape(2, 128)
   packed = np.asarray(kpack.pack_int4_k(q), np.int32)
   np.testing.assert_array_equal(packed[:, 64 + kpack.STORAGE_OF], np.asarray(q, np.int32)[:, 64:])
-  np.testing.assert_array_equal(kpack.logical_order(packed[:, :64]), np.asarray(q, np.int32)[:, :64])
+  np.testing.assert_array_equal(kpack.logical_order(packed[:, :64]),
+                                np.asarray(q, np.int32)[:, :64])
 
 
 @pytest.mark.parametrize("gated", [False, True])
