@@ -20,8 +20,8 @@
 #   verify      tree-verify kernel: GPU tests (-m gpu, 15 cases, one kernel compile each, the f32
 #               reference on the CPU: < 2 min), short bench (default L=46000 grid); verify:240
 #   verify_probes  tree-verify bench at L=46000, B=1, H=8 (N=1,8,16,64) then H=64 (N=64 first)
-#               with the PROBES variants (swap_ab at N=1/8 and 1x1x64, pipeline_qk, on the
-#               32-key ring at N=1/8; packed mask; ~22 variants, one compile each):
+#               with the PROBES variants (swap_ab off at N*H = 8 where it is the default, on
+#               at 1x8x8 and 1x1x64; 66 splits; packed mask; ~13 variants, one compile each):
 #               verify_probes:200; ends with the best
 #               variant per shape and its % of copy
 #   verify_full tree-verify kernel: every test + the full GPU grid, per-kernel profile, the issue's
@@ -31,8 +31,9 @@
 #               loop with command buffers: the A/B of the runtime default, which has none)
 #   xla_options scripts/probe_xla_options.py: bench_k26_full's fused step (ar, ddtree 15) compiled
 #               per XLA option set (cuBLAS vs Triton GEMMs, ...), CUPTI kernel ms each (~200 s)
-#   target_layout  the same fused step (ar, ddtree 15), default options, target params per layer
-#               vs target.pack's packed layout (one dot for q_a|kv_a, router|shared gate|up):
+#   target_layout  the same fused step (ar, ddtree 15), default options, target.pack's packed
+#               layout (q_b, w_qc, o, shared down out-major: issue 13's one-row dots) vs the fifth
+#               session's (packed_s5: the same joins, those four contracted on a major dim):
 #               CUPTI kernel ms and launches of each, side by side (target_layout:240)
 #   draft_share the same for k26_dflash_share only (bench_k26_full's draft, issue 17's must-show)
 #   draft_waves bench_draft.py on k26_dflash_share only: draft_block with the ctx kernel at 1, 2 and
@@ -104,7 +105,7 @@ run_part() {
                 --config configs/bench_k26_core.py --time_budget_s $(( secs - 20 )) ;;
     xla_options) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" ;;
     target_layout) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
-                --variants default --layouts per_layer,packed ;;
+                --variants default --layouts packed_s5,packed ;;
     draft_waves) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 \
                 --drafts k26_dflash_share --out_dir "$RAW" --ctx_impls \
                 pallas:p131:64:8:3+block+packed,pallas:p263:64:8:3+block+packed,pallas:p263:64:4:3+block+packed,pallas:p395:64:4:2+block+packed,pallas:p263:128:8:2+block+packed ;;

@@ -63,19 +63,18 @@ FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64]
 # (N = 8: both). shared_p=0 at N=1 (a diagnosis): both warpgroups score, no P hand-off, 1.5x the
 # tensor work; faster would mean wg0's serial QK^T -> softmax -> hand-off chain limits the tile,
 # not the tensor or SMEM throughput.
-# swap_ab=1 (kernel_swap.py): one row tile of M = N*H <= 64 rows scored as S^T = K Q^T (keys the
-# wgmma M, the q rows its N): at N=1, H=8 1/8 of the default's tensor work and a 9 KB Q tile; at
-# N=8, H=8 (M = 64) the same work (a check of the swapped structure only). First where it applies.
-_PIPE, _PIPE32 = "pipeline_qk=1", "block_kv=32,stages=4,pipeline_qk=1"
-_SWAP = "swap_ab=1;swap_ab=1,mask=packed"
-PROBES = {(1, 1, 8, 46000): f"{_SWAP};swap_ab=1,num_splits=66;{_PIPE32};shared_p=0",
-          (1, 8, 8, 46000): f"swap_ab=1;{_PIPE32};{_PIPE}",
+# swap_ab (kernel_swap.py): one row tile of M = N*H <= 64 rows scored as S^T = K Q^T (keys the
+# wgmma M, the q rows its N): at N=1, H=8 1/8 of the default's tensor work and a 9 KB Q tile.
+# Measured (H200, fifth session): N=1 H=8 21.4 vs 23.6 us, the default there since
+# (tuning.SWAP_AB_MAX_ROWS); swap_ab=0 is the previous kernel's row. pipeline_qk=1 measured
+# 1.4-1.5x slower at N=64 (H=8, 64) and shared_p=0 / the 32-key pipelined ring slower at N=1:
+# dropped from the probes (the option stays, off). At N=8, H=8 and N=1, H=64 (M = 64) swap-AB
+# does the same tensor work (a check of the swapped structure).
+PROBES = {(1, 1, 8, 46000): "swap_ab=0;swap_ab=0,mask=packed;num_splits=66",
+          (1, 8, 8, 46000): "swap_ab=1",
           (1, 1, 64, 46000): "swap_ab=1",
-          (1, 16, 8, 46000): f"{_PIPE};{_PIPE32}",
-          (1, 64, 8, 46000): f"{_PIPE}",
-          (1, 64, 64, 46000): f"{_PIPE};num_splits=1;shared_p=0",
-          (4, 1, 8, 46000): f"swap_ab=1;num_splits=66;{_PIPE32}",
-          (4, 16, 8, 46000): f"num_splits=32;{_PIPE}"}
+          (4, 1, 8, 46000): "swap_ab=0;num_splits=66",
+          (4, 16, 8, 46000): "num_splits=32"}
 
 
 def xla_baseline(q, cache, lengths, tree_mask, *, scale):

@@ -9,6 +9,7 @@ BLOCK_M = 64   # rows = (node, head) pairs per tile; one wgmma M
 SMEM_BYTES = 232448  # sm90 dynamic shared memory per CTA (227 KiB)
 MIN_TILES_PER_SPLIT = 2  # a split below this pays its Q load and epilogue for too little streaming
 KERNELS = ("v2", "v1")  # v2: kernel.py (tree block in the kernel); v1: kernel_v1.py (tree in XLA)
+SWAP_AB_MAX_ROWS = 8  # default_tuning's swap-AB bound on N*H (the measured shape; see there)
 MERGES = ("xla", "triton")  # v2's split merge: combine.py (XLA, ~3 kernels) or merge_triton.py (1)
 
 
@@ -73,4 +74,8 @@ def default_tuning(b, n, h, l, kernel="v2"):
   # The Triton merge (one kernel) beats XLA's (~3) wherever there is a merge: H200, L=46000, H=8
   # (WORKSPACE.md, third session): N=1 23.7 vs 25.8 us, N=8 27.9 vs 32.1, N=16 34.2 vs 38.9, N=64
   # 99.5 vs 98.4 (within noise).
-  return Tuning(num_splits=splits, merge="triton" if splits > 1 else "xla")
+  # swap-AB (kernel_swap.py) where the 64-row Q tile would hold at most 8 real rows (ar at one
+  # GPU's 8 heads): H200, L=46000, N=1, H=8 (WORKSPACE.md, fifth session): 21.4 vs 23.6 us (bool
+  # mask), 20.3 vs 22.5 (packed mask), same rel err 1.2e-3; unmeasured at 9..63 rows.
+  return Tuning(num_splits=splits, merge="triton" if splits > 1 else "xla",
+                swap_ab=n * h <= SWAP_AB_MAX_ROWS)

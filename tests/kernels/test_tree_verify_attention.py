@@ -300,6 +300,9 @@ class TestKernelSmall:
     assert default_tuning(1, 64, 64, 46000).num_splits == 2
     assert default_tuning(1, 64, 128, 46000).num_splits == 1
     assert default_tuning(1, 1, 8, 256).num_splits == 2  # >= 2 KV tiles per split
+    # swap-AB only where the Q tile holds <= 8 real rows (the one shape measured faster)
+    assert default_tuning(1, 1, 8, 46000).swap_ab and default_tuning(4, 1, 8, 4100).swap_ab
+    assert not default_tuning(1, 2, 8, 46000).swap_ab and not default_tuning(1, 1, 64, 46000).swap_ab
 
 
 class TestLowersForGpu:
