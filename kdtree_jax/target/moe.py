@@ -23,10 +23,10 @@ def route(p, cfg: TargetConfig, x_td, logits=None):
   logits: x @ W_g [T, E] f32 when already computed (the packed layer's joint dot), else None.
   """
   choice, scores = _choice_and_scores(p, cfg, x_td, logits)
-  idx, w = top_k_select(choice, scores, cfg.num_experts_per_tok)
-  if cfg.norm_topk_prob:
-    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
-  return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
+  k = cfg.num_experts_per_tok
+  idx, w = top_k_select(choice, scores, k)
+  weighting = Weighting(k, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+  return idx.astype(jnp.int32), weighting.of_choices(w)  # the sum over k: element-wise adds
 
 
 # Up to this many T x E x E comparisons (T = 455 at E = 384) top-k is two fused reductions
@@ -36,7 +36,8 @@ COMPARE_TOP_K_MAX = 1 << 26
 
 def top_k_select(choice_te, values_te, k):
   """(indices [T, k] int32 of the k largest `choice` per row, descending, ties to the lower index
-  as jax.lax.top_k; `values` at those indices [T, k])."""
+  as jax.lax.top_k; `values` at those indices [T, k]). The values are a gather at the indices
+  (a masked sum over [T, k, E] beside the indices' made XLA:GPU write that [T, k, E] in f32)."""
   t, e = choice_te.shape
   if t * e * e > COMPARE_TOP_K_MAX:
     _, idx = jax.lax.top_k(choice_te, k)
@@ -45,7 +46,7 @@ def top_k_select(choice_te, values_te, k):
   rank = compare_rank(choice_te)
   hit = rank[:, None, :] == jnp.arange(k, dtype=jnp.int32)[None, :, None]  # [T, k, E]
   idx = jnp.sum(jnp.where(hit, ids, 0), axis=2, dtype=jnp.int32)
-  return idx, jnp.sum(jnp.where(hit, values_te[:, None, :], 0), axis=2)  # one term each: exact
+  return idx, jnp.take_along_axis(values_te, idx, axis=-1)
 
 
 def compare_rank(choice_te):
@@ -148,7 +149,7 @@ def router_and_shared(p, x_td):
   e = p["bias"].shape[0]
   y = _router_logits(x_td, p["router_gate_up_t"], dot=dot_t)
   gate, up = jnp.split(y[:, e:].astype(x_td.dtype), 2, axis=-1)
-  return y[:, :e], swiglu_down(gate, up, p["shared"]["down"])
+  return y[:, :e], swiglu_down(gate, up, p["shared"])
 
 
 def _dense_glue(cfg: TargetConfig, t: int) -> bool:

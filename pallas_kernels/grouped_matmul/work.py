@@ -36,11 +36,14 @@ def _inclusive_sum(v):
 
 
 def work_list(group_sizes, m: int, rows: int, group_ends=None):
-  """int32 [4, I]: (expert, window's first row, first stored row in it, rows stored) per item.
+  """int32 [4, I]: (expert, window's first row, first stored row in it, rows stored) per item;
+  items past the live count are all 0.
 
   Element-wise ops and masked reductions only (the default searchsorted is a while loop of
-  ~log2(G) small kernels on a GPU, cumsum a few reduce-window passes). group_ends: the
-  inclusive cumsum of the sizes when the caller has it (one dependent reduction less)."""
+  ~log2(G) small kernels on a GPU, cumsum a few reduce-window passes): the windows per expert,
+  their inclusive sum, then ONE reduction over the experts that finds each item's expert and
+  writes all four fields (no search, gather or stack after it). group_ends: the inclusive
+  cumsum of the sizes when the caller has it (one dependent reduction less)."""
   sizes = group_sizes.astype(jnp.int32)
   g = sizes.shape[0]
   ends = _inclusive_sum(sizes) if group_ends is None else group_ends.astype(jnp.int32)
@@ -48,11 +51,12 @@ def work_list(group_sizes, m: int, rows: int, group_ends=None):
   base = starts - starts % ALIGN
   chunks = jnp.where(sizes > 0, -(-(ends - base) // rows), 0)
   upto = _inclusive_sum(chunks)
-  item = jnp.arange(num_items(m, g, rows), dtype=jnp.int32)
-  grp = jnp.minimum(jnp.sum(upto[None, :] <= item[:, None], axis=1), g - 1).astype(jnp.int32)
-  win = base[grp] + (item - (upto[grp] - chunks[grp])) * rows
-  lo = jnp.maximum(starts[grp], win)
-  hi = jnp.minimum(ends[grp], win + rows)
-  size = jnp.where(item < upto[-1], jnp.maximum(hi - lo, 0), 0)
-  return jnp.stack([grp, win, lo - win, size]).astype(jnp.int32)
-
+  item = jnp.arange(num_items(m, g, rows), dtype=jnp.int32)[:, None]  # [I, 1] against [G]
+  first = upto - chunks  # the expert's first item
+  hit = (first <= item) & (item < upto)  # [I, G]: at most one expert per item
+  win = base + (item - first) * rows
+  lo = jnp.maximum(starts, win)
+  size = jnp.maximum(jnp.minimum(ends, win + rows) - lo, 0)
+  fields = (jnp.arange(g, dtype=jnp.int32), win, lo - win, size)
+  terms = jnp.stack([jnp.where(hit, jnp.broadcast_to(f, hit.shape), 0) for f in fields])
+  return jnp.sum(terms, axis=2, dtype=jnp.int32)

@@ -47,6 +47,7 @@ def test_work_list_covers_every_row_once(sizes, m, rows):
   live = [list(map(int, it)) for it in items if it[3] > 0]
   assert live == _items_brute_force(sizes, rows)
   assert all(it[1] % 8 == 0 and it[2] + it[3] <= rows for it in live)
+  assert not items[len(live):].any()  # live items first, then all-0 ones
 
 
 @pytest.mark.parametrize("choices,g", [([40, 2, 99, 6, 5, 47, 70, 71], 48), ([0], 4), ([], 8)])
