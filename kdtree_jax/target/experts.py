@@ -19,18 +19,15 @@ def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto"
   the gated grouped matmul (gate and up in one call, SiLU-multiply fused) and the down grouped
   matmul on one work list, then each token gathers its K rows, weighted (one fusion, no scatter).
   """
-  order, rank, sizes, mine = sort_pairs(idx_tk, gate_edf.shape[0], e0)
+  order, rank, sizes, ends, mine = sorted_pair_layout(idx_tk, gate_edf.shape[0], e0)
   y = expert_mlp(x_td[order // idx_tk.shape[1]], gate_edf, up_edf, down_efd, sizes, impl,
-                 group_ends=group_ends(idx_tk, gate_edf.shape[0], e0))
+                 group_ends=ends)
   return combine_pairs(y, rank, mine, w_tk)
 
 
 def group_ends(idx_tk, e_l, e0=0):
-  """cumsum of the rows per local expert, counted from the expert ids as the sizes are (a
-  reduction beside theirs, not one after them)."""
-  local = idx_tk.reshape(-1) - e0
-  return jnp.sum((local[None, :] >= 0) & (local[None, :] <= jnp.arange(e_l)[:, None]), axis=1,
-                 dtype=jnp.int32)
+  """cumsum of the rows per local expert, counted from the expert ids as the sizes are."""
+  return sorted_pair_layout(idx_tk, e_l, e0)[3]
 
 
 def sort_pairs(idx_tk, e_l, e0=0):
@@ -39,21 +36,33 @@ def sort_pairs(idx_tk, e_l, e0=0):
   Returns (order [M]: the pair at each sorted row, rank [M]: each pair's sorted row, rows per
   local expert [E_l], whether each pair is local [M]), M = T*K.
   """
+  order, rank, sizes, _, mine = sorted_pair_layout(idx_tk, e_l, e0)
+  return order, rank, sizes, mine
+
+
+def sorted_pair_layout(idx_tk, e_l, e0=0):
+  """`sort_pairs` plus the inclusive cumsum of the sizes: (order, rank, sizes, ends, mine).
+
+  Up to COMPARE_SORT_MAX_PAIRS pairs, each pair's rank and every expert's size and end are the
+  rows of ONE masked reduction over the pairs ([M + 2 E_l, M]); the order is a second one."""
   local = idx_tk.reshape(-1) - e0
   mine = (local >= 0) & (local < e_l)
   key = jnp.where(mine, local, e_l).astype(jnp.int32)
   m = key.shape[0]
   pair = jnp.arange(m, dtype=jnp.int32)
-  sizes = jnp.sum(key[None, :] == jnp.arange(e_l, dtype=jnp.int32)[:, None], axis=1,
-                  dtype=jnp.int32)
+  expert = jnp.arange(e_l, dtype=jnp.int32)[:, None]
+  per_expert = [key[None, :] == expert, key[None, :] <= expert]  # sizes, ends: [E_l, M] each
   if m > COMPARE_SORT_MAX_PAIRS:
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    return order, jnp.argsort(order).astype(jnp.int32), sizes, mine
+    sizes, ends = jnp.sum(jnp.stack(per_expert), axis=2, dtype=jnp.int32)
+    return order, jnp.argsort(order).astype(jnp.int32), sizes, ends, mine
   code = key * m + pair  # distinct; ascending code = stable order by key
-  rank = jnp.sum(code[None, :] < code[:, None], axis=1, dtype=jnp.int32)
+  counts = jnp.sum(jnp.concatenate([code[None, :] < code[:, None]] + per_expert), axis=1,
+                   dtype=jnp.int32)
+  rank, sizes, ends = counts[:m], counts[m:m + e_l], counts[m + e_l:]
   order = jnp.sum(jnp.where(rank[None, :] == pair[:, None], pair[None, :], 0), axis=1,
                   dtype=jnp.int32)
-  return order, rank, sizes, mine
+  return order, rank, sizes, ends, mine
 
 
 def combine_pairs(y_smd, rank, mine, w_tk):
