@@ -7,7 +7,8 @@ winner becomes a `runtime.RuntimeConfig` default only after it is measured here.
 
   python scripts/probe_xla_options.py --config configs/bench_k26_full.py --out_dir runs/xla_opts
   (GPU: bash scripts/gpu_measure.sh $OUT xla_options:300; the target's per-layer vs packed
-  layout (target.pack), default options: bash scripts/gpu_measure.sh $OUT target_layout:240)
+  layout (target.pack) vs the fifth session's packed layout, default options: bash
+  scripts/gpu_measure.sh $OUT target_layout:240)
 """
 import functools
 import json
@@ -34,8 +35,9 @@ _VARIANTS = flags.DEFINE_list("variants", ["default", "no_triton_gemm", "triton_
                               "Option sets: '+'-joined names of VARIANTS.")
 _LAYOUTS = flags.DEFINE_list("layouts", ["per_layer"], "Target param layouts, each timed with "
                              "every variant (all of a mode's programs compiled at once): "
-                             "per_layer (load_target's) and/or packed (target.pack: "
-                             "load_pair's and bench_k26_full's).")
+                             "per_layer (load_target's), packed (target.pack: load_pair's "
+                             "and bench_k26_full's), packed_s5 (the fifth session's packed "
+                             "layout: q_b, o, shared down and w_qc contracted on a major dim).")
 runtime.define_flags()
 
 VARIANTS = {  # name -> XLA DebugOptions fields for compiler_options
@@ -98,7 +100,8 @@ def main(_):
   dtype = DTYPES[c.dtype]
   tcfg, tp = load_target(c.target, dtype)
   dcfg, dp = load_draft(c.draft, tcfg, dtype)
-  layouts = {"per_layer": lambda: tp, "packed": lambda: pack_for_decode(tcfg, tp)}
+  layouts = {"per_layer": lambda: tp, "packed": lambda: pack_for_decode(tcfg, tp),
+             "packed_s5": lambda: pack_for_decode(tcfg, tp, out_major=False)}
   pairs = {name: Pair(tcfg, layouts[name](), dcfg, dp) for name in _LAYOUTS.value}
   os.makedirs(_OUT.value, exist_ok=True)
   rows = []

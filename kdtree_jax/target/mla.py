@@ -3,8 +3,8 @@
 Letters: B batch, S/N tokens, H heads, D hidden, R kv_lora_rank (latent), P rope dim,
 Dn qk_nope dim, Dv value dim, C = R + P latent cache width, L cache rows.
 Weights: q_a [D, Rq], q_b [Rq, H, Dn+P] (or q [D, H, Dn+P]), kv_a [D, R+P], kv_b [R, H, Dn+Dv],
-o [H, Dv, D]; packed (target/pack.py): qkv_a_t [Rq+R+P, D], w_qc [H, Dn+P, R+P], w_uv [H, Dv, R] in
-place of q_a (or q), kv_a and kv_b.
+o [H, Dv, D]; packed (target/pack.py, out-major): qkv_a_t [Rq+R+P, D], q_b_t [H*(Dn+P), Rq],
+w_qc_t [H, R+P, Dn+P], w_uv [H, Dv, R], o_t [D, H*Dv] in place of q_a (or q), kv_a, q_b, kv_b, o.
 """
 
 import functools
@@ -65,6 +65,9 @@ def project_q(p, cfg: TargetConfig, q_in, mean_square=None):
   if cfg.q_lora_rank is None:
     return q_in
   c_q = rms_norm(q_in, p["q_a_norm"], cfg.lora_norm_eps, mean_square)
+  if "q_b_t" in p:  # out-major [H * (Dn + P), Rq]: contracts its minor dim
+    q = dot_t(c_q, p["q_b_t"])
+    return q.reshape(*q.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
   return jnp.einsum("bsr,rhk->bshk", c_q, p["q_b"])
 
 
@@ -103,13 +106,14 @@ def prefill_attention(p, cfg: TargetConfig, x_bsd, positions_bs):
   q_nope, q_pe = split_q(cfg, project_q(p, cfg, q_in, ms_q), cos, sin)
   rows = latent_rows(cfg, p, a, cos, sin, ms_kv)
   c_kv, k_pe = rows[..., :cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank:]
-  if "w_qc" in p:  # w_uk^T is its top-left block
-    dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-    k_nope = jnp.einsum("bsr,hkr->bshk", c_kv, p["w_qc"][:, :dn, :r])
+  dn, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+  if "w_uv" in p:  # w_uk (^T in the fifth session's w_qc) is w_qc_t's top-left block
+    k_nope = (jnp.einsum("bsr,hrk->bshk", c_kv, p["w_qc_t"][:, :r, :dn]) if "w_qc_t" in p
+              else jnp.einsum("bsr,hkr->bshk", c_kv, p["w_qc"][:, :dn, :r]))
     v = jnp.einsum("bsr,hvr->bshv", c_kv, p["w_uv"])
   else:
     kv = jnp.einsum("bsr,rhk->bshk", c_kv, p["kv_b"])
-    k_nope, v = kv[..., :cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim:]
+    k_nope, v = kv[..., :dn], kv[..., dn:]
   s = (jnp.einsum("bqhk,bshk->bhqs", q_nope, k_nope)
        + jnp.einsum("bqhp,bsp->bhqs", q_pe, k_pe)).astype(jnp.float32) * cfg.softmax_scale
   n = x_bsd.shape[1]
@@ -117,7 +121,7 @@ def prefill_attention(p, cfg: TargetConfig, x_bsd, positions_bs):
   s = jnp.where(causal, s, -jnp.inf)
   probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
   o = jnp.einsum("bhqs,bshv->bqhv", probs, v)
-  return jnp.einsum("bqhv,hvd->bqd", o, p["o"]), rows
+  return out_proj(p, o), rows
 
 
 def absorbed_attention(p, cfg: TargetConfig, x_bnd, positions_bn, layer_cache_blc, lengths_b,
@@ -135,20 +139,32 @@ def absorbed_attention(p, cfg: TargetConfig, x_bnd, positions_bn, layer_cache_bl
   layer_cache_blc = write_rows(layer_cache_blc, rows, lengths_b)
   u = verify_attention(cfg, q, layer_cache_blc, lengths_b, tree_mask_bnn, backend)
   o = unabsorb_u(p, cfg, u.astype(x_bnd.dtype))
-  return jnp.einsum("bnhv,hvd->bnd", o, p["o"]), layer_cache_blc
+  return out_proj(p, o), layer_cache_blc
+
+
+def out_proj(p, o_bnhv):
+  """The heads' values [B, N, H, Dv] through o -> [B, N, D]: over p["o_t"] [D, H * Dv] (packed,
+  out-major: the heads flattened, contracting the weight's minor dim), else o [H, Dv, D]."""
+  if "o_t" in p:
+    return dot_t(o_bnhv.reshape(*o_bnhv.shape[:-2], -1), p["o_t"])
+  return jnp.einsum("bnhv,hvd->bnd", o_bnhv, p["o"])
 
 
 def kernel_queries(p, cfg: TargetConfig, q_bnhy, cos, sin):
   """The tree-verify kernel's queries [B, N, H, R + P]: q_nope through kv_b's key half, then the
-  rotated q_pe. Packed (target/pack.py's w_qc [H, Dn + P, R + P] = [[w_uk^T, 0], [0, I]]): ONE
+  rotated q_pe. Packed (target/pack.py's w_qc_t [H, R + P, Dn + P] = [[w_uk, 0], [0, I]],
+  out-major: each head's product contracts the weight's minor dim): ONE
   product of the rotated queries (`rope.rotate_tail`, no concatenate) gives both parts, the
   rope columns multiplied by exact ones (the same values; the absorbed part's sums gain zero
   terms), so no concatenate joins them (on the H200 one kernel per layer); else absorb_q and
-  the rotated q_pe joined."""
-  if "w_qc" in p:
+  the rotated q_pe joined. (The fifth session's w_qc [H, Dn + P, R + P], pack_for_decode's
+  out_major=False, contracts its major dim: kept for the GPU A/B.)"""
+  if "w_uv" in p:
     dn = cfg.qk_nope_head_dim
     qf = rope.rotate_tail(q_bnhy.astype(jnp.float32), dn, cos[:, :, None, :],
                           sin[:, :, None, :]).astype(q_bnhy.dtype)
+    if "w_qc_t" in p:
+      return jnp.einsum("bnhk,hck->bnhc", qf, p["w_qc_t"])
     return jnp.einsum("bnhk,hkc->bnhc", qf, p["w_qc"])
   q_nope, q_pe = split_q(cfg, q_bnhy, cos, sin)
   return jnp.concatenate([absorb_q(p, cfg, q_nope), q_pe], axis=-1)

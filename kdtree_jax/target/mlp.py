@@ -13,9 +13,11 @@ def swiglu(p, x):
     gate, up = jnp.split(dot_t(x, p["gate_up_t"]), 2, axis=-1)
   else:
     gate, up = x @ p["gate"], x @ p["up"]
-  return swiglu_down(gate, up, p["down"])
+  return swiglu_down(gate, up, p)
 
 
-def swiglu_down(gate, up, down):
-  """down(silu(gate) * up) of the gate and up projections."""
-  return (jax.nn.silu(gate) * up) @ down
+def swiglu_down(gate, up, p):
+  """down(silu(gate) * up) of the gate and up projections: over p["down_t"] [D, F] (packed,
+  out-major: target/pack.py) or p["down"] [F, D]."""
+  h = jax.nn.silu(gate) * up
+  return dot_t(h, p["down_t"]) if "down_t" in p else h @ p["down"]

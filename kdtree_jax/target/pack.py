@@ -9,25 +9,34 @@ runs as two kernels (partial sums, then their sum), along the MINOR dim (a row r
 1024 x 16 = 16384) as one. K2.6 at one token: q_a (N 1536) was a GEMM and kv_a (576) a
 two-kernel reduction, q_a | kv_a (2112) is one GEMM; the router (384) and the shared gate and up
 (256 each) were two-kernel reductions, router | gate | up (896, out-major) is one row
-reduction. A tree step's GEMMs read either layout.
+reduction. The same rule for the per-layer dots that contract a non-D dim: q_b (N 1536, K Rq 1536),
+the absorbed queries' w_qc (per head 576 x 192), o (N 7168, K H * Dv 1024) and the shared
+expert's down (N 7168, K 256) are strength-reduced too, so they are stored out-major as well
+(H200 ar at 46k, 61 layers: multiply + column reductions of 617 / 187 / 450 / 200 us per step,
+q_b's product materialised, against 70 / 26 / 218 / 54 us floors; `dot_t`'s out-major rows are
+one row-reduction kernel). A tree step's GEMMs read
+either layout (cuBLAS / Triton take either operand transposed: a 2-D dot needs no transpose).
 
 Not for training, checkpoints or tensor-parallel sharding (the sharding rules, the checkpoint
 writers and the optimiser name the per-layer weights): `loader.load_pair` packs only without a
 mesh. Per layer (the forward reads either layout; see mla.input_dots, mlp.swiglu, moe.moe):
   * attn "qkv_a_t" [Rq + R + P, D] = (q_a | kv_a)^T (both read the normed hidden state; without the
-    q LoRA, q flattened to [D, H * (Dn + P)] | kv_a), replacing q_a (or q) and kv_a; and kv_b
-    [R, H, Dn + Dv] as "w_qc" [H, Dn + P, R + P] = [[key half^T, 0], [0, I_P]] (the kernel's
-    queries, absorbed q_nope and q_pe, from ONE product: mla.kernel_queries; P / R more bytes
-    than the key half alone, no concatenate per layer) and its value half "w_uv" [H, Dv, R],
+    q LoRA, q flattened to [D, H * (Dn + P)] | kv_a), replacing q_a (or q) and kv_a; "q_b_t"
+    [H * (Dn + P), Rq] = q_b^T (flattened heads) and "o_t" [D, H * Dv] = o^T, replacing q_b and o;
+    and kv_b [R, H, Dn + Dv] as "w_qc_t" [H, R + P, Dn + P] = [[key half, 0], [0, I_P]] (the
+    kernel's queries, absorbed q_nope and q_pe, from ONE product: mla.kernel_queries; P / R more
+    bytes than the key half alone, no concatenate per layer) and its value half "w_uv" [H, Dv, R],
     heads major (the batch dim of the absorbed products), so no step slices or transposes the
     weight;
-  * mlp (the dense layers) "gate_up_t" [2F, D] = (gate | up)^T, replacing gate and up;
+  * mlp (the dense layers) "gate_up_t" [2F, D] = (gate | up)^T, replacing gate and up (down stays
+    [F, D]: at one token its (D + 1) * F >= 10M on K2.6, a GEMM);
   * moe "router_gate_up_t" [E + 2Fs, D] = (router | shared gate | shared up)^T, replacing the router
     and the shared expert's gate and up, where the router has the shared expert's dtype (one
     dot with f32 accumulation: the router's logits are the same f32 sums, the shared expert's
     rounded to its dtype as its own dot would); a router of another dtype (e.g. an f32 router
     beside bf16 experts) stays apart: joining would round it to 16 bits or widen the shared
-    expert's weights to f32 (twice the bytes), so only the shared gate | up is packed.
+    expert's weights to f32 (twice the bytes), so only the shared gate | up is packed; the shared
+    expert's down [Fs, D] as "down_t" [D, Fs] either way.
 """
 
 import jax
@@ -36,9 +45,11 @@ import jax.numpy as jnp
 from kdtree_jax.target.config import TargetConfig
 
 
-def pack_for_decode(cfg: TargetConfig, params):
-  """params with every layer in the packed layout (a new pytree; the input is not changed)."""
-  return params | {"layers": [pack_layer(cfg, lp) for lp in params["layers"]]}
+def pack_for_decode(cfg: TargetConfig, params, out_major: bool = True):
+  """params with every layer in the packed layout (a new pytree; the input is not changed).
+  out_major=False: the fifth session's layout (q_b, o and the shared down as stored per layer,
+  "w_qc" [H, Dn + P, R + P]), kept for the GPU A/B (probe_xla_options --layouts packed_s5)."""
+  return params | {"layers": [pack_layer(cfg, lp, out_major) for lp in params["layers"]]}
 
 
 def dot_t(x, w_t, **kw):
@@ -46,12 +57,13 @@ def dot_t(x, w_t, **kw):
   return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())), **kw)
 
 
-def pack_layer(cfg: TargetConfig, lp):
-  out = dict(lp, attn=_pack_attn(lp["attn"], cfg.qk_nope_head_dim, cfg.qk_rope_head_dim))
+def pack_layer(cfg: TargetConfig, lp, out_major: bool = True):
+  attn = _pack_attn(lp["attn"], cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, out_major)
+  out = dict(lp, attn=attn)
   if "mlp" in lp:
     out["mlp"] = _pack_gate_up(lp["mlp"])
   if "moe" in lp:
-    out["moe"] = _pack_moe(lp["moe"])
+    out["moe"] = _pack_moe(lp["moe"], out_major)
   return out
 
 
@@ -60,41 +72,64 @@ def _cat_t(ws):
   return jnp.concatenate(ws, axis=1).T
 
 
-def _pack_attn(p, qk_nope_head_dim, qk_rope_head_dim):
+def _pack_attn(p, qk_nope_head_dim, qk_rope_head_dim, out_major=True):
+  kv_b = _split_kv_b(p["kv_b"], qk_nope_head_dim, qk_rope_head_dim)
+  if out_major:
+    out = {k: w for k, w in p.items() if k not in ("kv_b", "q_b", "o")}
+    out |= kv_b | _out_major_q_b_o(p)
+  else:
+    out = {k: w for k, w in p.items() if k != "kv_b"} | {
+        "w_qc": jnp.swapaxes(kv_b["w_qc_t"], 1, 2), "w_uv": kv_b["w_uv"]}
   q_name = "q_a" if "q_a" in p else "q"
   q = p[q_name].reshape(p[q_name].shape[0], -1)
-  out = {k: w for k, w in p.items() if k != "kv_b"} | _split_kv_b(p["kv_b"], qk_nope_head_dim,
-                                                                  qk_rope_head_dim)
   if q.dtype != p["kv_a"].dtype:
     return out
   out = {k: w for k, w in out.items() if k not in (q_name, "kv_a")}
   return out | {"qkv_a_t": _cat_t([q, p["kv_a"]])}
 
 
+def _out_major_q_b_o(p):
+  """q_b [Rq, H, K] -> "q_b_t" [H * K, Rq] (if the q LoRA exists) and o [H, Dv, D] -> "o_t"
+  [D, H * Dv]: the one-token dots contract their weights' minor dim (a row reduction)."""
+  o = p["o"]
+  out = {"o_t": o.reshape(-1, o.shape[-1]).T}
+  if "q_b" in p:
+    out["q_b_t"] = p["q_b"].reshape(p["q_b"].shape[0], -1).T
+  return out
+
+
 def _split_kv_b(kv_b, dn, rope_dim):
-  """kv_b [R, H, Dn + Dv] -> w_qc [H, Dn + P, R + P] = [[w_uk^T, 0], [0, I_P]] (the queries'
-  product: absorbed q_nope and q_pe side by side, mla.kernel_queries) and w_uv [H, Dv, R]:
-  heads major (the batch of the absorbed products)."""
+  """kv_b [R, H, Dn + Dv] -> w_qc_t [H, R + P, Dn + P] = [[w_uk, 0], [0, I_P]] (out-major: the
+  queries' product, absorbed q_nope and q_pe side by side, mla.kernel_queries, contracts its
+  minor dim) and w_uv [H, Dv, R]: heads major (the batch of the absorbed products)."""
   r, h = kv_b.shape[0], kv_b.shape[1]
-  w_qc = jnp.zeros((h, dn + rope_dim, r + rope_dim), kv_b.dtype)
-  w_qc = w_qc.at[:, :dn, :r].set(jnp.transpose(kv_b[..., :dn], (1, 2, 0)))
-  w_qc = w_qc.at[:, dn:, r:].set(jnp.broadcast_to(jnp.eye(rope_dim, dtype=kv_b.dtype),
-                                                  (h, rope_dim, rope_dim)))
-  return {"w_qc": w_qc, "w_uv": jnp.transpose(kv_b[..., dn:], (1, 2, 0))}
+  w_qc_t = jnp.zeros((h, r + rope_dim, dn + rope_dim), kv_b.dtype)
+  w_qc_t = w_qc_t.at[:, :r, :dn].set(jnp.transpose(kv_b[..., :dn], (1, 0, 2)))
+  w_qc_t = w_qc_t.at[:, r:, dn:].set(jnp.broadcast_to(jnp.eye(rope_dim, dtype=kv_b.dtype),
+                                                      (h, rope_dim, rope_dim)))
+  return {"w_qc_t": w_qc_t, "w_uv": jnp.transpose(kv_b[..., dn:], (1, 2, 0))}
 
 
-def _pack_gate_up(p):
+def _down(p, down_t):
+  """down [F, D], or with down_t stored out-major as "down_t" [D, F] (the shared expert: at one
+  token its (D + 1) * F < 10M dot is a reduction over F)."""
+  return {"down_t": p["down"].T} if down_t else {"down": p["down"]}
+
+
+def _pack_gate_up(p, down_t=False):
+  """gate | up joined (when of one dtype) and `_down`."""
+  down = _down(p, down_t)
   if p["gate"].dtype != p["up"].dtype:
-    return p
-  return {"gate_up_t": _cat_t([p["gate"], p["up"]]), "down": p["down"]}
+    return {k: w for k, w in p.items() if k != "down"} | down
+  return {"gate_up_t": _cat_t([p["gate"], p["up"]])} | down
 
 
-def _pack_moe(p):
+def _pack_moe(p, out_major=True):
   if "shared" not in p:
     return p
   shared = p["shared"]
   if p["router"].dtype != shared["gate"].dtype or shared["gate"].dtype != shared["up"].dtype:
-    return p | {"shared": _pack_gate_up(shared)}
+    return p | {"shared": _pack_gate_up(shared, down_t=out_major)}
   rest = {k: w for k, w in p.items() if k not in ("router", "shared")}
   return rest | {"router_gate_up_t": _cat_t([p["router"], shared["gate"], shared["up"]]),
-                 "shared": {"down": shared["down"]}}
+                 "shared": _down(shared, out_major)}

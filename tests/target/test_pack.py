@@ -4,6 +4,7 @@ the same logits as the per-layer weights through the HF-parity path (f32), on th
 prefill still matches HF's own logits; speculative decoding on packed params stays lossless."""
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -46,15 +47,22 @@ def test_packed_layout_replaces_the_per_layer_weights():
   assert attn["qkv_a_t"].shape == (cfg.q_lora_rank + cfg.cache_dim, cfg.hidden_size)
   h, r = cfg.num_attention_heads, cfg.kv_lora_rank
   dn, pe = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-  assert attn["w_qc"].shape == (h, dn + pe, r + pe)
-  kv_b = params["layers"][1]["attn"]["kv_b"]  # [[key half^T, 0], [0, I]]
-  np.testing.assert_array_equal(attn["w_qc"][:, :dn, :r], jnp.transpose(kv_b[..., :dn], (1, 2, 0)))
-  np.testing.assert_array_equal(attn["w_qc"][:, dn:, r:], jnp.broadcast_to(jnp.eye(pe), (h, pe, pe)))
-  assert not jnp.any(attn["w_qc"][:, :dn, r:]) and not jnp.any(attn["w_qc"][:, dn:, :r])
+  assert attn["w_qc_t"].shape == (h, r + pe, dn + pe)
+  kv_b = params["layers"][1]["attn"]["kv_b"]  # [[key half, 0], [0, I]], out-major
+  np.testing.assert_array_equal(attn["w_qc_t"][:, :r, :dn], jnp.transpose(kv_b[..., :dn], (1, 0, 2)))
+  np.testing.assert_array_equal(attn["w_qc_t"][:, r:, dn:],
+                                jnp.broadcast_to(jnp.eye(pe), (h, pe, pe)))
+  assert not jnp.any(attn["w_qc_t"][:, :r, dn:]) and not jnp.any(attn["w_qc_t"][:, r:, :dn])
   assert attn["w_uv"].shape == (h, cfg.v_head_dim, r)
+  q_b, o = params["layers"][1]["attn"]["q_b"], params["layers"][1]["attn"]["o"]
+  assert "q_b" not in attn and "o" not in attn
+  np.testing.assert_array_equal(attn["q_b_t"], q_b.reshape(cfg.q_lora_rank, -1).T)
+  np.testing.assert_array_equal(attn["o_t"], o.reshape(h * cfg.v_head_dim, -1).T)
   assert set(mlp) == {"gate_up_t", "down"}
-  assert "router" not in moe and set(moe["shared"]) == {"down"}
-  fs = params["layers"][1]["moe"]["shared"]["gate"].shape[1]
+  shared = params["layers"][1]["moe"]["shared"]
+  assert "router" not in moe and set(moe["shared"]) == {"down_t"}
+  np.testing.assert_array_equal(moe["shared"]["down_t"], shared["down"].T)
+  fs = shared["gate"].shape[1]
   assert moe["router_gate_up_t"].shape == (cfg.n_routed_experts + 2 * fs, cfg.hidden_size)
   assert "q_a" in params["layers"][1]["attn"]  # the input is not changed
 
@@ -66,7 +74,7 @@ def test_an_f32_router_beside_bf16_weights_stays_apart():
   moe["router"] = moe["router"].astype(jnp.float32)
   packed = pack.pack_layer(cfg, dict(params["layers"][1], moe=moe))["moe"]
   assert packed["router"].dtype == jnp.float32 and "router_gate_up_t" not in packed
-  assert set(packed["shared"]) == {"gate_up_t", "down"}
+  assert set(packed["shared"]) == {"gate_up_t", "down_t"}
 
 
 @pytest.fixture(scope="module", params=FIXTURES)
@@ -132,11 +140,13 @@ def test_lora_mean_squares_from_one_reduction(rq, r):
   assert mla.lora_mean_squares(C.tiny(q_lora_rank=17, kv_lora_rank=16), y) == (None, None)
 
 
-def test_packed_decode_matches_per_layer_at_k2_lora_ratio():
-  """Rq = 3 R as in K2 (1536 | 512): packed prefill and 1- / 5-token decode vs per-layer (f32)."""
+@pytest.mark.parametrize("out_major", [True, False])
+def test_packed_decode_matches_per_layer_at_k2_lora_ratio(out_major):
+  """Rq = 3 R as in K2 (1536 | 512): packed prefill and 1- / 5-token decode vs per-layer (f32);
+  the fifth session's layout too (out_major=False, the GPU A/B's packed_s5)."""
   cfg = C.tiny(q_lora_rank=96, kv_lora_rank=32)
   params = P.init_params(jax.random.key(5), cfg, jnp.float32, std=0.1)
-  packed = pack.pack_for_decode(cfg, params)
+  packed = pack.pack_for_decode(cfg, params, out_major)
   tokens = np.asarray(jax.random.randint(jax.random.key(6), (2, 12), 0, cfg.vocab_size))
   for n in (1, 5):
     mask = np.tril(np.ones((n, n), bool))
@@ -161,6 +171,53 @@ def test_packed_bf16_decode_matches_per_layer():
       assert rel(g, w) < 1e-2, n
     for g, w in zip(got[2], want[2]):
       np.testing.assert_array_equal(np.sort(g, -1), np.sort(w, -1))
+
+
+def _weight_contractions(hlo_text, leaf):
+  """[(contracting dims, rank)] of every dot operand that is a parameter named ...____{leaf}__
+  in the (pre-optimisation) HLO text: the parameters carry their pytree path as their name."""
+  name = re.compile(r"^(\S*____" + leaf + r"__\.\d+)$")
+  ranks = {m[1]: len(m[2].split(",")) for m in
+           re.finditer(r"(\S+) = \w+\[([\d,]+)\]\S* parameter\(", hlo_text)}
+  found = []
+  for m in re.finditer(r"dot\((\S+), (\S+)\),([^\n]*)", hlo_text):
+    for side, operand in (("lhs", m[1]), ("rhs", m[2])):
+      if name.match(operand):
+        dims = re.search(side + r"_contracting_dims=\{([\d,]*)\}", m[3])[1]
+        found.append((tuple(int(d) for d in dims.split(",")), ranks[operand]))
+  return found
+
+
+def _one_token_step_hlo(cfg, params):
+  cache = LatentCache.zeros(cfg, 1, 16, jnp.float32)
+  tok, pos = jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32)
+  step = lambda p, c: T.decode(cfg, p, c, tok, pos, jnp.ones((1, 1, 1), bool))[0]
+  return jax.jit(step).lower(params, cache).compiler_ir("hlo").as_hlo_text()
+
+
+def test_one_token_dots_contract_the_packed_weights_minor_dim():
+  """XLA:GPU rewrites a one-row dot with (N + 1) * K < 10M into multiply + reduce, one row
+  reduction when K is the weight's minor dim, else a column reduction in two kernels (target/
+  pack.py): in the one-token step's HLO, q_b_t, w_qc_t, o_t and the shared down_t (and the
+  joined dots) are contracted on their last (minor, row-major) dim only; in the fifth session's
+  layout (out_major=False: q_b, o and the shared down per layer, w_qc [H, Dn + P, R + P]) none
+  of those four is (the check can fail)."""
+  cfg = C.tiny(v_head_dim=12, moe_intermediate_size=24)  # no square weight: H * Dv != D
+  params = P.init_params(jax.random.key(0), cfg, jnp.float32)
+  packed = pack.pack_for_decode(cfg, params)
+  hlo = _one_token_step_hlo(cfg, packed)
+  mla_layers, moe_layers = cfg.num_hidden_layers, cfg.num_hidden_layers - cfg.first_k_dense_replace
+  for leaf, layers in (("q_b_t", mla_layers), ("w_qc_t", mla_layers), ("o_t", mla_layers),
+                       ("shared____down_t", moe_layers), ("qkv_a_t", mla_layers),
+                       ("router_gate_up_t", moe_layers), ("gate_up_t", 1)):
+    found = _weight_contractions(hlo, leaf)
+    assert len(found) == layers, (leaf, found)
+    assert all(dims == (rank - 1,) for dims, rank in found), (leaf, found)
+  fifth = _one_token_step_hlo(cfg, pack.pack_for_decode(cfg, params, out_major=False))
+  for leaf, layers in (("q_b", mla_layers), ("w_qc", mla_layers), ("o", mla_layers),
+                       ("shared____down", moe_layers)):
+    found = _weight_contractions(fifth, leaf)
+    assert len(found) == layers and all(dims != (rank - 1,) for dims, rank in found), (leaf, found)
 
 
 @pytest.mark.slow
