@@ -157,6 +157,8 @@ def scale_splits(t: Tuning, k: int, n: int, factor: int, ctas_per_sm: int = 2) -
   items are live): more CTAs, each with fewer K steps, for calls whose live items cannot fill
   the SMs (T=1: one expert; a ddtree verify: ~4 experts, no split by default)."""
   steps = k // t.block_k
+  if steps < 1 or k % t.block_k:
+    return t  # shapes the kernel does not take (the XLA path runs), as _splits
   want = min(t.splits * factor, steps, 32)
   splits = min(d for d in range(want, steps + 1) if steps % d == 0)
   slots = max(1, (ctas_per_sm * NUM_SMS) // ((n // t.block_n) * splits)) if splits > 1 else 0

@@ -449,6 +449,16 @@ def test_default_variants_promote_per_row_count():
   assert tuning_module.DEFAULT_VARIANTS[-1][0] is None  # every M has an entry
 
 
+def test_default_tuning_takes_every_row_class_at_shapes_the_kernel_does_not_take():
+  """Every DEFAULT_VARIANTS entry applies at a K below one 64-column block (the small models'
+  INT4 experts run the XLA path there): no error, the split count left as the base's (1)."""
+  for max_rows, _, _ in tuning_module.DEFAULT_VARIANTS:
+    m = max_rows or 4096
+    for k, n in ((32, 64), (48, 128), (96, 64)):
+      t = default_tuning(m, 4, k, n, True, gated=True)
+      assert t.splits == default_tuning(m, 4, k, n, True, gated=True, variant="default").splits
+
+
 def test_gated_and_plain_calls_take_their_own_variant(monkeypatch):
   """'GATED|PLAIN' names each call's variant (the bench's per-call times can promote each); a
   name without '|' is both calls'; two '|' are an error."""
