@@ -338,19 +338,32 @@ def _loop(c, w, acc):
 def _store(c, w, o, lse2):
   """Normalised O half (and wg0: LSE) -> SMEM -> TMA out. One split: final dtype, natural LSE."""
   final = c.t.num_splits == 1
-  r2 = c.r // 2
   o_smem = c.o_smem.at[w]
   o_smem[...] = o.astype(o_smem.dtype)
   if w == 0:
     c.lse_smem[...] = lse2 * LN2 if final else lse2
   plgpu.commit_smem()
-  rows, cols = _row_window(c), pl.ds(w * r2, r2)
-  o_dst = c.o_ref.at[c.b, rows, cols] if final else c.o_ref.at[c.b, c.s_idx, rows, cols]
+  o_dst, lse_dst = out_destinations(c, w)
   plgpu.copy_smem_to_gmem(_smem_rows(o_smem, c.window), o_dst)
   if w == 0:
-    lse_dst = c.lse_ref.at[c.b, rows] if final else c.lse_ref.at[c.b, c.s_idx, rows]
     plgpu.copy_smem_to_gmem(_smem_rows(c.lse_smem, c.window), lse_dst)
   plgpu.wait_smem_to_gmem(0)
+
+
+def out_destinations(c, w):
+  """GMEM windows of warpgroup w's O half and of the LSE: the final output (one split) or this
+  split's partials."""
+  rows, cols = _row_window(c), pl.ds(w * (c.r // 2), c.r // 2)
+  if c.t.num_splits == 1:
+    return c.o_ref.at[c.b, rows, cols], c.lse_ref.at[c.b, rows]
+  return c.o_ref.at[c.b, c.s_idx, rows, cols], c.lse_ref.at[c.b, c.s_idx, rows]
+
+
+def final_stats(m, l):
+  """1 / l and the base-2 LSE of the online softmax's (m, l); rows that saw no key: 1 and -inf."""
+  nonempty = l > 0.0
+  inv = 1.0 / jnp.where(nonempty, l, 1.0)
+  return inv, jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), -jnp.inf)
 
 
 def _compute_wg(c, w):
@@ -359,9 +372,7 @@ def _compute_wg(c, w):
   plgpu.barrier_wait(c.q_bar)
   acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, c.r // 2), jnp.float32), plgpu.Layout.WGMMA)
   acc, m, l = _loop(c, w, acc)
-  nonempty = l > 0.0
-  inv = 1.0 / jnp.where(nonempty, l, 1.0)
-  lse2 = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+  inv, lse2 = final_stats(m, l)
   if c.t.shared_p and w == 0:
     c.stat_smem.at[1][...] = inv
   _sync(c.wg_bar)  # both warpgroups are past their last read of Q/KV/P: the union may be reused

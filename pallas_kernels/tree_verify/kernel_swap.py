@@ -151,17 +151,14 @@ def _loop(c, w, acc):
 def _store(c, w, o_t, lse2):
   """O^T half, normalised, -> transposed into an [M, R/2] SMEM tile -> TMA out (and LSE)."""
   final = c.t.num_splits == 1
-  r2 = c.r // 2
   o_smem = c.o_smem.at[w]
   o_smem.T[...] = o_t.astype(o_smem.dtype)
   if w == 0:
     c.lse_smem[...] = lse2 * k.LN2 if final else lse2
   plgpu.commit_smem()
-  rows, cols = k._row_window(c), pl.ds(w * r2, r2)
-  o_dst = c.o_ref.at[c.b, rows, cols] if final else c.o_ref.at[c.b, c.s_idx, rows, cols]
+  o_dst, lse_dst = k.out_destinations(c, w)
   plgpu.copy_smem_to_gmem(o_smem, o_dst)
   if w == 0:
-    lse_dst = c.lse_ref.at[c.b, rows] if final else c.lse_ref.at[c.b, c.s_idx, rows]
     plgpu.copy_smem_to_gmem(c.lse_smem, lse_dst)
   plgpu.wait_smem_to_gmem(0)
 
@@ -172,9 +169,7 @@ def _compute_wg(c, w):
   plgpu.barrier_wait(c.q_bar)
   acc = plgpu.layout_cast(jnp.zeros((c.r // 2, c.window), jnp.float32), plgpu.Layout.WGMMA)
   acc, m, l = _loop(c, w, acc)
-  nonempty = l > 0.0
-  inv = 1.0 / jnp.where(nonempty, l, 1.0)
-  lse2 = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+  inv, lse2 = k.final_stats(m, l)
   if w == 0:
     c.stat_smem.at[1][...] = inv
   k._sync(c.wg_bar)  # both warpgroups are past their last read of Q/KV/P: the union may be reused
