@@ -74,13 +74,18 @@ def combine_pairs(y_smd, rank, mine, w_tk):
   them transposed in f32 ([T, D, S, K], 14.7 MB per layer at T=16) before reducing."""
   t, k = w_tk.shape
   rows = rank.reshape(t, k)
-  keep = mine.reshape(t, k)
+  return weighted_row_sum(lambda s, j: y_smd[s, rows[:, j]], y_smd.shape[0], mine.reshape(t, k),
+                          w_tk)
+
+
+def weighted_row_sum(row, splits: int, keep_tk, w_tk):
+  """sum over s < splits and j < k of where(keep[:, j], w[:, j] x row(s, j), 0) -> [T, D] f32,
+  as element-wise adds; row(s, j) [T, D] is split s of the rows of each token's j-th pair."""
   w = w_tk.astype(jnp.float32)
   total = None
-  for j in range(k):
-    for s in range(y_smd.shape[0]):
-      term = jnp.where(keep[:, j, None], y_smd[s, rows[:, j]].astype(jnp.float32) * w[:, j, None],
-                       0.0)
+  for j in range(w_tk.shape[1]):
+    for s in range(splits):
+      term = jnp.where(keep_tk[:, j, None], row(s, j).astype(jnp.float32) * w[:, j, None], 0.0)
       total = term if total is None else total + term
   return total
 
@@ -160,15 +165,16 @@ def _one_token_ffn(x_1d, rank_e, scores_e, gate_edf, up_edf, down_efd, weighting
   its own work item, so the kernel needs no order; the XLA path sorts them). The work list is
   one reduction over the experts of the choice rank and also names every choice's expert, so
   the weights are element-wise in the combine (no normalising reduction); the rows are x
-  broadcast; the combine sums row j x its weight over the local choices."""
+  broadcast; the combine sums row j x its weight over the local choices (element-wise terms, as
+`combine_pairs`, not a reduction over [S, k, D])."""
   k, e_l = weighting.k, gate_edf.shape[0]
   items = one_token_work_list(rank_e, k, e_l)
   live = items[3] > 0
   y = expert_mlp(jnp.broadcast_to(x_1d, (k, x_1d.shape[1])), gate_edf, up_edf, down_efd,
                  (rank_e[:e_l] < k).astype(jnp.int32), impl, items=lambda rows: items,
                  row_groups=jnp.where(live, items[0], e_l))  # [S, k, D]
-  w_j = weighting.of_choices(scores_e[items[0]])  # dead rows are undefined: masked below
-  return jnp.sum(jnp.where(live[None, :, None], w_j[None, :, None] * y, 0.0), axis=(0, 1))[None]
+  w_j = weighting.of_choices(scores_e[items[0]])  # dead rows are undefined: masked in the combine
+  return weighted_row_sum(lambda s, j: y[s, j][None], y.shape[0], live[None], w_j[None])
 
 
 def one_token_work_list(rank_e, m: int, e_l: int):
