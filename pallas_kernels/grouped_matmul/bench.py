@@ -55,7 +55,7 @@ _MLP_CASES = flags.DEFINE_list(
     "(ar: 1:1; T=9: ~8 of 48; a ddtree 15 verify touched ~3.5 on bench_k26_full; T=65: ~36).")
 # mlp_tune's rows per case T: 'promoted' (default_tuning's choice by M, tuning.DEFAULT_VARIANTS:
 # the baseline every other row is compared with) and tuning.apply_variant names applied to the
-# base tuning (variant 'default'). This round (sixth session): at T=9 and T=65 the promoted row
+# base tuning (variant 'default'). This round (fifth session, round 3): at T=9 and T=65 the promoted row
 # + cat (int4_scale_concat: a 64-column chunk's two scale rows joined along K instead of 16
 # selects per thread and chunk) and + cat + kp (int4_k_packed: weights K-packed once by
 # kpack.pack_int4_k, so the tile is read with 4 32-bit loads per thread and chunk instead of 16
