@@ -38,7 +38,8 @@ def classify(row: dict) -> str | None:
 
 
 def read_jsonl(path) -> list[dict]:
-  """Classified rows of a JSON-lines file (kernel rows get the file's ceilings; unknown dropped)."""
+  """Classified rows of a JSON-lines file (kernel rows get the file's ceilings; unknown rows and
+  rows whose `status` is not "ok" dropped)."""
   rows, ceil = [], None
   with open(path) as f:
     for line in f:
@@ -49,8 +50,8 @@ def read_jsonl(path) -> list[dict]:
         ceil = r["ceilings"]
         continue
       kind = classify(r)
-      if kind is None:
-        continue
+      if kind is None or r.get("status", "ok") != "ok":
+        continue  # unknown, or a measurement that did not complete (e.g. cut by its time box)
       r = dict(r, kind=kind, source=_stem(path))
       if kind == "kernel" and ceil:
         r.setdefault("ceil", ceil)
