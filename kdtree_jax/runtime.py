@@ -68,7 +68,8 @@ def setup(cfg: RuntimeConfig = RuntimeConfig()) -> RuntimeConfig:
                       min(0.5, jax.config.jax_persistent_cache_min_compile_time_secs))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   jax.config.update("jax_enable_compilation_cache", bool(folder))
-  return dataclasses.replace(cfg, compile_cache_dir=folder)
+  _APPLIED.append(dataclasses.replace(cfg, compile_cache_dir=folder))
+  return _APPLIED[-1]
 
 
 _APPLIED: list[RuntimeConfig] = []
@@ -84,20 +85,15 @@ def define_flags():
   cbuf = flags.DEFINE_bool("command_buffers", RuntimeConfig.command_buffers, "XLA GPU command "
                            "buffers (CUDA graphs) for fusions, cuBLAS, custom calls, while and "
                            "conditional (off by default: measured slower for the decode loop).")
-  app.call_after_init(lambda: _APPLIED.append(setup(RuntimeConfig(cache.value, cbuf.value))))
+  app.call_after_init(lambda: setup(RuntimeConfig(cache.value, cbuf.value)))
 
 
 def applied() -> RuntimeConfig | None:
-  """The RuntimeConfig this process was set up with by `define_flags`, or None."""
+  """The RuntimeConfig this process was set up with (`setup`, e.g. by `define_flags`), or None."""
   return _APPLIED[-1] if _APPLIED else None
 
 
 def command_buffers_on() -> bool:
-  """Whether this process compiles with command buffers: as set up by `define_flags`, else
-  XLA's own default (on for fusions, cuBLAS and custom calls) unless XLA_FLAGS says otherwise."""
-  if applied() is not None:
-    return applied().command_buffers
-  for f in os.environ.get("XLA_FLAGS", "").split():
-    if f.startswith(COMMAND_BUFFER_FLAG + "="):
-      return bool(f.partition("=")[2])
-  return True
+  """Whether this process compiles with command buffers: as `setup` applied them; a process never
+  set up runs XLA's own default (on for fusions, cuBLAS and custom calls)."""
+  return applied().command_buffers if applied() is not None else True
