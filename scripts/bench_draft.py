@@ -16,7 +16,7 @@ second kernel merges its partials into the o_proj input (draft_block's packed_io
 +splitio = the older form, packed_io=False: q, k, v sliced and transposed for the kernel, its
 partials merged by XLA; packed_io's kernel also applies the q/k norms and rope to the dot's
 raw heads (qk_in_kernel, the default; +xlaqk = XLA's norm + rope fusion instead); the A/B
-options +qkjoin, +expe (base-e softmax; base 2 is the default since s5), +msplitN, +hgN, +osplitN, +ogemvN, +qgemvN, +ugemvN, +dgemvN, +fold
+options +qkjoin, +expe (base-e softmax; base 2 is the default since s5), +msplitN, +hgN
 (see --ctx_impls);
 +cublas = compiled with XLA's Triton GEMMs off). Both are the decode path's own functions
 (kdtree_jax/draft/model.py). Drafts (--drafts): k26_dflash_share
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 from kdtree_jax import bench_models, loader, roofline, timing
 from kdtree_jax.profiling_hlo import kernel_ops  # CUPTI kernel -> HLO op, source line
-from kdtree_jax.draft import DraftConfig, gemv, model
+from kdtree_jax.draft import DraftConfig, model
 from kdtree_jax.target import config as model_config
 
 FLAGS = flags.FLAGS
@@ -62,10 +62,7 @@ flags.DEFINE_list("ctx_impls", [
     "pallas:p131+block+packed", "pallas:p131:128+block+packed", "pallas:p131:64:8:3+block+packed",
     "pallas:p66:128+block", "pallas+block+packed+splitio",
     "pallas+block+packed+xlaqk", "pallas+block+packed+qkjoin", "pallas+block+packed+expe",
-    "pallas+block+packed+msplit2", "pallas+block+packed+osplit4", "pallas+block+packed+hg2",
-    "pallas:p65+block+packed+hg2", "pallas+block+packed+ogemv1", "pallas+block+packed+ogemv4",
-    "pallas+block+packed+qgemv28", "pallas+block+packed+dgemv1", "pallas+block+packed+ugemv14",
-    "pallas+block+packed+qgemv28+ugemv14+fold+ogemv1+dgemv1",
+    "pallas+block+packed+msplit2", "pallas+block+packed+hg2", "pallas:p65+block+packed+hg2",
     "pallas:512:128", "pallas:512:128+block", "pallas:512:32", "pallas:512:64:4",
     "pallas:512:64:8:3"],
                   "draft_block ctx attention: xla, or pallas[:chunk or pPROGRAMS[:block_k"
@@ -78,11 +75,8 @@ flags.DEFINE_list("ctx_impls", [
                   "default before the fifth session); +qkjoin: Tuning.join_halves (in-kernel "
                   "roped halves joined, full-width score dots); +exp2: Tuning.exp2 (base-2 "
                   "softmax, the default); +expe: the base-e softmax (before s5); +msplitN: Tuning.merge_pieces=N (merge programs of Y/N columns); "
-                  "+osplitN: draft_block(o_splits=N), o_proj split-K by hand; +hgN: "
-                  "Tuning.head_groups=N (each kv head's query heads in N program rows); "
-                  "+ogemvN / +qgemvN / +ugemvN / +dgemvN: o_proj / q|k|v / gate|up / down "
-                  "by kdtree_jax/draft/gemv.py's split-K kernel, N splits (model.LayerDots); "
-                  "+fold: the two RMSNorms folded into the q|k|v and gate|up kernels; +cublas: "
+                  "+hgN: Tuning.head_groups=N (each kv head's query heads in N program rows); "
+                  "+cublas: "
                   "compiled with XLA's Triton GEMMs off, cuBLAS for every dot")
 flags.DEFINE_list("ctx_kv", ["xla", "nomerge", "packed"],
                   "draft_ctx K/V projections: xla (two dots per layer; XLA may merge them), "
@@ -236,18 +230,15 @@ def cache_sized_outputs(hlo_text, cache_shape):
   return found
 
 
-SUFFIXES = ("block", "packed", "splitio", "xlaqk", "cublas", "qkjoin", "exp2", "expe", "fold")
-NUMBERED = ("osplit", "msplit", "hg", "ogemv", "qgemv", "ugemv", "dgemv")  # +osplitN:
-# LayerDots.o_splits=N; +msplitN: Tuning.merge_pieces=N; +hgN: Tuning.head_groups=N; +ogemvN /
-# +qgemvN / +ugemvN / +dgemvN: o_proj / q|k|v / gate|up / down through gemv.py's kernel with N
-# K-splits; +fold: LayerDots.fold_norms (needs +qgemvN and +ugemvN)
+SUFFIXES = ("block", "packed", "splitio", "xlaqk", "cublas", "qkjoin", "exp2", "expe")
+NUMBERED = ("msplit", "hg")  # +msplitN: Tuning.merge_pieces=N; +hgN: Tuning.head_groups=N
 
 
 def parse_ctx_impl(name):
   """'pallas:512:64:8:3+block+packed' -> ('pallas', 512, (('block_k', 64), ('num_warps', 8),
   ('num_stages', 3)), {'block': 1, 'packed': 1}); 'pallas:p131' -> tuning (('programs', 131),):
   131 programs per kv head sharing the rows below ctx_len; fields left out keep
-  default_tuning's. Suffixes: SUFFIXES, and NUMBERED ones with their number ('osplit': 4)."""
+  default_tuning's. Suffixes: SUFFIXES, and NUMBERED ones with their number ('msplit': 2)."""
   name, *suffixes = name.split("+")
   extras = {}
   for x in suffixes:
@@ -270,13 +261,6 @@ def parse_ctx_impl(name):
   return impl, chunk, tuning, extras
 
 
-def layer_dots(extras):
-  """model.LayerDots of a row's suffixes (+osplitN, +ogemvN, +qgemvN, +ugemvN, +dgemvN, +fold)."""
-  g = lambda name: gemv.Gemv(extras[name]) if name in extras else None
-  return model.LayerDots(o_splits=extras.get("osplit", 1), o=g("ogemv"), qkv=g("qgemv"),
-                         gate_up=g("ugemv"), down=g("dgemv"), fold_norms="fold" in extras)
-
-
 def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
   """draft_block over ctx committed rows (cache capacity ctx + W rounded up as init_draft_cache
   does, as the decode loop sizes it).
@@ -292,7 +276,7 @@ def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
   prog = jax.jit(lambda p, c, t, s, e, h: model.draft_block(
       p, cfg, c, t, s, e, h, ctx_impl=impl, kernel_chunk=chunk, kernel_tuning=tuning,
       block_in_kernel="block" in extras, packed_io="splitio" not in extras,
-      qk_in_kernel="xlaqk" not in extras, dots=layer_dots(extras)))
+      qk_in_kernel="xlaqk" not in extras))
   args = (params, cache, block, start, embed, head)
   compiled = prog.lower(*args).compile(options)  # timed as is: one compile per impl
   text = compiled.as_text()

@@ -46,9 +46,9 @@
 #               draft_io:130 (~100 s)
 #   draft_gap   the packed-I/O GPU tests (every compiled form incl. the A/B options; 35 s), then
 #               bench_draft.py on k26_dflash_share, draft_block only: today's default (q/k norm +
-#               rope in the kernel) beside issue 17's A/B options combined, then one by one
-#               (+qkjoin, +hg2 at 131 and 65 programs, the gemv.py dots +ogemv1/4, +qgemv28,
-#               +dgemv1, +ugemv14, all of them with the norms folded (+fold), +expe (base e: the default until s5), +msplit2;
+#               rope in the kernel) beside issue 17's ctx-kernel A/B options (+qkjoin, +hg2 at
+#               131 and 65 programs, +expe (base e: the default until s5), +msplit2; s5's gemv.py
+#               dot rows measured no faster and were removed: WORKSPACE.md);
 #               each row printed when timed, with its logits' rel L2 vs the default and vs
 #               the same draft in f32); draft_gap:130
 #   draft_tests the compiled draft_block GPU tests of the packed forms only (~45 s)
@@ -116,7 +116,7 @@ run_part() {
     draft_gap) one_gpu timeout "$secs" bash -c "timeout 35 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
                 --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv= --top 40 --f32_ref \
-                --ctx_impls pallas+block+packed,pallas+block+packed+qkjoin+exp2+msplit2+qgemv28+ugemv14+fold+ogemv1+dgemv1,pallas+block+packed+qgemv28+ugemv14+fold+ogemv1+dgemv1,pallas+block+packed+qkjoin,pallas+block+packed+hg2,pallas+block+packed+ogemv1,pallas+block+packed+ogemv4,pallas+block+packed+dgemv1,pallas+block+packed+qgemv28,pallas+block+packed+ugemv14,pallas+block+packed+expe,pallas+block+packed+msplit2,pallas:p65+block+packed+hg2" ;;
+                --ctx_impls pallas+block+packed,pallas+block+packed+qkjoin,pallas+block+packed+hg2,pallas+block+packed+expe,pallas+block+packed+msplit2,pallas:p65+block+packed+hg2" ;;
     draft_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed ;;
     draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \

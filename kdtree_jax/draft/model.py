@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kdtree_jax.draft import ctx_attention, gemv
+from kdtree_jax.draft import ctx_attention
 from kdtree_jax.draft.config import DraftConfig
 
 # Ctx rows per attention chunk: XLA:GPU pads a split-K dot's contraction to split_k * 16 bytes
@@ -344,14 +344,13 @@ def _qkv(lp, cfg, h_bsd, pos_bs):
   return rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), pos_bs, cfg.rope_theta), k, v
 
 
-def _swiglu(lp, h_bsd):
-  """silu(gate) * up, the down projection's input: one dot over lp["gate_up_proj"] for gate and
-  up when packed, else two."""
+def _mlp(lp, h_bsd):
+  """SwiGLU: one dot over lp["gate_up_proj"] for gate and up when packed, else two."""
   if "gate_up_proj" in lp:
     gate, up = jnp.split(h_bsd @ lp["gate_up_proj"], 2, axis=-1)
   else:
     gate, up = h_bsd @ lp["gate_proj"], h_bsd @ lp["up_proj"]
-  return jax.nn.silu(gate) * up
+  return (jax.nn.silu(gate) * up) @ lp["down_proj"]
 
 
 def attend_key_sets(key_sets):
@@ -370,15 +369,13 @@ def attend_packed_kernel(k_bgly, v_bgly, ctx_len_b, tuning, interpret, qk_in_ker
   and a second kernel merges its partials into the o_proj input (merge_to_heads): no slice,
   transpose or XLA merge between the q|k|v dot and the o_proj dot. qk_in_kernel: the kernel
   reads the q|k|v dot's raw output and applies q_norm / k_norm and rope itself (no XLA norm or
-  rope launch either; the scores as two half-width dots); then attend also takes that output
-  precomputed (qkv [B, S, (H+2G)*Y]: LayerDots' own q|k|v dot) in place of h."""
-  def attend(lp, cfg, h_bsd, q_pos_bs, qkv=None):
+  rope launch either; the scores as two half-width dots)."""
+  def attend(lp, cfg, h_bsd, q_pos_bs):
     G = cfg.num_key_value_heads
     if qk_in_kernel:
-      qkv = h_bsd @ lp["qkv_proj"] if qkv is None else qkv
-      B, S, _ = qkv.shape
+      B, S, _ = h_bsd.shape
       qk, rope_eps = None, cfg.rms_norm_eps
-      qkv = qkv.reshape(B, S, -1, cfg.head_dim)
+      qkv = (h_bsd @ lp["qkv_proj"]).reshape(B, S, -1, cfg.head_dim)
       rope_in = (lp["q_norm"], lp["k_norm"], *rope_tables(q_pos_bs, cfg.head_dim, cfg.rope_theta))
     else:
       (qk, qkv), rope_eps, rope_in = _qk_packed(lp, cfg, h_bsd, q_pos_bs), None, None
@@ -388,81 +385,17 @@ def attend_packed_kernel(k_bgly, v_bgly, ctx_len_b, tuning, interpret, qk_in_ker
     return ctx_attention.merge_to_heads(o, lse, heads=cfg.num_attention_heads,
                                         dtype=qkv.dtype, interpret=interpret,
                                         pieces=tuning.merge_pieces)
-  attend.takes_qkv = qk_in_kernel
   return attend
 
 
-def add_split_dot(x_bsd, a_bsk, w_kd, splits):
-  """x + a @ w; splits > 1: the contraction as `splits` batched pieces (f32 partials [splits,
-  B*S, D], behind an optimization barrier so XLA's simplifier does not fold the sum back into
-  one dot) summed in the residual add's fusion: split-K chosen here, not by XLA's GEMM rewrite
-  (which left o_proj unsplit at ~2 TB/s on the H200). Same sum up to f32 summation order."""
-  if splits == 1:
-    return x_bsd + a_bsk @ w_kd
-  B, S, K = a_bsk.shape
-  a = a_bsk.reshape(B * S, splits, K // splits)
-  w = w_kd.reshape(splits, K // splits, w_kd.shape[-1])
-  part = jax.lax.dot_general(a, w, (((2,), (1,)), ((1,), (0,))),
-                             preferred_element_type=jnp.float32)  # [splits, B*S, D]
-  part = jax.lax.optimization_barrier(part)
-  return x_bsd + part.sum(0).reshape(B, S, -1).astype(a_bsk.dtype)  # rounded as a @ w is
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerDots:
-  """How a packed decoder layer runs its dots (draft_block's A/B options; the default = XLA's
-  dots): o_splits: o_proj split-K by hand (add_split_dot); o, qkv, gate_up, down: a gemv.Gemv
-  runs that dot through gemv.py's kernel (o and down with one split: the residual add in the
-  kernel; qkv only where attend takes the q|k|v output, i.e. attend_packed_kernel with
-  qk_in_kernel); fold_norms (with qkv and gate_up): the input and post-attention RMSNorms
-  folded into those two kernels (gemv.normed_dot: no norm kernel; equal up to rounding);
-  interpret: the kernels in interpret mode."""
-  o_splits: int = 1
-  o: gemv.Gemv | None = None
-  qkv: gemv.Gemv | None = None
-  gate_up: gemv.Gemv | None = None
-  down: gemv.Gemv | None = None
-  fold_norms: bool = False
-  interpret: bool = False
-
-  def add_o(self, x, a, w):
-    """x + a @ o_proj."""
-    if self.o is None:
-      return add_split_dot(x, a, w, self.o_splits)
-    return gemv.add_dot(x, a, w, self.o, self.interpret)
-
-  def add_down(self, x, a, w):
-    """x + a @ down_proj."""
-    return x + a @ w if self.down is None else gemv.add_dot(x, a, w, self.down, self.interpret)
-
-  def normed(self, x, norm_w, w, g, eps):
-    """rms_norm(x, norm_w) @ w in x's dtype: folded into the gemv kernel (fold_norms), or the
-    norm by XLA then the dot by g's kernel (g None: XLA's dot)."""
-    if self.fold_norms:
-      return gemv.normed_dot(x, norm_w, w, eps, g, self.interpret).astype(x.dtype)
-    h = rms_norm(x, norm_w, eps)
-    return h @ w if g is None else gemv.dot(h, w, g, self.interpret)
-
-
-def _layer(lp, cfg, x_bsd, q_pos_bs, attend, dots=LayerDots()):
+def _layer(lp, cfg, x_bsd, q_pos_bs, attend):
   """One draft decoder layer; attend(lp, cfg, h, q_pos) -> o [B, S, H*Y] is its attention
-  (attend_key_sets or attend_packed_kernel); dots: how the other dots run (LayerDots; its
-  kernels only on packed layers whose attend takes the q|k|v output)."""
-  eps = cfg.rms_norm_eps
-  if not (getattr(attend, "takes_qkv", False) and "gate_up_proj" in lp):
-    dots = LayerDots(o_splits=dots.o_splits)  # XLA's dots
-  if dots.qkv is not None or dots.fold_norms:
-    o = attend(lp, cfg, None, q_pos_bs,
-               qkv=dots.normed(x_bsd, lp["input_layernorm"], lp["qkv_proj"], dots.qkv, eps))
-  else:
-    o = attend(lp, cfg, rms_norm(x_bsd, lp["input_layernorm"], eps), q_pos_bs)
-  x_bsd = dots.add_o(x_bsd, o, lp["o_proj"])
-  if dots.gate_up is not None or dots.fold_norms:
-    gate, up = jnp.split(dots.normed(x_bsd, lp["post_attention_layernorm"], lp["gate_up_proj"],
-                                     dots.gate_up, eps), 2, axis=-1)
-    return dots.add_down(x_bsd, jax.nn.silu(gate) * up, lp["down_proj"])
-  h = rms_norm(x_bsd, lp["post_attention_layernorm"], eps)
-  return dots.add_down(x_bsd, _swiglu(lp, h), lp["down_proj"])
+  (attend_key_sets or attend_packed_kernel)."""
+  h = rms_norm(x_bsd, lp["input_layernorm"], cfg.rms_norm_eps)
+  o = attend(lp, cfg, h, q_pos_bs)
+  x_bsd = x_bsd + o @ lp["o_proj"]
+  h = rms_norm(x_bsd, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+  return x_bsd + _mlp(lp, h)
 
 
 def _logits(params, cfg, x_bsd, head_dv):
@@ -548,8 +481,7 @@ def _attention(cfg, cache, i, lp, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_ch
 
 def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, start_b, embed_vd,
                 head_dv, ctx_chunk=CTX_CHUNK, ctx_impl="auto", kernel_chunk=None,
-                kernel_tuning=(), block_in_kernel=True, packed_io=True, qk_in_kernel=True,
-                dots=LayerDots()):
+                kernel_tuning=(), block_in_kernel=True, packed_io=True, qk_in_kernel=True):
   """One non-causal block [bonus, MASK...] at positions start.. over the ctx cache -> [B, S, V] f32.
 
   Ctx keys are the cache rows < ctx_len, in chunks of ctx_chunk rows when that divides the
@@ -566,9 +498,6 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   applies q_norm / k_norm and rope to the dot's raw q and k heads, so no XLA norm / rope launch
   runs between the q|k|v dot and the kernel (H200, bench_k26_full's draft at 46k: 530.6 us vs
   547.9 us with the XLA norm + rope fusion, same logits; results/h200/2026-12-01/s5_draft_io.log).
-  dots (A/B options, H200 timing pending): how the layers' other dots run (LayerDots: XLA's by
-  default; split-K by hand, gemv.py's kernel per dot, the RMSNorms folded into the q|k|v and
-  gate|up kernels; the kernels with the kernel ctx_impls only).
   """
   ctx_impl = resolve_ctx_impl(ctx_impl)
   B, S = block_tokens_bs.shape
@@ -577,11 +506,10 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   L = cache.pos.shape[1]
   chunk = ctx_chunk if L % ctx_chunk == 0 else None
   live = (jnp.arange(L)[None, :] < cache.ctx_len[:, None])[:, None, :]  # [B, 1, L]
-  dots = dataclasses.replace(dots, interpret=ctx_impl == "interpret")
   for i, lp in enumerate(params["layers"]):
     attend = _attention(cfg, cache, i, lp, q_pos, live, ctx_impl, chunk, kernel_chunk,
                         kernel_tuning, block_in_kernel, packed_io, qk_in_kernel)
-    x = _layer(lp, cfg, x, q_pos, attend, dots)
+    x = _layer(lp, cfg, x, q_pos, attend)
   return _logits(params, cfg, x, head_dv)
 
 

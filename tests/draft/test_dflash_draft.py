@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from kdtree_jax import draft
-from kdtree_jax.draft import checkpoint, ctx_attention, gemv, model
+from kdtree_jax.draft import checkpoint, ctx_attention, model
 
 SLIDING_CFG = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=3)
 
@@ -569,36 +569,24 @@ def test_ctx_impl_auto_and_tuning_overrides():
   np.testing.assert_array_equal(run(), want)  # auto = xla here
 
 
-# draft_block A/B options (bench_draft.py's +qkjoin, +exp2, +msplitN, +osplitN rows)
+# draft_block A/B options (bench_draft.py's +qkjoin, +exp2, +msplitN, +hgN rows)
 OPTIONS = dict(join_exp2_msplit=dict(kernel_tuning=(("join_halves", True), ("exp2", True),
                                                     ("merge_pieces", 2))),
                join=dict(kernel_tuning=(("join_halves", True),)),
-               head_groups=dict(kernel_tuning=(("head_groups", 2),)),
-               osplit=dict(dots=model.LayerDots(o_splits=4)),
-               gemv=dict(dots=model.LayerDots(o=gemv.Gemv(2, block_n=16, block_k=16),
-                                              qkv=gemv.Gemv(2, block_n=16, block_k=16),
-                                              gate_up=gemv.Gemv(2, block_n=16, block_k=16),
-                                              down=gemv.Gemv(1, block_n=16, block_k=16))),
-               gemv_fold=dict(dots=model.LayerDots(o=gemv.Gemv(1, block_n=16, block_k=16),
-                                                   qkv=gemv.Gemv(2, block_n=16, block_k=16),
-                                                   gate_up=gemv.Gemv(1, block_n=16, block_k=16),
-                                                   down=gemv.Gemv(1, block_n=16, block_k=16),
-                                                   fold_norms=True)))
+               head_groups=dict(kernel_tuning=(("head_groups", 2),)))
 
 
 @pytest.mark.parametrize("heads,kv_heads,qk_in_kernel,options", [
     (2, 1, False, None), (8, 2, False, None), (2, 1, True, None), (8, 2, True, None),
-    (2, 1, True, "join_exp2_msplit"), (8, 2, True, "join_exp2_msplit"), (8, 2, True, "osplit"),
-    (8, 2, False, "join"), (8, 2, True, "head_groups"), (8, 2, False, "head_groups"),
-    (8, 2, True, "gemv"), (8, 2, True, "gemv_fold"), (2, 1, True, "gemv_fold")])
+    (2, 1, True, "join_exp2_msplit"), (8, 2, True, "join_exp2_msplit"),
+    (8, 2, False, "join"), (8, 2, True, "head_groups"), (8, 2, False, "head_groups")])
 def test_packed_io_matches_numpy(tmp_path, heads, kv_heads, qk_in_kernel, options):
   """draft_block's default kernel I/O (packed_io: the ctx kernel, interpret mode, reads q and the
   block's K/V from the q|k|v dot's packed output; merge_to_heads merges its partials into the
   o_proj input; qk_in_kernel: the kernel norms and ropes the raw q / k heads itself), also
   without qk_in_kernel and with the A/B options (OPTIONS: roped halves joined, base-2 softmax,
-  merge in column pieces, o_proj split by hand, each kv head's query heads in 2 program rows,
-  o_proj, q|k|v, gate|up and down by gemv.py's kernel, also with the RMSNorms folded into it;
-  join without in-kernel rope is a no-op), on
+  merge in column pieces, each kv head's query heads in 2 program rows; join without in-kernel
+  rope is a no-op), on
   pack_for_decode'd params equals the float64 numpy draft (f32, 1e-5), with one or two kv
   heads (U = 2 or 4 query heads each) and ctx rows split over 3 programs."""
   cfg = draft.DraftConfig.tiny(block_size=16, num_attention_heads=heads,
@@ -684,16 +672,14 @@ def test_packed_io_lowers_for_h200():
     assert ("draft_ctx_merge" in text) == packed_io
 
 
-@pytest.mark.parametrize("tuning,dots", [
-    ((("join_halves", True), ("exp2", True), ("merge_pieces", 2)),
-     model.LayerDots(qkv=gemv.Gemv(28), gate_up=gemv.Gemv(14), o=gemv.Gemv(1),
-                     down=gemv.Gemv(1), fold_norms=True)),
-    ((("head_groups", 2), ("programs", 65)), model.LayerDots(o=gemv.Gemv(4)))])
-def test_ab_forms_lower_at_k26_share(tuning, dots):
+@pytest.mark.parametrize("tuning", [
+    (("join_halves", True), ("exp2", True), ("merge_pieces", 2)),
+    (("head_groups", 2), ("programs", 65))])
+def test_ab_forms_lower_at_k26_share(tuning):
   """One layer of bench_k26_full's draft (k26_dflash_share: hidden 7168, 8 q / 1 kv heads of
   128, FFN 2304, block 16, 46016 cache rows, bf16) with the A/B options of gpu_measure's
-  draft_gap rows lowers to Triton for an abstract H200 (the ctx kernel, its merge and gemv.py's
-  kernel) at the shapes the GPU run uses: no Gemv split that fails to tile them."""
+  draft_gap rows lowers to Triton for an abstract H200 (the ctx kernel and its merge) at the
+  shapes the GPU run uses."""
   from jax._src import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   from kdtree_jax import bench_models  # pylint: disable=import-outside-toplevel
   tcfg = bench_models.k26_share(layers=4)
@@ -704,14 +690,14 @@ def test_ab_forms_lower_at_k26_share(tuning, dots):
   cache = jax.eval_shape(lambda: model.init_draft_cache(cfg, 1, 46016, jnp.bfloat16))
   sd, V, D = jax.ShapeDtypeStruct, tcfg.vocab_size, cfg.hidden_size
   f = lambda p, c, t, s, e, h: model.draft_block(p, cfg, c, t, s, e, h, ctx_impl="pallas",
-                                                 kernel_tuning=tuning, dots=dots)
+                                                 kernel_tuning=tuning)
   dev = mesh_lib.AbstractDevice("NVIDIA H200", 132, "gpu")
   with jax.sharding.use_abstract_mesh(
       jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
     text = jax.jit(f).trace(params, cache, sd((1, 16), jnp.int32), sd((1,), jnp.int32),
                             sd((V, D), jnp.bfloat16), sd((D, V), jnp.bfloat16)).lower(
                                 lowering_platforms=("cuda",)).as_text()
-  assert "draft_ctx_attention" in text and "draft_ctx_merge" in text and "draft_gemv" in text
+  assert "draft_ctx_attention" in text and "draft_ctx_merge" in text
 
 
 @pytest.mark.gpu
