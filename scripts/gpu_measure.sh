@@ -17,7 +17,7 @@
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 1, 9, 65: one MoE layer
 #               of bench_k26_full per kernel, sorted vs dense glue (rows of
 #               one T together, T=1 first); each variant's optimized HLO in raw/moe_layer_hlo/
-#   verify      tree-verify kernel: GPU tests (-m gpu, 15 cases, one kernel compile each, the f32
+#   verify      tree-verify kernel: GPU tests (-m gpu, 14 cases, one kernel compile each, the f32
 #               reference on the CPU: < 2 min), short bench (default L=46000 grid); verify:240
 #   verify_probes  tree-verify bench at L=46000, B=1, H=8 (N=1,8,16,64) then H=64 (N=64 first)
 #               with the PROBES variants (swap_ab off at N*H = 8 where it is the default, on

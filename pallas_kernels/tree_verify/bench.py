@@ -56,20 +56,13 @@ FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64]
 # call, as the model does per step: the call is the kernel + the merge; a must-show shape without
 # a packed probe gets one). Measured and dropped (s3, notes/kernel.md): merge=triton (now the
 # default where the call splits), prefetch=2 and block_kv=32,stages=4 (+ prefetch=4): no gain.
-# pipeline_qk=1: tile i + 1's QK^T issued before tile i's softmax, so the tensor cores run it
-# under the softmax (FA3-style; predictions: WORKSPACE.md, tree-verify, fifth session). With
-# 64-key tiles and 2 stages both ring slots are held while it runs (nothing streams): tried where
-# the shape is compute-bound (N >= 16); at N = 1 / 8 (stream-bound) on the 32-key, 4-stage ring
-# (N = 8: both). shared_p=0 at N=1 (a diagnosis): both warpgroups score, no P hand-off, 1.5x the
-# tensor work; faster would mean wg0's serial QK^T -> softmax -> hand-off chain limits the tile,
-# not the tensor or SMEM throughput.
 # swap_ab (kernel_swap.py): one row tile of M = N*H <= 64 rows scored as S^T = K Q^T (keys the
 # wgmma M, the q rows its N): at N=1, H=8 1/8 of the default's tensor work and a 9 KB Q tile.
 # Measured (H200, fifth session): N=1 H=8 21.4 vs 23.6 us, the default there since
-# (tuning.SWAP_AB_MAX_ROWS); swap_ab=0 is the previous kernel's row. pipeline_qk=1 measured
-# 1.4-1.5x slower at N=64 (H=8, 64) and shared_p=0 / the 32-key pipelined ring slower at N=1:
-# dropped from the probes (the option stays, off). At N=8, H=8 and N=1, H=64 (M = 64) swap-AB
-# does the same tensor work (a check of the swapped structure).
+# (tuning.SWAP_AB_MAX_ROWS); swap_ab=0 is the previous kernel's row. Measured slower the same
+# week and dropped: pipeline_qk (tile i + 1's QK^T under tile i's softmax; 1.4-1.5x slower at
+# N=64, removed from the kernel), shared_p=0 and the 32-key ring at N=1. At N=8, H=8 and N=1,
+# H=64 (M = 64) swap-AB does the same tensor work (a check of the swapped structure).
 PROBES = {(1, 1, 8, 46000): "swap_ab=0;swap_ab=0,mask=packed;num_splits=66",
           (1, 8, 8, 46000): "swap_ab=1",
           (1, 1, 64, 46000): "swap_ab=1",

@@ -9,9 +9,7 @@ Design: each CTA (row tile, split, batch) streams its split of the keys [0, E), 
 64 x C Q tile in SMEM; a TMA warpgroup feeds T x C KV tiles through a ring of SMEM stages (V is the
 first R columns of the same tile). Two compute warpgroups each own R/2 output columns. With
 shared_p, warpgroup 0 alone scores the tile (QK^T, online softmax) and hands P and the rescale
-factor to warpgroup 1 through SMEM; otherwise both score the whole tile. With pipeline_qk a scorer
-issues tile i + 1's QK^T (async wgmma) before tile i's softmax and carries the scores one step, so
-the tensor cores run it under the softmax (it holds tile i + 1's ring slot meanwhile).
+factor to warpgroup 1 through SMEM; otherwise both score the whole tile.
 Tiles start at multiples of T; rows past L are zero-filled by the TMA (no copy or pad of the cache)
 and masked. Only tiles that reach past `len` are masked: prefix end, tree mask (per-row bit words,
 `masks.py`), end of the cache. With one split the kernel writes the final output (q dtype) and
@@ -249,41 +247,6 @@ def _step_scorer(c, w, i, carry, masked):
   return acc, m, l
 
 
-def _first_scores(c):
-  """pipeline_qk: raw S of the split's first tile (slot 0; garbage, never used, if it has none)."""
-  @pl.when(c.hi > c.lo)
-  def _():
-    plgpu.barrier_wait(c.kv_bar.at[0])
-  return _scores(c.q_smem, c.kv_smem.at[0])
-
-
-def _step_scorer_pipelined(c, w, i, carry, masked):
-  """_step_scorer with the raw scores of tile i carried in from step i - 1: this step issues tile
-  i + 1's QK^T (async) first, then tile i's softmax, P hand-off and PV; the PV's wait also waits
-  the QK^T, so tile i's slot is freed after both. The last tile re-scores its own slot (unused)."""
-  acc, m, l, s = carry
-  tile = c.lo + i
-  slot = lax.rem(i, c.t.stages)
-  has_next = i + 1 < c.hi - c.lo
-  next_slot = jnp.where(has_next, lax.rem(i + 1, c.t.stages), slot)
-  words = _tile_words(c, tile) if masked else None
-
-  @pl.when(has_next)
-  def _():
-    plgpu.barrier_wait(c.kv_bar.at[next_slot])
-
-  def body(s_next_ref):
-    plgpu.wgmma(s_next_ref, c.q_smem, c.kv_smem.at[next_slot].T)
-    p, alpha, stats = _softmax_update(c, s * c.scale_log2, tile, (m, l), words)
-    a = _share_p(c, w, i, p.astype(c.dtype), alpha)
-    new_acc = _pv(c, acc * _bcast_rows(alpha, acc.shape), a, _v_half(c, c.kv_smem.at[slot], w))
-    return new_acc, stats, s_next_ref[...]
-
-  acc, (m, l), s_next = pl.run_scoped(body, plgpu.ACC((BLOCK_M, c.t.block_kv), jnp.float32))
-  plgpu.barrier_arrive(c.free_bar.at[slot])
-  return acc, m, l, s_next
-
-
 def _share_p(c, w, i, p16, alpha):
   """The PV's A operand: P in registers, or (shared_p) P and alpha handed to wg1 through SMEM;
   the GPU interpreter's wgmma takes A from SMEM only."""
@@ -322,12 +285,8 @@ def _loop(c, w, acc):
   if c.t.shared_p and w == 1:
     acc = lax.fori_loop(0, n_all, lambda i, a: _step_follower(c, w, i, a), acc)
     return acc, m, l
-  if c.t.pipeline_qk:
-    step, carry = _step_scorer_pipelined, (acc, m, l, _first_scores(c))
-  else:
-    step, carry = _step_scorer, (acc, m, l)
-  carry = lax.fori_loop(0, n_full, lambda i, cr: step(c, w, i, cr, False), carry)
-  carry = lax.fori_loop(n_full, n_all, lambda i, cr: step(c, w, i, cr, True), carry)[:3]
+  carry = lax.fori_loop(0, n_full, lambda i, cr: _step_scorer(c, w, i, cr, False), (acc, m, l))
+  carry = lax.fori_loop(n_full, n_all, lambda i, cr: _step_scorer(c, w, i, cr, True), carry)
   if c.t.shared_p:
     @pl.when(n_all > 0)
     def _():

@@ -247,9 +247,9 @@ def check_supported(t: Tuning, m, c, r):
   if t.num_splits > 1 and not t.bf16_partials:
     raise ValueError("swap_ab writes bf16 partials only: Mosaic (jax 0.11.2) finds no layout for "
                      "the transposed store of the f32 O^T tile into SMEM (bf16 lowers)")
-  if t.pipeline_qk or not t.shared_p:
+  if not t.shared_p:
     raise ValueError("swap_ab has its own warpgroup split (wg0 scores, P shared): "
-                     "pipeline_qk / shared_p=False do not apply")
+                     "shared_p=False does not apply")
   if smem_bytes(t, m, c, r) > SMEM_BYTES:
     raise ValueError(f"{t}: {smem_bytes(t, m, c, r)} bytes of SMEM at C={c}, over {SMEM_BYTES}")
 

@@ -22,8 +22,6 @@ class Tuning:
   prefetch: int = 0       # L2 lookahead: tile i's ring load is followed by a TMA prefetch of
                           # tile i + prefetch into L2 (no SMEM): HBM reads in flight beyond the ring
   shared_p: bool = True   # wg0 scores and shares P via SMEM (no redundant QK^T); else both wgs score
-  pipeline_qk: bool = False  # a scorer issues tile i + 1's QK^T (async wgmma) before tile i's
-                             # softmax, so the tensor cores run it under the softmax (FA3-style)
   swap_ab: bool = False    # M = N*H < 64 rows: keys as the wgmma M side, q rows its N
                            # (kernel_swap.py: no 64-row Q tile for 8 real rows)
   bf16_partials: bool = True  # split partials O in bf16 (half the write + merge read) or f32

@@ -206,13 +206,6 @@ SMALL = [
     (2, 4, 8, 150, [148, 151], Tuning(block_kv=32, stages=4, num_splits=1)),  # past L, len > L
     # L2 prefetch ahead of the ring (a no-op in interpret mode: the control flow around it runs)
     (1, 1, 8, 700, [699], Tuning(num_splits=2, prefetch=2)),
-    # pipeline_qk: tile i + 1's QK^T issued before tile i's softmax (scores carried one step);
-    # splits of 0, 1 and several tiles (len 0), masked tiles, shared P or both scoring, 32-key ring
-    (3, 5, 8, 200, [130, 0, 195], Tuning(num_splits=2, pipeline_qk=True)),
-    (1, 40, 2, 192, [140], Tuning(block_kv=32, stages=4, num_splits=2, pipeline_qk=True)),
-    (2, 4, 8, 150, [148, 151], Tuning(num_splits=1, shared_p=False, pipeline_qk=True)),
-    # GPU: pipeline_qk over 5-6 tiles a split (both loops), 2 row tiles, Triton merge
-    GPU((2, 16, 8, 700, [684, 300], Tuning(num_splits=2, pipeline_qk=True, merge="triton"))),
     # GPU: 32-key tiles (64-byte swizzle, 4-deep ring), L2 prefetch, Triton merge of 2 + 1 pieces
     GPU((2, 16, 8, 3000, [2984, 1000], Tuning(block_kv=32, stages=4, prefetch=4, num_splits=3,
                                               merge="triton"))),
@@ -329,9 +322,6 @@ class TestLowersForGpu:
       (1, 16, 8, 46000, Tuning(block_kv=32, stages=4, num_splits=66, shared_p=False)),
       (2, 15, 8, 4096, Tuning(block_kv=32, stages=4, prefetch=4, num_splits=3)),
       (1, 1, 8, 46000, Tuning(num_splits=132, prefetch=1)),
-      (1, 1, 8, 46000, Tuning(block_kv=32, stages=4, num_splits=132, pipeline_qk=True)),
-      (1, 64, 64, 46000, Tuning(num_splits=2, pipeline_qk=True)),
-      (2, 15, 8, 4096, Tuning(num_splits=3, shared_p=False, pipeline_qk=True)),
       (1, 1, 8, 46000, Tuning(num_splits=132, swap_ab=True, merge="triton")),
       (1, 8, 8, 46000, Tuning(num_splits=132, swap_ab=True, merge="triton")),
       (4, 1, 8, 46000, Tuning(num_splits=33, swap_ab=True, merge="triton")),
@@ -349,7 +339,7 @@ class TestLowersForGpu:
 
   @pytest.mark.parametrize("n,h,tuning", [
       (16, 8, Tuning(swap_ab=True)), (1, 8, Tuning(swap_ab=True, block_kv=32, stages=4)),
-      (1, 8, Tuning(swap_ab=True, pipeline_qk=True)), (1, 8, Tuning(swap_ab=True, stages=3)),
+      (1, 8, Tuning(swap_ab=True, shared_p=False)), (1, 8, Tuning(swap_ab=True, stages=3)),
       (1, 8, Tuning(swap_ab=True, num_splits=2, bf16_partials=False))])
   def test_swap_ab_rejects(self, n, h, tuning):
     """swap_ab: one row tile (M <= 64), 64-key tiles, its own warpgroup split, 2 stages (SMEM),
@@ -386,11 +376,10 @@ class TestLowersForGpu:
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")
 class TestKernelGPU:
-  """The default GPU set (`pytest -m gpu`): 15 cases, one compiled kernel program each, the f32
+  """The default GPU set (`pytest -m gpu`): 14 cases, one compiled kernel program each, the f32
   reference on the CPU. One case per path (M = kernel rows; windows of min(M, 64) rows):
   - SMALL GPU(...): no shared P + f32 partials + XLA merge (M 40); L % 8 != 0 cache pad, tree
-    past L, len > L (M 32); q pad N*H % 8 != 0, L < block_kv, one split (M 8); pipeline_qk
-    (M 128); 32-key tiles, prefetch, Triton merge of 2 + 1 pieces (M 128, 2 row tiles unpadded);
+    past L, len > L (M 32); q pad N*H % 8 != 0, L < block_kv, one split (M 8); 32-key tiles, prefetch, Triton merge of 2 + 1 pieces (M 128, 2 row tiles unpadded);
     swap_ab at M 8 (B=2 ragged, 5 splits, Triton merge) and M 16 (2 splits, XLA merge).
   - test_every_output_written_and_deterministic[3-True]: raw partials in NaN-filled buffers.
   - here, default tuning: 1x1x8x46000 (the ar shape: 132 splits, merge pieces 128 + 4, M 8);
