@@ -12,7 +12,8 @@ Parts, in order (each compile counted and time-boxed; the run stops cleanly at -
      time first), then a jax.profiler trace per context: device-busy time per step (union of
      kernel intervals) and the host gap = loop ms per step - device-busy (cheap once compiled,
      so before the tables);
-  3. phase tables at bench.profile_ctx: `ar`, then ddtree at bench.profile_budgets[0], with
+  3. phase tables at bench.profile_ctx: `ar`, then ddtree at bench.profile_budgets[0] (those of
+     bench.phase_modes, "ar,ddtree" unless set: "ddtree" skips ar's), with
      verify's attention / moe (on the step's own MoE inputs, so its routing) / rest, the host
      gap (loop ms per step at profile_ctx - the fused step's CUPTI kernel time; when the run
      uses command buffers, of the step compiled again without them, `step_nograph`: every
@@ -323,8 +324,9 @@ def run_parts(m, c, deadline, rec):
   ceil = roofline.measure_ceilings(small=jax.default_backend() == "cpu")
   rec.add("ceilings", **ceil)
   budgets = list(c.bench.profile_budgets)
+  tables = c.bench.get("phase_modes", "ar,ddtree").split(",")  # a string: --config overrides it
   for spec in (_spec(c, "ar"), _spec(c, "ddtree", budgets[0])):
-    if not phase_table(m, c, spec, ceil, deadline, rec):
+    if spec.mode in tables and not phase_table(m, c, spec, ceil, deadline, rec):
       return
   for mode in modes:  # cheap once compiled: seconds per mode
     if loops[mode] is not None and not throughput_rows(m, c, _spec(c, mode), loops[mode],

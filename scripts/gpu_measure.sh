@@ -27,8 +27,9 @@
 #   verify_full tree-verify kernel: every test + the full GPU grid, per-kernel profile, the issue's
 #               whole bench table (with probes and XLA) until half the time box is spent
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
-#   k26_core    the same with the phase tables of ar and ddtree 15, loops at 46k only (+ the ddtree
-#               loop with command buffers: the A/B of the runtime default, which has none)
+#   k26_core    the same with the phase tables of ar and ddtree 15, loops at 46k only (a bare
+#               machine: ~130 s of compile, ~80-110 s per table: k26_core:450)
+#   k26_ddtree  k26_core without ar's phase table (k26_ddtree:360)
 #   xla_options scripts/probe_xla_options.py: bench_k26_full's fused step (ar, ddtree 15) compiled
 #               per XLA option set (cuBLAS vs Triton GEMMs, ...), CUPTI kernel ms each (~200 s)
 #   target_layout  the same fused step (ar, ddtree 15), default options, target.pack's packed
@@ -103,6 +104,9 @@ run_part() {
                 --time_budget_s $(( secs - 20 )) ;;
     k26_core) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --time_budget_s $(( secs - 20 )) ;;
+    k26_ddtree) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+                --config configs/bench_k26_core.py --config.bench.phase_modes=ddtree \
+                --time_budget_s $(( secs - 20 )) ;;
     xla_options) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" ;;
     target_layout) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
                 --variants default --layouts packed_s5,packed ;;
