@@ -87,6 +87,10 @@ class TargetConfig:
   # "sorted" runs), or "auto": dense at one token (ar), sorted above (the faster of the two on
   # the H200 at each T). Same routing decisions either way.
   moe_glue: str = "auto"
+  # router_impl: the routing after the router logits (sigmoid, bias, top-k, weights): "xla" (a
+  # few fused reductions) or "pallas" (one Pallas kernel, `target/route_kernel.py`, where
+  # n_group == 1 and T is small; elsewhere "xla" runs). Same routing decisions either way.
+  router_impl: str = "xla"
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
   shared_intermediate_size: int | None = None
@@ -108,6 +112,8 @@ class TargetConfig:
       raise ValueError(f"{self.expert_backend=} must be one of auto, pallas, interpret, xla")
     if self.moe_glue not in ("auto", "sorted", "dense"):
       raise ValueError(f"{self.moe_glue=} must be 'auto', 'sorted' or 'dense'")
+    if self.router_impl not in ("xla", "pallas"):
+      raise ValueError(f"{self.router_impl=} must be 'xla' or 'pallas'")
 
   # ---- derived shapes -------------------------------------------------------------------
   @property
