@@ -10,7 +10,8 @@ Parts, in order of value (a time box loses the least):
      --mlp_variants (changes to both calls' base tunings), per-call Mosaic us from CUPTI (not in
      the default --parts).
   3. `layer`: the whole MoE layer (router + routed + shared + glue) vs its weight-streaming floor,
-     per --layer_variants (sorted vs dense glue), launches and glue us each.
+     per --layer_variants (glue sorted vs dense, optionally + TargetConfig fields, e.g.
+     sorted+router_impl=pallas), launches and glue us each.
 Every output is checked against the f32 XLA reference first; a row further than REL_TOL (bf16)
 is marked FAIL in the table and never reported as the fastest. One JSON line per row in --out.
 
@@ -318,12 +319,54 @@ def _typical_tokens(p, cfg, t, tries=64):
   return best[1], best[2]
 
 
-# MoE layer variants: TargetConfig.moe_glue values. The first is the baseline of rel_err.
+# MoE layer variants: "glue[+field=value...]", glue a TargetConfig.moe_glue value, then any
+# TargetConfig fields set on top (e.g. "sorted+router_impl=pallas"). The first is the baseline of
+# rel_err.
 LAYER_VARIANTS = ("sorted", "dense", "auto")
 _LAYER_VARIANTS = flags.DEFINE_list(
     "layer_variants", ["sorted", "dense"],
-    f"MoE layer variants of the `layer` part (TargetConfig.moe_glue), the first the baseline: "
-    f"{list(LAYER_VARIANTS)}.")
+    f"MoE layer variants of the `layer` part, the first the baseline: 'glue[+field=value...]', "
+    f"glue one of {list(LAYER_VARIANTS)} (TargetConfig.moe_glue), each field=value a "
+    f"TargetConfig field set on top (e.g. sorted+router_impl=pallas).")
+
+
+def layer_config(base, spec: str):
+  """The TargetConfig of one --layer_variants entry 'glue[+field=value...]': base with moe_glue
+  = glue and each field set (its value parsed by the field's type; an unknown field, a value
+  that does not parse or one the config refuses is a ValueError naming the entry)."""
+  glue, *sets = spec.split("+")
+  if glue not in LAYER_VARIANTS:
+    raise ValueError(f"--layer_variants {spec!r}: glue {glue!r} is not one of {LAYER_VARIANTS}")
+  types = {f.name: str(f.type) for f in dataclasses.fields(base)}
+  changes = dict(moe_glue=glue)
+  for item in sets:
+    field, eq, text = item.partition("=")
+    if not eq or field not in types:
+      raise ValueError(f"--layer_variants {spec!r}: {item!r} is not field=value with a "
+                       f"TargetConfig field (one of {sorted(types)})")
+    changes[field] = _parse_field(spec, field, types[field], text)
+  try:
+    return dataclasses.replace(base, **changes)
+  except (ValueError, TypeError) as ex:
+    raise ValueError(f"--layer_variants {spec!r}: {ex}") from ex
+
+
+def _parse_field(spec, field, type_name, text):
+  """text as a value of a field annotated type_name ('bool', 'int | None', 'float', 'str')."""
+  if "None" in type_name and text.lower() == "none":
+    return None
+  try:
+    if "bool" in type_name:
+      return {"true": True, "1": True, "false": False, "0": False}[text.lower()]
+    if "int" in type_name:
+      return int(text)
+    if "float" in type_name:
+      return float(text)
+  except (KeyError, ValueError) as ex:
+    raise ValueError(f"--layer_variants {spec!r}: {field}={text!r} is not a {type_name}") from ex
+  if "str" in type_name:
+    return text
+  raise ValueError(f"--layer_variants {spec!r}: {field} ({type_name}) cannot be set here")
 
 
 def part_layer(ceil, sink, rows):
@@ -332,12 +375,8 @@ def part_layer(ceil, sink, rows):
   for each --layer_variants (same params, tokens and routing; rel_err vs the first)."""
   base = bench_models.k26_share(layers=2)
   p = P.init_params(jax.random.key(0), base, jnp.bfloat16, int4_experts=True)["layers"][1]["moe"]
-  fns = {}
-  for name in _LAYER_VARIANTS.value:
-    if name not in LAYER_VARIANTS:
-      raise ValueError(f"--layer_variants: {name!r} is not one of {LAYER_VARIANTS}")
-    cfg = dataclasses.replace(base, moe_glue=name)
-    fns[name] = jax.jit(lambda p, x, cfg=cfg: moe.moe(p, cfg, x))
+  cfgs = {name: layer_config(base, name) for name in _LAYER_VARIANTS.value}  # all checked first
+  fns = {name: jax.jit(lambda p, x, cfg=cfg: moe.moe(p, cfg, x)) for name, cfg in cfgs.items()}
   for t in map(int, _T.value):
     x, idx = _typical_tokens(p, base, t)
     touched = _local_touched(idx, base.num_local_experts)
@@ -350,7 +389,7 @@ def part_layer(ceil, sink, rows):
       try:
         got = fn(p, x)
         want = got if want is None else want
-        _write_hlo(fn, (p, x), f"layer_{name}_T{t}")
+        _write_hlo(fn, (p, x), f"layer_{_file_safe(name)}_T{t}")
         row["rel_err"] = _rel(got, want)
         row["us"] = _time_us(fn, p, x)
         row["kernels"] = [dict(name=n[:90], calls=c, us=round(us, 2))
@@ -364,6 +403,11 @@ def part_layer(ceil, sink, rows):
       _emit(rows, row, sink)
       for k in row.get("kernels", [])[:40]:
         print(f"    {k['us']:8.2f} us  x{k['calls']:.0f}  {k['name']}", flush=True)
+
+
+def _file_safe(name: str) -> str:
+  """A variant name as plain file-name characters ('+' -> '__', '=' -> '-')."""
+  return name.replace("+", "__").replace("=", "-")
 
 
 def _write_hlo(fn, args, stem):
