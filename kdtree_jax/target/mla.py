@@ -209,7 +209,12 @@ def verify_attention(cfg: TargetConfig, q_bnhc, cache_blc, lengths_b, tree_mask_
 
 
 def write_rows(cache_blc, rows_bnc, start_b):
-  """Writes rows_bnc at [start, start + N) of each batch row (in place under donation)."""
-  def one(c, r, s):
-    return jax.lax.dynamic_update_slice(c, r, (s, 0))
-  return jax.vmap(one)(cache_blc, rows_bnc, start_b)
+  """Writes rows_bnc at [start, start + N) of each batch row (in place under donation): one
+  dynamic_update_slice per batch row (B is static), each start clamped to [0, L - N] as
+  dynamic_update_slice does. Not a vmap: vmapped, it is a scatter, which drops an out-of-bounds
+  window, and XLA's scatter -> dynamic-update-slice rewrite keeps that by selecting between the
+  new rows and the cache's OLD rows (a dynamic-slice read back per layer: on the H200, 85 us per
+  ar step at 61 layers) although the clamped window is always in bounds."""
+  for b in range(cache_blc.shape[0]):
+    cache_blc = jax.lax.dynamic_update_slice(cache_blc, rows_bnc[b:b + 1], (b, start_b[b], 0))
+  return cache_blc

@@ -83,3 +83,34 @@ def test_packed_decode_hlo_has_no_concatenate_per_layer(fn):
   layer. Now the program of 3 layers has no more of them than that of 2 (the per-step
   [1 | cos | cos] factors of rope.rotate_tail are shared by the layers)."""
   assert len(_concats(3, fn)) == len(_concats(2, fn))
+
+
+@pytest.mark.parametrize("b,n", [(1, 1), (1, 4), (3, 1), (3, 4)])
+def test_write_rows_writes_each_batch_rows_window_clamped(b, n):
+  """write_rows against numpy: batch row i's rows land at [start_i, start_i + N), the start
+  wrapped if negative and clamped to [0, L - N] (dynamic_update_slice's rule, which the
+  vmapped scatter it replaced followed too); other rows and batch rows unchanged."""
+  length = 16
+  k = jax.random.split(jax.random.key(5), 2)
+  cache = jax.random.normal(k[0], (b, length, 6))
+  rows = jax.random.normal(k[1], (b, n, 6))
+  starts = np.array([0, 7, length - 1, -3][:b] if b > 1 else [9], np.int32)
+  got = jax.jit(mla.write_rows)(cache, rows, jnp.asarray(starts))
+  want = np.array(cache)
+  for i, s in enumerate(starts):
+    s = min(max(s + length if s < 0 else s, 0), length - n)
+    want[i, s:s + n] = rows[i]
+  np.testing.assert_array_equal(got, want)
+
+
+def test_write_rows_does_not_read_the_cache_back():
+  """No dynamic-slice (the old rows read back for a scatter's out-of-bounds select) and no
+  scatter in the optimised HLO: one dynamic-update-slice per batch row, in place (aliased)."""
+  cache = jax.ShapeDtypeStruct((2, 64, 8), jnp.bfloat16)
+  rows = jax.ShapeDtypeStruct((2, 4, 8), jnp.bfloat16)
+  starts = jax.ShapeDtypeStruct((2,), jnp.int32)
+  text = jax.jit(mla.write_rows, donate_argnums=0).lower(cache, rows, starts).compile().as_text()
+  ops = [i.opcode for i in profiling_hlo.HloIndex(text).instr.values()]
+  assert "dynamic-slice" not in ops and "scatter" not in ops
+  assert ops.count("dynamic-update-slice") == 2
+  assert "input_output_alias={ {}: (0, {}" in text
