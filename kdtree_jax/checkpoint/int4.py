@@ -8,6 +8,9 @@ experts take ~520 GB, not 2 TB. On a GPU the grouped matmul dequantises inside t
 XLA reference dequantises in front of the matmul.
 HF compressed-tensors stores `weight_packed` int32 [out, in/8] (low nibble first, value - 8)
 with `weight_scale` bf16 [out, in/32]; `from_hf` converts one expert.
+K-packed stacks (`k_packed`, made by `pack_k` where decode weights are laid out): `packed`'s
+columns permuted inside each 64-column block (`kpack.pack_int4_k`, its own inverse) so the
+kernel reads a thread's 8 values with one 32-bit load; the logical weight is unchanged.
 """
 
 import flax.struct
@@ -17,15 +20,18 @@ import ml_dtypes
 import numpy as np
 
 from kdtree_jax.checkpoint import quant
+from pallas_kernels.grouped_matmul import kpack
 from pallas_kernels.grouped_matmul import reference as kernel_reference
 
 
 @flax.struct.dataclass
 class Int4Weight:
-  """Int4 expert stack: packed int4 [E, out, in], scale [E, in/Q, out]; `shape` is [E, in, out]."""
+  """Int4 expert stack: packed int4 [E, out, in], scale [E, in/Q, out]; `shape` is [E, in, out].
+  k_packed: `packed`'s in-columns are in kpack's order (static: the kernel's tuning follows it)."""
 
   packed: jax.Array
   scale: jax.Array
+  k_packed: bool = flax.struct.field(pytree_node=False, default=False)
 
   @property
   def shape(self):
@@ -71,7 +77,16 @@ def from_hf(weight_packed, weight_scale, shape) -> tuple[np.ndarray, np.ndarray]
 
 def dequantize(w: Int4Weight, dtype=jnp.bfloat16):
   """[E, in, out] in dtype: q * scale, rounded once to dtype (as the kernel does in registers)."""
-  return kernel_reference.dequantize(w.packed, w.scale, dtype)
+  packed = kpack.pack_int4_k(w.packed) if w.k_packed else w.packed  # the permutation undone
+  return kernel_reference.dequantize(packed, w.scale, dtype)
+
+
+def pack_k(w: Int4Weight) -> Int4Weight:
+  """The same weight K-packed for the kernel's 32-bit loads (`Tuning.int4_k_packed`); a stack
+  already K-packed, or whose in-dim is not a multiple of kpack.CHUNK, is returned as it is."""
+  if w.k_packed or w.packed.shape[-1] % kpack.CHUNK:
+    return w
+  return Int4Weight(kpack.pack_int4_k(w.packed), w.scale, k_packed=True)
 
 
 def random_int4(key, shape_eio, std, group=32) -> Int4Weight:

@@ -23,6 +23,24 @@ def test_pack_dequantize_round_trip():
   assert w.shape == (3, 64, 5) and w.group == 32
 
 
+def test_k_packed_stack_dequantises_to_the_same_weight():
+  """pack_k permutes each 64-column block of the in-dim (a thread's 8 values in one 32-bit
+  word, kpack's order): the dequantised [E, in, out] weight is unchanged, the stored columns are
+  the numpy permutation of the independent column table; a non-multiple-of-64 in-dim stays."""
+  w = int4.random_int4(jax.random.key(3), (2, 192, 40), 0.02)
+  k = int4.pack_k(w)
+  assert k.k_packed and not w.k_packed and int4.pack_k(k) is k
+  np.testing.assert_array_equal(np.asarray(int4.dequantize(k), np.float32),
+                                np.asarray(int4.dequantize(w), np.float32))
+  q = np.asarray(w.packed.astype(jnp.int8)).reshape(2, 40, 3, 64)
+  h, l, m = np.arange(64) // 32, (np.arange(64) % 32) // 8, np.arange(64) % 8
+  stored_column = 8 * (4 * h + m // 2) + 2 * l + m % 2  # storage p holds logical column c(p)
+  np.testing.assert_array_equal(np.asarray(k.packed.astype(jnp.int8)).reshape(2, 40, 3, 64),
+                                q[..., stored_column])
+  odd = int4.random_int4(jax.random.key(4), (1, 96, 8), 0.02)
+  assert int4.pack_k(odd) is odd
+
+
 def test_from_hf_matches_compressed_tensors_unpacking():
   rng = np.random.default_rng(1)
   q = rng.integers(-8, 8, (6, 64)).astype(np.int8)  # HF [out, in]
