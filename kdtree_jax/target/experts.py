@@ -161,19 +161,31 @@ def expert_ffn_dense(x_td, rank_te, scores_te, gate_edf, up_edf, down_efd, weigh
 
 
 def _one_token_ffn(x_1d, rank_e, scores_e, gate_edf, up_edf, down_efd, weighting, impl):
-  """One token: row j is its j-th choice (rows in choice order, not expert order: each row is
-  its own work item, so the kernel needs no order; the XLA path sorts them). The work list is
-  one reduction over the experts of the choice rank and also names every choice's expert, so
-  the weights are element-wise in the combine (no normalising reduction); the rows are x
-  broadcast; the combine sums row j x its weight over the local choices (element-wise terms, as
-`combine_pairs`, not a reduction over [S, k, D])."""
-  k, e_l = weighting.k, gate_edf.shape[0]
-  items = one_token_work_list(rank_e, k, e_l)
-  live = items[3] > 0
-  y = expert_mlp(jnp.broadcast_to(x_1d, (k, x_1d.shape[1])), gate_edf, up_edf, down_efd,
-                 (rank_e[:e_l] < k).astype(jnp.int32), impl, items=lambda rows: items,
-                 row_groups=jnp.where(live, items[0], e_l))  # [S, k, D]
+  """One token from its dense routing: the work list is one reduction over the experts of the
+  choice rank and also names every choice's expert, so the weights are element-wise (no
+  normalising reduction); then `one_token_ffn`."""
+  items = one_token_work_list(rank_e, weighting.k, gate_edf.shape[0])
   w_j = weighting.of_choices(scores_e[items[0]])  # dead rows are undefined: masked in the combine
+  return one_token_ffn(x_1d, items, w_j, gate_edf, up_edf, down_efd, impl,
+                       sizes=(rank_e[:gate_edf.shape[0]] < weighting.k).astype(jnp.int32))
+
+
+def one_token_ffn(x_1d, items, w_j, gate_edf, up_edf, down_efd, impl, sizes=None):
+  """One token from its work list [4, k] (`one_token_work_list`'s rows, or the routing kernel's,
+  `route_kernel.route_one_token`) and its k weights: row j is its j-th choice (rows in choice
+  order, not expert order: each row is its own work item, so the kernel needs no order; the XLA
+  path sorts them); the rows are x broadcast; the combine sums row j x its weight over the local
+  choices (element-wise terms, as `combine_pairs`, not a reduction over [S, k, D]).
+  sizes: rows per local expert, counted from the items if None (the XLA path's; the kernel
+  reads the items only)."""
+  k, e_l = items.shape[1], gate_edf.shape[0]
+  live = items[3] > 0
+  if sizes is None:
+    sizes = jnp.sum(live[None, :] & (items[0][None, :] == jnp.arange(e_l)[:, None]), axis=1,
+                    dtype=jnp.int32)
+  y = expert_mlp(jnp.broadcast_to(x_1d, (k, x_1d.shape[1])), gate_edf, up_edf, down_efd,
+                 sizes, impl, items=lambda rows: items,
+                 row_groups=jnp.where(live, items[0], e_l))  # [S, k, D]
   return weighted_row_sum(lambda s, j: y[s, j][None], y.shape[0], live[None], w_j[None])
 
 

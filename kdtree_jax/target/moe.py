@@ -9,7 +9,9 @@ import jax.numpy as jnp
 
 from kdtree_jax import sharding
 from kdtree_jax.target.config import TargetConfig
-from kdtree_jax.target.experts import Weighting, dense_glue_fits, expert_ffn, expert_ffn_dense
+from kdtree_jax.target import route_kernel
+from kdtree_jax.target.experts import (Weighting, dense_glue_fits, expert_ffn, expert_ffn_dense,
+                                       one_token_ffn)
 from kdtree_jax.target.mlp import swiglu, swiglu_down
 from kdtree_jax.target.pack import dot_t
 from kdtree_jax.target.moe_parallel import experts_ep, route_local
@@ -21,7 +23,12 @@ def route(p, cfg: TargetConfig, x_td, logits=None):
   Scores are sigmoid(x @ W_g) in f32; `bias` (e_score_correction_bias) shifts them for SELECTION
   only; the weights are the unbiased scores, optionally normalised, times routed_scaling_factor.
   logits: x @ W_g [T, E] f32 when already computed (the packed layer's joint dot), else None.
+  cfg.router_impl "pallas": one kernel launch after the logits where it takes the shape.
   """
+  if _routing_kernel(cfg, x_td.shape[0]):
+    return route_kernel.route_pallas(_logits(p, x_td, logits), p["bias"],
+                                     cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                     cfg.routed_scaling_factor)
   choice, scores = _choice_and_scores(p, cfg, x_td, logits)
   k = cfg.num_experts_per_tok
   idx, w = top_k_select(choice, scores, k)
@@ -67,11 +74,29 @@ def route_dense(p, cfg: TargetConfig, x_td, logits=None):
   return compare_rank(choice), scores
 
 
+def route_one_token(p, cfg: TargetConfig, x_td, logits=None):
+  """One token's routing as the routing kernel's one-token form (cfg.router_impl "pallas"):
+  (its work list [4, K] int32, `experts.one_token_work_list`'s rows, row 0 the expert ids in
+  `route`'s order; its weights [K] f32). logits: as in `route`."""
+  return route_kernel.route_one_token(_logits(p, x_td, logits), p["bias"],
+                                      cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                      cfg.routed_scaling_factor, cfg.experts_held)
+
+
+def _routing_kernel(cfg: TargetConfig, t: int) -> bool:
+  """Whether T tokens route through the one-launch kernel (router_impl "pallas", no group
+  limit, T <= route_kernel.MAX_TOKENS); else the XLA path."""
+  return cfg.router_impl == "pallas" and route_kernel.supports(t, cfg.n_group)
+
+
+def _logits(p, x_td, logits):
+  return _router_logits(x_td, p["router"]) if logits is None else logits
+
+
 def _choice_and_scores(p, cfg: TargetConfig, x_td, logits):
   """(selection scores: biased, group-limited; the unbiased sigmoid scores), both [T, E] f32;
   logits as in `route`."""
-  if logits is None:
-    logits = _router_logits(x_td, p["router"])
+  logits = _logits(p, x_td, logits)
   scores = jax.nn.sigmoid(logits)
   choice = scores + p["bias"].astype(jnp.float32)
   if cfg.n_group > 1:
@@ -122,7 +147,11 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
     _record(routes, idx)
     return experts_ep(p, x_td, idx, w, mesh, impl=cfg.expert_backend).reshape(shape)
   logits, shared = router_and_shared(p, x_td)
-  if _dense_glue(cfg, x_td.shape[0]):
+  if _dense_glue(cfg, x_td.shape[0]) and x_td.shape[0] == 1 and _routing_kernel(cfg, 1):
+    items, w = route_one_token(p, cfg, x_td, logits)  # no XLA glue up to the expert kernels
+    _record(routes, items[:1])
+    y = one_token_ffn(x_td, items, w, p["gate"], p["up"], p["down"], impl=cfg.expert_backend)
+  elif _dense_glue(cfg, x_td.shape[0]):  # (router_impl "pallas" above one token: XLA's rank)
     rank, scores = route_dense(p, cfg, x_td, logits)
     if routes is not None:  # the ids in top-k order (the same logits and rank, shared by XLA)
       _record(routes, route(p, cfg, x_td, logits)[0])
