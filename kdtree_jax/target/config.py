@@ -87,6 +87,10 @@ class TargetConfig:
   # "sorted" runs), or "auto": dense at one token (ar), sorted above (the faster of the two on
   # the H200 at each T). Same routing decisions either way.
   moe_glue: str = "auto"
+  # lean_glue: the same glue's values in fewer launches and bytes (experts.py `_lean_expert_ffn`,
+  # `_lean_one_token_ffn`: one index reduction less, the split-partial passes and the combine read
+  # the live rows only); False keeps the sixth session's glue for the A/B.
+  lean_glue: bool = False
   # router_impl: the routing after the router logits (sigmoid, bias, top-k, weights): "xla" (a
   # few fused reductions) or "pallas" (one Pallas kernel, `target/route_kernel.py`, where
   # n_group == 1 and T is small; elsewhere "xla" runs). Same routing decisions either way.

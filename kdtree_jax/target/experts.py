@@ -2,9 +2,10 @@
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
-from kdtree_jax.target.grouped_matmul import expert_mlp
+from kdtree_jax.target.grouped_matmul import expert_mlp, work_rows
 from pallas_kernels.grouped_matmul import work
 
 # Up to this many (token, slot) pairs their expert order comes from comparisons ([M, M], a few
@@ -12,13 +13,16 @@ from pallas_kernels.grouped_matmul import work
 COMPARE_SORT_MAX_PAIRS = 2048
 
 
-def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto"):
+def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto", lean=False):
   """Experts [e0, e0 + E_l) on the (token, slot) pairs routed to them, dropless -> [T, D] f32.
 
   Pairs are sorted by expert (pairs for other experts go last and contribute 0), run through
   the gated grouped matmul (gate and up in one call, SiLU-multiply fused) and the down grouped
   matmul on one work list, then each token gathers its K rows, weighted (one fusion, no scatter).
+  lean: `_lean_expert_ffn` (TargetConfig.lean_glue), the same values in fewer launches and bytes.
   """
+  if lean and idx_tk.size <= COMPARE_SORT_MAX_PAIRS:
+    return _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl)
   order, rank, sizes, ends, mine = sorted_pair_layout(idx_tk, gate_edf.shape[0], e0)
   y = expert_mlp(x_td[order // idx_tk.shape[1]], gate_edf, up_edf, down_efd, sizes, impl,
                  group_ends=ends)
@@ -45,24 +49,88 @@ def sorted_pair_layout(idx_tk, e_l, e0=0):
 
   Up to COMPARE_SORT_MAX_PAIRS pairs, each pair's rank and every expert's size and end are the
   rows of ONE masked reduction over the pairs ([M + 2 E_l, M]); the order is a second one."""
+  key, mine = _pair_keys(idx_tk, e_l, e0)
+  if key.shape[0] > COMPARE_SORT_MAX_PAIRS:
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    sizes, ends = jnp.sum(jnp.stack(_per_expert_masks(key, e_l)), axis=2, dtype=jnp.int32)
+    return order, jnp.argsort(order).astype(jnp.int32), sizes, ends, mine
+  rank, sizes, ends = _pair_counts(key, e_l)
+  return jnp.sum(_order_terms(rank), axis=1, dtype=jnp.int32), rank, sizes, ends, mine
+
+
+def _pair_keys(idx_tk, e_l, e0):
+  """(each pair's local expert, E_l for the others [M] int32; whether it is local [M])."""
   local = idx_tk.reshape(-1) - e0
   mine = (local >= 0) & (local < e_l)
-  key = jnp.where(mine, local, e_l).astype(jnp.int32)
-  m = key.shape[0]
-  pair = jnp.arange(m, dtype=jnp.int32)
+  return jnp.where(mine, local, e_l).astype(jnp.int32), mine
+
+
+def _per_expert_masks(key, e_l):
+  """[E_l, M] masks whose row sums are the sizes and the ends (pairs of experts <= e)."""
   expert = jnp.arange(e_l, dtype=jnp.int32)[:, None]
-  per_expert = [key[None, :] == expert, key[None, :] <= expert]  # sizes, ends: [E_l, M] each
-  if m > COMPARE_SORT_MAX_PAIRS:
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    sizes, ends = jnp.sum(jnp.stack(per_expert), axis=2, dtype=jnp.int32)
-    return order, jnp.argsort(order).astype(jnp.int32), sizes, ends, mine
-  code = key * m + pair  # distinct; ascending code = stable order by key
-  counts = jnp.sum(jnp.concatenate([code[None, :] < code[:, None]] + per_expert), axis=1,
-                   dtype=jnp.int32)
-  rank, sizes, ends = counts[:m], counts[m:m + e_l], counts[m + e_l:]
-  order = jnp.sum(jnp.where(rank[None, :] == pair[:, None], pair[None, :], 0), axis=1,
-                  dtype=jnp.int32)
-  return order, rank, sizes, ends, mine
+  return [key[None, :] == expert, key[None, :] <= expert]
+
+
+def _pair_counts(key, e_l):
+  """(rank [M]: each pair's sorted row, sizes [E_l], ends [E_l]) as ONE masked reduction."""
+  m = key.shape[0]
+  code = key * m + jnp.arange(m, dtype=jnp.int32)  # distinct; ascending = stable order by key
+  counts = jnp.sum(jnp.concatenate([code[None, :] < code[:, None]] + _per_expert_masks(key, e_l)),
+                   axis=1, dtype=jnp.int32)
+  return counts[:m], counts[m:m + e_l], counts[m + e_l:]
+
+
+def _order_terms(rank):
+  """[M, M]: row r holds pair p where rank[p] == r (its sum: the pair at sorted row r)."""
+  pair = jnp.arange(rank.shape[0], dtype=jnp.int32)
+  return jnp.where(rank[None, :] == pair[:, None], pair[None, :], 0)
+
+
+def _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl):
+  """`expert_ffn` (same kernels, same values) with less glue around the two kernel calls:
+  - the pairs' order and the work list's items-per-expert cumsum are ONE masked reduction
+    (`_order_and_item_ends`: 3 dependent index reductions before the kernels, not 4);
+  - the pass that sums the gated call's K-split partials reads the live rows only (rows past
+    the live count take row 0: the down call computes them but stores none);
+  - the combine's gathers of non-local pairs read row 0 (masked to 0 as before), so it reads
+    ~the live rows of the down partials instead of all T*K rows of each split."""
+  t, k = idx_tk.shape
+  m, e_l = t * k, gate_edf.shape[0]
+  key, mine = _pair_keys(idx_tk, e_l, e0)
+  rank, sizes, ends = _pair_counts(key, e_l)
+  x_rows = jax.ShapeDtypeStruct((m, x_td.shape[1]), x_td.dtype)
+  rows = work_rows(x_rows, gate_edf, up_edf, down_efd, sizes, impl)
+  order, upto = _order_and_item_ends(rank, sizes, ends, rows)
+  items = None if rows is None else work.work_list(sizes, m, rows, ends, items_upto=upto)
+  row = jnp.arange(m, dtype=jnp.int32)
+  y = expert_mlp(x_td[order // k], gate_edf, up_edf, down_efd, sizes, impl, group_ends=ends,
+                 items=None if items is None else lambda r: _same_rows(items, r, rows),
+                 h_rows=jnp.where(row < ends[-1], row, 0))
+  return combine_pairs(y, jnp.where(mine, rank, 0), mine, w_tk)
+
+
+def _same_rows(items, r, rows):
+  if r != rows:
+    raise ValueError(f"the work list was built for R={rows}, the call plans R={r}")
+  return items
+
+
+def _order_and_item_ends(rank, sizes, ends, rows):
+  """(the pair at each sorted row [M], the inclusive cumsum of the work items per expert [E_l]
+  for R = rows, or None where rows is None) as ONE masked reduction: the order's [M, M] terms
+  and the cumsum's [E_l, E_l] ones side by side over a common axis (zero-padded)."""
+  order_terms = _order_terms(rank)
+  if rows is None:
+    return jnp.sum(order_terms, axis=1, dtype=jnp.int32), None
+  m, e_l = rank.shape[0], sizes.shape[0]
+  n = max(m, e_l)
+  chunks = jnp.pad(work.windows_per_group(sizes, ends, rows), (0, n - e_l))
+  col = jnp.arange(n, dtype=jnp.int32)
+  upto_terms = jnp.where(col[None, :] <= jnp.arange(e_l, dtype=jnp.int32)[:, None],
+                         chunks[None, :], 0)
+  counts = jnp.sum(jnp.concatenate([jnp.pad(order_terms, ((0, 0), (0, n - m))), upto_terms]),
+                   axis=1, dtype=jnp.int32)
+  return counts[:m], counts[m:]
 
 
 def combine_pairs(y_smd, rank, mine, w_tk):
@@ -125,7 +193,7 @@ class Weighting:
 
 
 def expert_ffn_dense(x_td, rank_te, scores_te, gate_edf, up_edf, down_efd, weighting: Weighting,
-                     impl="auto"):
+                     impl="auto", lean=False):
   """`expert_ffn` from a dense routing: rank_te [T, E] int32, each expert's place in token t's
   choice (chosen: rank < k; `moe.compare_rank`), scores_te [T, E] f32 the router's scores, whose
   chosen ones `weighting` turns into the routing weights; experts [0, E_l) are held here.
@@ -135,13 +203,14 @@ def expert_ffn_dense(x_td, rank_te, scores_te, gate_edf, up_edf, down_efd, weigh
   1. each slot's sorted row, its rank among its token's local slots, rows per expert so far;
   2. each row's token, each (token, j < k) pair's row and weight; the work list;
   then the x gather, the two kernel calls and a gather-combine over k as in `expert_ffn`.
-  One token (T = 1) has its own shorter path (`_one_token_ffn`).
+  One token (T = 1) has its own shorter path (`_one_token_ffn`; lean: `_lean_one_token_ffn`).
   """
   t = x_td.shape[0]
   e_l = gate_edf.shape[0]
   k = weighting.k
   if t == 1:
-    return _one_token_ffn(x_td, rank_te[0], scores_te[0], gate_edf, up_edf, down_efd, weighting,
+    one_token = _lean_one_token_ffn if lean else _one_token_ffn
+    return one_token(x_td, rank_te[0], scores_te[0], gate_edf, up_edf, down_efd, weighting,
                           impl)
   sel = rank_te[:, :e_l] < k
   w_te = weighting.dense(rank_te, scores_te)
@@ -170,31 +239,44 @@ def _one_token_ffn(x_1d, rank_e, scores_e, gate_edf, up_edf, down_efd, weighting
                        sizes=(rank_e[:gate_edf.shape[0]] < weighting.k).astype(jnp.int32))
 
 
-def one_token_ffn(x_1d, items, w_j, gate_edf, up_edf, down_efd, impl, sizes=None):
+def one_token_ffn(x_1d, items, w_j, gate_edf, up_edf, down_efd, impl, sizes=None, lean=False):
   """One token from its work list [4, k] (`one_token_work_list`'s rows, or the routing kernel's,
   `route_kernel.route_one_token`) and its k weights: row j is its j-th choice (rows in choice
   order, not expert order: each row is its own work item, so the kernel needs no order; the XLA
   path sorts them); the rows are x broadcast; the combine sums row j x its weight over the local
   choices (element-wise terms, as `combine_pairs`, not a reduction over [S, k, D]).
   sizes: rows per local expert, counted from the items if None (the XLA path's; the kernel
-  reads the items only)."""
+  reads the items only). lean (TargetConfig.lean_glue): the pass over the gated call's K-split
+  partials reads the live rows only (dead rows take row 0; the down call stores none of them)."""
   k, e_l = items.shape[1], gate_edf.shape[0]
   live = items[3] > 0
   if sizes is None:
     sizes = jnp.sum(live[None, :] & (items[0][None, :] == jnp.arange(e_l)[:, None]), axis=1,
                     dtype=jnp.int32)
-  y = expert_mlp(jnp.broadcast_to(x_1d, (k, x_1d.shape[1])), gate_edf, up_edf, down_efd,
-                 sizes, impl, items=lambda rows: items,
-                 row_groups=jnp.where(live, items[0], e_l))  # [S, k, D]
+  rows = jnp.broadcast_to(x_1d, (k, x_1d.shape[1]))
+  y = expert_mlp(rows, gate_edf, up_edf, down_efd, sizes, impl, items=lambda r: items,  # [S, k, D]
+                 row_groups=jnp.where(live, items[0], e_l),
+                 h_rows=jnp.where(live, jnp.arange(k, dtype=jnp.int32), 0) if lean else None)
   return weighted_row_sum(lambda s, j: y[s, j][None], y.shape[0], live[None], w_j[None])
 
 
-def one_token_work_list(rank_e, m: int, e_l: int):
+def _lean_one_token_ffn(x_1d, rank_e, scores_e, gate_edf, up_edf, down_efd, weighting, impl):
+  """`_one_token_ffn` (same values) with each choice's score from the work list's reduction
+  (`one_token_work_list`'s scores: no gather fusion for the weights), then the lean
+  `one_token_ffn` (the pass over the gated call's split partials reads the live rows only)."""
+  k, e_l = weighting.k, gate_edf.shape[0]
+  items, score_j = one_token_work_list(rank_e, k, e_l, scores_e)
+  return one_token_ffn(x_1d, items, weighting.of_choices(score_j), gate_edf, up_edf, down_efd,
+                       impl, sizes=(rank_e[:e_l] < k).astype(jnp.int32), lean=True)
+
+
+def one_token_work_list(rank_e, m: int, e_l: int, scores_e=None):
   """One token's work list over its m choices, int32 [4, m]: row j alone in its window, i.e.
   (expert of choice j (any of the E), j - j % 8, j % 8, 1 if that expert is local (< e_l)
   else 0), as one reduction over the experts with no stack after it. The kernel skips the
   non-local rows (size 0) and never reads their expert; R >= 8 for any tuning, so the list does
-  not depend on R."""
+  not depend on R. scores_e [E] f32: also return each choice's score [m] from the same
+  reduction (a variadic reduce: one f32 term per row is non-zero, so the sum is exact)."""
   ids = jnp.arange(rank_e.shape[0], dtype=jnp.int32)[None, :]
   item = jnp.arange(m, dtype=jnp.int32)[:, None]
   hit = rank_e[None, :] == item  # [m, E]
@@ -203,7 +285,12 @@ def one_token_work_list(rank_e, m: int, e_l: int):
                      jnp.where(first, item - item % work.ALIGN, 0),
                      jnp.where(first, item % work.ALIGN, 0),
                      (hit & (ids < e_l)).astype(jnp.int32)])
-  return jnp.sum(terms, axis=2, dtype=jnp.int32)
+  if scores_e is None:
+    return jnp.sum(terms, axis=2, dtype=jnp.int32)
+  score_terms = jnp.stack([jnp.where(hit, scores_e, 0.0)] + [jnp.zeros(hit.shape)] * 3)
+  items, scores = jax.lax.reduce((terms, score_terms), (jnp.int32(0), jnp.float32(0)),
+                                 lambda a, b: (a[0] + b[0], a[1] + b[1]), (2,))
+  return items, scores[0]
 
 
 def one_window_work_list(live_e, sizes_e, ends_e, n_items: int):

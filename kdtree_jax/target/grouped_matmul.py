@@ -13,6 +13,7 @@ from kdtree_jax.checkpoint.int4 import Int4Weight
 from pallas_kernels.grouped_matmul import expert_mlp as kernel_expert_mlp
 from pallas_kernels.grouped_matmul import gated_grouped_matmul as kernel_gated_matmul
 from pallas_kernels.grouped_matmul import grouped_matmul as kernel_grouped_matmul
+from pallas_kernels.grouped_matmul.api import work_rows as kernel_work_rows
 
 
 def expert_operands(w) -> tuple:
@@ -36,11 +37,19 @@ def gated_grouped_matmul(x_td, gate_edf, up_edf, group_sizes, impl="auto"):
 
 
 def expert_mlp(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto", group_ends=None,
-               items=None, row_groups=None):
+               items=None, row_groups=None, h_rows=None):
   """The gated call then the down call on one work list -> [splits, T, D] f32 split-K
   partials (1 split on XLA); rows past sum(group_sizes) undefined on the kernel.
   group_ends: cumsum(group_sizes); items: R -> the work list, if the caller builds it;
-  row_groups: each row's expert where rows are not in expert order (with items)."""
+  row_groups: each row's expert where rows are not in expert order (with items);
+  h_rows: the gated row each down input row takes (dead rows -> one shared row; api.py)."""
   return kernel_expert_mlp(x_td, expert_operands(gate_edf), expert_operands(up_edf),
                            expert_operands(down_efd), group_sizes, backend=impl,
-                           group_ends=group_ends, items=items, row_groups=row_groups)
+                           group_ends=group_ends, items=items, row_groups=row_groups,
+                           h_rows=h_rows)
+
+
+def work_rows(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto") -> int | None:
+  """R of the work list `expert_mlp` builds (x_td may be a ShapeDtypeStruct); None on XLA."""
+  return kernel_work_rows(x_td, expert_operands(gate_edf), expert_operands(up_edf),
+                          expert_operands(down_efd), group_sizes, backend=impl)

@@ -128,7 +128,8 @@ def _limit_groups(choice_te, n_group, topk_group):
 
 def routed_experts(p, cfg: TargetConfig, x_td, idx_tk, w_tk):
   """The routed experts this device holds (all, or cfg.num_local_experts of them)."""
-  return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], impl=cfg.expert_backend)
+  return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], impl=cfg.expert_backend,
+                    lean=cfg.lean_glue)
 
 
 def moe(p, cfg: TargetConfig, x, routes: list | None = None):
@@ -150,7 +151,8 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
   if _dense_glue(cfg, x_td.shape[0]) and x_td.shape[0] == 1 and _routing_kernel(cfg, 1):
     items, w = route_one_token(p, cfg, x_td, logits)  # no XLA glue up to the expert kernels
     _record(routes, items[:1])
-    y = one_token_ffn(x_td, items, w, p["gate"], p["up"], p["down"], impl=cfg.expert_backend)
+    y = one_token_ffn(x_td, items, w, p["gate"], p["up"], p["down"], impl=cfg.expert_backend,
+                      lean=cfg.lean_glue)
   elif _dense_glue(cfg, x_td.shape[0]):  # (router_impl "pallas" above one token: XLA's rank)
     rank, scores = route_dense(p, cfg, x_td, logits)
     if routes is not None:  # the ids in top-k order (the same logits and rank, shared by XLA)
@@ -158,7 +160,7 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
     y = expert_ffn_dense(x_td, rank, scores, p["gate"], p["up"], p["down"],
                          Weighting(cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                    cfg.routed_scaling_factor),
-                         impl=cfg.expert_backend)
+                         impl=cfg.expert_backend, lean=cfg.lean_glue)
   else:
     idx, w = route(p, cfg, x_td, logits)
     _record(routes, idx)

@@ -81,8 +81,11 @@ def _sum_partials(v_smn):
   return total
 
 
-def _gated_value(vals, dtype):
-  """silu(gate) * up from a gated call's values (fused already, or gate and up partials)."""
+def _gated_value(vals, dtype, rows=None):
+  """silu(gate) * up from a gated call's values (fused already, or gate and up partials).
+  rows [M]: output row r from value row rows[r] where this is a pass anyway (partials to sum)."""
+  if rows is not None and (len(vals) == 2 or vals[0].shape[0] > 1):
+    vals = tuple(v[:, rows] for v in vals)
   if len(vals) == 1:
     return _sum_partials(vals[0]).astype(dtype)
   g, u = (_sum_partials(v) for v in vals)
@@ -118,9 +121,30 @@ def gated_grouped_matmul(x_mk, gate, up, group_sizes, *, backend="auto",
   return _gated_value(_values(x_mk, stacks, group_sizes, backend, tuning), x_mk.dtype)
 
 
+def _plan_mlp(x_mk, stacks, down, group_sizes, backend, tunings):
+  """(gated call's backend and tuning, down call's backend and tuning) of `expert_mlp`."""
+  t_gate, t_down = tunings or (None, None)
+  b_gate, t_gate = _plan(x_mk, stacks, group_sizes, backend, t_gate)
+  h_shape = jax.ShapeDtypeStruct((x_mk.shape[0], down[0].shape[2 if len(down) == 2 else 1]),
+                                 x_mk.dtype)
+  b_down, t_down = _plan(h_shape, [down], group_sizes, backend, t_down)
+  if t_gate.rows != t_down.rows:
+    raise ValueError(f"gate and down tunings must share rows: {t_gate.rows} vs {t_down.rows}")
+  return b_gate, t_gate, b_down, t_down
+
+
+def work_rows(x_mk, gate, up, down, group_sizes, *, backend="auto",
+              tunings: tuple[Tuning, Tuning] | None = None) -> int | None:
+  """R of the work list `expert_mlp` builds for these operands (x_mk: an array or a
+  ShapeDtypeStruct), or None where XLA runs both calls (no work list)."""
+  b_gate, t_gate, b_down, _ = _plan_mlp(x_mk, [tuple(gate), tuple(up)], tuple(down),
+                                        group_sizes, backend, tunings)
+  return None if "xla" == b_gate == b_down else t_gate.rows
+
+
 def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
                tunings: tuple[Tuning, Tuning] | None = None, group_ends=None, items=None,
-               row_groups=None):
+               row_groups=None, h_rows=None):
   """down[g] applied to silu(x @ gate[g]) * (x @ up[g]) per expert -> [S, M, N] f32 K-partials.
 
   One work list for both calls (their tunings share R). The caller sums over S, ideally inside
@@ -129,16 +153,14 @@ def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
   items: R -> a work list the caller built (as work.work_list would for R). row_groups [M]:
   each row's expert (G: none) when the rows are not sorted by expert, which the kernel allows
   where every item's window holds one expert's rows (`items` given); XLA then sorts them.
+  h_rows [M] int32: the gated value's row each row of the down call's input takes, where a pass
+  sums the gated call's split partials anyway: r for the rows items store, one shared row for
+  the others (undefined rows nobody reads), so that pass reads the live rows only.
   """
   stacks = [tuple(gate), tuple(up)]
   down = tuple(down)
-  t_gate, t_down = tunings or (None, None)
-  b_gate, t_gate = _plan(x_mk, stacks, group_sizes, backend, t_gate)
+  b_gate, t_gate, b_down, t_down = _plan_mlp(x_mk, stacks, down, group_sizes, backend, tunings)
   m = x_mk.shape[0]
-  h_shape = jax.ShapeDtypeStruct((m, down[0].shape[2 if len(down) == 2 else 1]), x_mk.dtype)
-  b_down, t_down = _plan(h_shape, [down], group_sizes, backend, t_down)
-  if t_gate.rows != t_down.rows:
-    raise ValueError(f"gate and down tunings must share rows: {t_gate.rows} vs {t_down.rows}")
   if row_groups is not None and "xla" in (b_gate, b_down):
     if b_gate != b_down:
       raise ValueError(f"row_groups needs one backend for both calls: {b_gate}, {b_down}")
@@ -153,6 +175,7 @@ def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
     items = items(t_gate.rows)
   else:
     items = work.work_list(group_sizes, m, t_gate.rows, group_ends)
-  h = _gated_value(_values(x_mk, stacks, group_sizes, b_gate, t_gate, items), x_mk.dtype)
+  h = _gated_value(_values(x_mk, stacks, group_sizes, b_gate, t_gate, items), x_mk.dtype,
+                   h_rows)
   (y,) = _values(h, [down], group_sizes, b_down, t_down, items)
   return y.astype(jnp.float32)

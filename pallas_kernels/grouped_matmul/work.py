@@ -35,7 +35,14 @@ def _inclusive_sum(v):
   return jnp.sum(jnp.where(i[None, :] <= i[:, None], v[None, :], 0), axis=1, dtype=v.dtype)
 
 
-def work_list(group_sizes, m: int, rows: int, group_ends=None):
+def windows_per_group(group_sizes, group_ends, rows: int):
+  """Items (R-row windows from the 8-aligned row at or below its first row) per expert [G]."""
+  starts = group_ends - group_sizes
+  base = starts - starts % ALIGN
+  return jnp.where(group_sizes > 0, -(-(group_ends - base) // rows), 0)
+
+
+def work_list(group_sizes, m: int, rows: int, group_ends=None, items_upto=None):
   """int32 [4, I]: (expert, window's first row, first stored row in it, rows stored) per item;
   items past the live count are all 0.
 
@@ -43,14 +50,15 @@ def work_list(group_sizes, m: int, rows: int, group_ends=None):
   ~log2(G) small kernels on a GPU, cumsum a few reduce-window passes): the windows per expert,
   their inclusive sum, then ONE reduction over the experts that finds each item's expert and
   writes all four fields (no search, gather or stack after it). group_ends: the inclusive
-  cumsum of the sizes when the caller has it (one dependent reduction less)."""
+  cumsum of the sizes when the caller has it (one dependent reduction less); items_upto: the
+  inclusive cumsum of `windows_per_group` for R = rows, when the caller has it (one more less)."""
   sizes = group_sizes.astype(jnp.int32)
   g = sizes.shape[0]
   ends = _inclusive_sum(sizes) if group_ends is None else group_ends.astype(jnp.int32)
   starts = ends - sizes
   base = starts - starts % ALIGN
-  chunks = jnp.where(sizes > 0, -(-(ends - base) // rows), 0)
-  upto = _inclusive_sum(chunks)
+  chunks = windows_per_group(sizes, ends, rows)
+  upto = _inclusive_sum(chunks) if items_upto is None else items_upto.astype(jnp.int32)
   item = jnp.arange(num_items(m, g, rows), dtype=jnp.int32)[:, None]  # [I, 1] against [G]
   first = upto - chunks  # the expert's first item
   hit = (first <= item) & (item < upto)  # [I, G]: at most one expert per item

@@ -1,0 +1,100 @@
+"""TargetConfig.lean_glue (experts.py `_lean_expert_ffn`, `_lean_one_token_ffn`): the index
+reductions against numpy, and the MoE layer bit-identical to the sixth session's glue on the
+kernel (GPU interpret mode) and within f32 rounding of a numpy per-token loop on XLA."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdtree_jax.target import config as C
+from kdtree_jax.target import experts, moe
+from kdtree_jax.target import params as P
+from pallas_kernels.grouped_matmul import work
+
+
+def _routing(t, k, e, seed):
+  """Random distinct experts per token [T, K] int32 (as top-k gives)."""
+  rng = np.random.default_rng(seed)
+  return np.stack([rng.choice(e, k, replace=False) for _ in range(t)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("t,k,e,e_l,rows", [(16, 8, 384, 48, 16), (16, 8, 384, 48, 8),
+                                            (65, 8, 384, 48, 8), (5, 3, 8, 6, 8),
+                                            (3, 2, 4, 4, 8)])
+def test_order_and_item_ends_match_numpy(t, k, e, e_l, rows):
+  idx = _routing(t, k, e, seed=t * 100 + rows)
+  key, _ = experts._pair_keys(jnp.asarray(idx), e_l, 0)  # pylint: disable=protected-access
+  rank, sizes, ends = experts._pair_counts(key, e_l)  # pylint: disable=protected-access
+  order, upto = experts._order_and_item_ends(  # pylint: disable=protected-access
+      rank, sizes, ends, rows)
+  key_np = np.where(idx.reshape(-1) < e_l, idx.reshape(-1), e_l)
+  np.testing.assert_array_equal(np.asarray(order), np.argsort(key_np, kind="stable"))
+  size_np = np.bincount(key_np, minlength=e_l + 1)[:e_l]
+  end_np = np.cumsum(size_np)
+  start_np = end_np - size_np
+  windows = np.where(size_np > 0, -(-(end_np - (start_np - start_np % 8)) // rows), 0)
+  np.testing.assert_array_equal(np.asarray(upto), np.cumsum(windows))
+  np.testing.assert_array_equal(
+      np.asarray(work.work_list(sizes, t * k, rows, ends, items_upto=upto)),
+      np.asarray(work.work_list(jnp.asarray(size_np, jnp.int32), t * k, rows)))
+
+
+def test_one_token_scores_are_the_chosen_scores_exactly():
+  rng = np.random.default_rng(3)
+  scores = jnp.asarray(rng.uniform(0.01, 1.0, 384), jnp.float32)
+  rank = jnp.asarray(rng.permutation(384), jnp.int32)
+  items, got = experts.one_token_work_list(rank, 8, 48, scores)
+  np.testing.assert_array_equal(np.asarray(items), np.asarray(experts.one_token_work_list(
+      rank, 8, 48)))
+  want = np.asarray(scores)[np.argsort(np.asarray(rank))[:8]]
+  np.testing.assert_array_equal(np.asarray(got), want)  # bitwise: one non-zero term per sum
+
+
+def _numpy_routed(p, cfg, x):
+  """Per token: the routing (`moe.route`), then sum of weight x expert FFN over the local
+  experts it chose; f64 numpy on the (dequantised) f32 weights."""
+  idx, w = moe.route(p, cfg, jnp.asarray(x))
+  idx, w = np.asarray(idx), np.asarray(w, np.float64)
+  g, u, d = (np.asarray(p[n], np.float64) for n in ("gate", "up", "down"))
+  out = np.zeros(x.shape, np.float64)
+  for t in range(x.shape[0]):
+    for e, wt in zip(idx[t], w[t]):
+      if e < g.shape[0]:
+        a, b = x[t] @ g[e], x[t] @ u[e]
+        out[t] += wt * ((a / (1 + np.exp(-a)) * b) @ d[e])
+  return out
+
+
+@pytest.mark.parametrize("t,router", [(1, "xla"), (1, "pallas"), (6, "xla"), (7, "xla")])
+def test_lean_glue_equals_numpy_f32(t, router):
+  cfg = C.tiny(n_routed_experts=8, num_experts_per_tok=3, n_group=1, topk_group=1,
+               num_local_experts=5, expert_backend="xla", lean_glue=True, router_impl=router)
+  p = P.init_params(jax.random.key(0), cfg, jnp.float32)["layers"][cfg.first_k_dense_replace]
+  p = dict(p["moe"])
+  p.pop("shared")
+  x = np.asarray(jax.random.normal(jax.random.key(t), (t, cfg.hidden_size)), np.float32)
+  want = _numpy_routed(p, cfg, x)
+  got = np.asarray(moe.moe(p, cfg, jnp.asarray(x)))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("t", [1, 5, 12])
+def test_lean_glue_bit_identical_on_the_kernel_interpret(t):
+  """INT4 experts on the kernel (GPU interpret mode), D 512 so the gated call splits K in 2
+  (its partials go through the live-rows pass): lean == the sixth session's glue, bitwise.
+  T=1: the one-token path; T=5, 12 (R=8): experts over one and several windows."""
+  cfg = C.tiny(hidden_size=512, moe_intermediate_size=128, n_routed_experts=8,
+               num_experts_per_tok=3, n_group=1, topk_group=1, num_local_experts=6,
+               expert_backend="interpret")
+  p = P.init_params(jax.random.key(1), cfg, jnp.bfloat16, int4_experts=True)["layers"]
+  p = p[cfg.first_k_dense_replace]["moe"]
+  x = jax.random.normal(jax.random.key(10 + t), (t, cfg.hidden_size), jnp.bfloat16)
+  want = jax.jit(lambda p, x: moe.moe(p, cfg, x))(p, x)
+  lean = dataclasses.replace(cfg, lean_glue=True)
+  got = jax.jit(lambda p, x: moe.moe(p, lean, x))(p, x)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  assert float(jnp.max(jnp.abs(want.astype(jnp.float32)))) > 0
