@@ -76,8 +76,10 @@ def route_local(route_fn, p, x_td, mesh):
   if not _real(_split_axes(tok_spec), mesh) or _split_axes(specs):
     return route_fn(rp, x_td)
   out = sharding.spec(("batch", "out"), (x_td.shape[0], 1), mesh)
-  return jax.shard_map(route_fn, mesh=mesh, in_specs=(specs, tok_spec), out_specs=(out, out))(
-      rp, x_td)
+  # check_vma=False: the routing kernel's interpret mode (router_impl "pallas" off a GPU) pads
+  # with an invariant value, which the varying-axes check rejects (as in mla.py).
+  return jax.shard_map(route_fn, mesh=mesh, in_specs=(specs, tok_spec), out_specs=(out, out),
+                       check_vma=False)(rp, x_td)
 
 
 def routed_experts_ep(p, x_td, idx_tk, w_tk, mesh, impl="auto"):

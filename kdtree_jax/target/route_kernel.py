@@ -71,13 +71,14 @@ def _call(logits_te, bias_e, k, norm, scale, e_local):
 def _pallas_route(logits_te, bias_e, *, k, norm, scale, e_local, interpret=False):
   t, e = logits_te.shape
   kp = pl.next_power_of_2(k)
-  first = (jax.ShapeDtypeStruct((4, kp), jnp.int32) if e_local is not None
-           else jax.ShapeDtypeStruct((t, kp), jnp.int32))
+  # The outputs vary over a shard_map's axes as the logits do (its varying-axes check).
+  out = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(logits_te).mat)
+  first = out((4, kp), jnp.int32) if e_local is not None else out((t, kp), jnp.int32)
   kernel = functools.partial(_route_kernel, k=k, norm=norm, scale=scale, e_local=e_local)
   ids, w = pl.pallas_call(
       kernel,
       grid=(t,),
-      out_shape=[first, jax.ShapeDtypeStruct((t, kp), jnp.float32)],
+      out_shape=[first, out((t, kp), jnp.float32)],
       compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
       interpret=interpret,
   )(logits_te, bias_e)

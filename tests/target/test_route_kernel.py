@@ -217,3 +217,22 @@ def test_bench_layer_variants_set_target_config_fields():
     with pytest.raises(ValueError, match=match):
       bench.layer_config(base, bad)
   assert bench._file_safe("sorted+router_impl=pallas") == "sorted__router_impl-pallas"  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("mesh_spec", ["expert=8", "data=2,expert=4"])
+def test_moe_under_a_mesh_same_as_single_device_xla(mesh_spec):
+  """Expert-parallel MoE with router_impl "pallas" (the kernel per data shard's tokens under
+  shard_map, or replicated) == the single-device layer with the XLA routing."""
+  # pylint: disable-next=import-outside-toplevel
+  from kdtree_jax import sharding
+  cfg = C.tiny(n_routed_experts=16, num_experts_per_tok=4, n_group=1, topk_group=1,
+               moe_intermediate_size=16)
+  p = P.init_params(jax.random.key(3), cfg, jnp.float32, std=0.3)["layers"][1]["moe"]
+  x = jax.random.normal(jax.random.key(4), (2 * 13, cfg.hidden_size), jnp.float32)
+  want = moe.moe(p, cfg, x)
+  mesh = sharding.make_mesh(mesh_spec)
+  ps = sharding.shard(p, sharding.param_shardings({"layers": [{"moe": p}]}, mesh)["layers"][0]["moe"])
+  pallas = dataclasses.replace(cfg, router_impl="pallas")
+  with sharding.use_mesh(mesh):
+    got = jax.jit(lambda p, x: moe.moe(p, pallas, x))(ps, x)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
