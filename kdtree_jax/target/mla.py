@@ -4,7 +4,9 @@ Letters: B batch, S/N tokens, H heads, D hidden, R kv_lora_rank (latent), P rope
 Dn qk_nope dim, Dv value dim, C = R + P latent cache width, L cache rows.
 Weights: q_a [D, Rq], q_b [Rq, H, Dn+P] (or q [D, H, Dn+P]), kv_a [D, R+P], kv_b [R, H, Dn+Dv],
 o [H, Dv, D]; packed (target/pack.py, out-major): qkv_a_t [Rq+R+P, D], q_b_t [H*(Dn+P), Rq],
-w_qc_t [H, R+P, Dn+P], w_uv [H, Dv, R], o_t [D, H*Dv] in place of q_a (or q), kv_a, q_b, kv_b, o.
+w_qc_t [H, R+P, Dn+P], w_uv [H, Dv, R], o_t [D, H*Dv] in place of q_a (or q), kv_a, q_b, kv_b, o;
+with fold_norms qkv_a_gt and q_b_gt (the attention / q LoRA norms' gains folded in) in place of
+qkv_a_t and q_b_t (and of the two gains).
 """
 
 import functools
@@ -13,11 +15,12 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
 from kdtree_jax import sharding
 from kdtree_jax.target.config import TargetConfig
-from kdtree_jax.target.norm import rms_norm
+from kdtree_jax.target.norm import normed_dot_t, rms_norm
 from kdtree_jax.target.pack import dot_t
 from kdtree_jax.target import rope
 from kdtree_jax.target.rope import apply_rope, cos_sin
@@ -28,9 +31,12 @@ def input_dots(p, cfg: TargetConfig, x_bsd):
   """(q_in, kv_a_out, mean squares): x @ q_a [B, S, Rq] (or the queries [B, S, H, Dn + P]
   without the q LoRA) and x @ kv_a [B, S, R + P]; one dot over p["qkv_a_t"] ((q_a | kv_a)^T,
   target/pack.py) when packed, else two. Mean squares: (of c_q, of c_kv) [B, S, 1] f32 from one
-  reduction where packed (lora_mean_squares), else (None, None): each norm reduces its own."""
-  if "qkv_a_t" in p:
-    y = dot_t(x_bsd, p["qkv_a_t"])
+  reduction where packed (lora_mean_squares), else (None, None): each norm reduces its own.
+  x_bsd: the layer's normed input, or its raw input where pack's fold_norms folded the
+  attention norm's gain into "qkv_a_gt" (norm.normed_dot_t: the 1/rms on the dot's output)."""
+  if "qkv_a_t" in p or "qkv_a_gt" in p:
+    y = (normed_dot_t(x_bsd, p["qkv_a_gt"], cfg.rms_norm_eps) if "qkv_a_gt" in p
+         else dot_t(x_bsd, p["qkv_a_t"]))
     q_in, a = y[..., :-cfg.cache_dim], y[..., -cfg.cache_dim:]
     if cfg.q_lora_rank is None:
       q_in = q_in.reshape(*q_in.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
@@ -64,6 +70,9 @@ def project_q(p, cfg: TargetConfig, q_in, mean_square=None):
   mean_square: input_dots' for c_q, or None."""
   if cfg.q_lora_rank is None:
     return q_in
+  if "q_b_gt" in p:  # the q LoRA norm's gain folded in (pack's fold_norms): no c_q is made
+    q = normed_dot_t(q_in, p["q_b_gt"], cfg.lora_norm_eps, mean_square)
+    return q.reshape(*q.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
   c_q = rms_norm(q_in, p["q_a_norm"], cfg.lora_norm_eps, mean_square)
   if "q_b_t" in p:  # out-major [H * (Dn + P), Rq]: contracts its minor dim
     q = dot_t(c_q, p["q_b_t"])
@@ -153,7 +162,8 @@ def out_proj(p, o_bnhv):
 def kernel_queries(p, cfg: TargetConfig, q_bnhy, cos, sin):
   """The tree-verify kernel's queries [B, N, H, R + P]: q_nope through kv_b's key half, then the
   rotated q_pe. Packed (target/pack.py's w_qc_t [H, R + P, Dn + P] = [[w_uk, 0], [0, I]],
-  out-major: each head's product contracts the weight's minor dim): ONE
+  out-major: each head's product contracts the weight's minor dim): at one token
+  `_one_token_queries` (the rotation's factors on the weight side of one reduce); else ONE
   product of the rotated queries (`rope.rotate_tail`, no concatenate) gives both parts, the
   rope columns multiplied by exact ones (the same values; the absorbed part's sums gain zero
   terms), so no concatenate joins them (on the H200 one kernel per layer); else absorb_q and
@@ -161,6 +171,8 @@ def kernel_queries(p, cfg: TargetConfig, q_bnhy, cos, sin):
   out_major=False, contracts its major dim: kept for the GPU A/B.)"""
   if "w_uv" in p:
     dn = cfg.qk_nope_head_dim
+    if "w_qc_t" in p and q_bnhy.shape[1] == 1:
+      return _one_token_queries(p["w_qc_t"], q_bnhy, cos, sin, dn)
     qf = rope.rotate_tail(q_bnhy.astype(jnp.float32), dn, cos[:, :, None, :],
                           sin[:, :, None, :]).astype(q_bnhy.dtype)
     if "w_qc_t" in p:
@@ -168,6 +180,32 @@ def kernel_queries(p, cfg: TargetConfig, q_bnhy, cos, sin):
     return jnp.einsum("bnhk,hkc->bnhc", qf, p["w_qc"])
   q_nope, q_pe = split_q(cfg, q_bnhy, cos, sin)
   return jnp.concatenate([absorb_q(p, cfg, q_nope), q_pe], axis=-1)
+
+
+def _one_token_queries(w_qc_t, q_bnhk, cos, sin, dn):
+  """kernel_queries at one token over w_qc_t [H, C, K] (C = R + P, K = Dn + P) with the rope
+  rotation folded into the product's weight side: output column c sums q[k] * e[c, k] over k
+  with e = w_qc_t for the R absorbed columns and, for rope column c = R + j, e[c, k] =
+  c1[j] (k == i1[j]) + c2[j] (k == i2[j]) (rope.rotate_tail's factors and column indices,
+  made from iota: the [[0], [I_P]] block is not read). The per-column factors multiply the
+  weight, not q, so no gather of q rides in each element of the reduce (the H200 listing:
+  236 us per ar step at 61 layers for ~26 us of bytes). Written as multiply + sum (a one-row
+  dot is one on the GPU anyway) in f32 and cast once: a rope column is q[i1] c1 + q[i2] c2
+  plus exact zeros, rotate_tail's value rounded once as before; the absorbed columns are the
+  same f32 products summed (bit-identical where the reduce keeps the dot's order)."""
+  _, c, k = w_qc_t.shape
+  r, p = c - (k - dn), k - dn
+  i1, i2 = rope.row_columns(dn, p)
+  col_1 = np.concatenate([np.full(r, -1), i1[dn:]])[:, None]  # [C, 1]; -1: no rope term
+  col_2 = np.concatenate([np.full(r, -1), i2[dn:]])[:, None]
+  zeros = jnp.zeros(cos.shape[:-1] + (r,), cos.dtype)
+  f1 = jnp.concatenate([zeros, cos, cos], axis=-1)[..., None, :, None]  # [B, N, 1, C, 1]
+  f2 = jnp.concatenate([zeros, -sin, sin], axis=-1)[..., None, :, None]
+  k_idx = np.arange(k)[None, :]
+  rope_e = jnp.where(k_idx == col_1, f1, 0.0) + jnp.where(k_idx == col_2, f2, 0.0)
+  e = jnp.where(np.arange(c)[:, None] >= r, rope_e, w_qc_t.astype(jnp.float32))
+  qf = q_bnhk.astype(jnp.float32)[..., None, :]  # [B, N, H, 1, K]
+  return jnp.sum(qf * e, axis=-1).astype(q_bnhk.dtype)
 
 
 def absorb_q(p, cfg: TargetConfig, q_nope_bnhk):

@@ -42,22 +42,30 @@ def test_latent_rows_equal_norm_and_rope_joined(dtype, given_mean_square):
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-def test_kernel_queries_of_packed_weights_equal_absorbed_and_roped_joined():
+@pytest.mark.parametrize("n", [1, 5])  # 1: mla._one_token_queries (rope factors on the weights)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_queries_of_packed_weights_equal_absorbed_and_roped_joined(n, dtype):
   cfg = C.tiny()
-  params = init_params(jax.random.key(0), cfg, jnp.float32)
+  params = init_params(jax.random.key(0), cfg, dtype)
   p = params["layers"][1]["attn"]
   packed = pack.pack_for_decode(cfg, params)["layers"][1]["attn"]
   k = jax.random.split(jax.random.key(4), 2)
-  q = jax.random.normal(k[0], (2, 5, cfg.num_attention_heads, cfg.qk_head_dim))
-  cos, sin = cos_sin(cfg, jax.random.randint(k[1], (2, 5), 0, 5000))
+  q = jax.random.normal(k[0], (2, n, cfg.num_attention_heads, cfg.qk_head_dim)).astype(dtype)
+  cos, sin = cos_sin(cfg, jax.random.randint(k[1], (2, n), 0, 5000))
   dn = cfg.qk_nope_head_dim
   want = jnp.concatenate([
-      jnp.einsum("bnhk,rhk->bnhr", q[..., :dn], p["kv_b"][..., :dn]),
+      jnp.einsum("bnhk,rhk->bnhr", q[..., :dn], p["kv_b"][..., :dn],
+                 preferred_element_type=jnp.float32).astype(dtype),
       apply_rope(q[..., dn:], cos[:, :, None, :], sin[:, :, None, :])], axis=-1)
   got = mla.kernel_queries(packed, cfg, q, cos, sin)
-  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-  np.testing.assert_array_equal(got[..., cfg.kv_lora_rank:], want[..., cfg.kv_lora_rank:])
-  np.testing.assert_array_equal(mla.kernel_queries(p, cfg, q, cos, sin), want)
+  assert got.dtype == dtype
+  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             rtol=tol, atol=tol)
+  np.testing.assert_array_equal(np.asarray(got[..., cfg.kv_lora_rank:], np.float32),
+                                np.asarray(want[..., cfg.kv_lora_rank:], np.float32))
+  if dtype == jnp.float32:
+    np.testing.assert_array_equal(mla.kernel_queries(p, cfg, q, cos, sin), want)
 
 
 def _concats(layers, fn):
