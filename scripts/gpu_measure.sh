@@ -35,8 +35,8 @@
 #   xla_options scripts/probe_xla_options.py: bench_k26_full's fused step (ar, ddtree 15) compiled
 #               per XLA option set (cuBLAS vs Triton GEMMs, ...), CUPTI kernel ms each (~200 s)
 #   target_layout  the same fused step (ar, ddtree 15), default options, target.pack's packed
-#               layout (q_b, w_qc, o, shared down out-major: issue 13's one-row dots) vs the fifth
-#               session's (packed_s5: the same joins, those four contracted on a major dim):
+#               layout vs packed_fold (pack's fold_norms: the attention and q LoRA norms' gains
+#               folded into qkv_a_t / q_b_t, 1/rms on the dots' outputs, issue 13):
 #               CUPTI kernel ms and launches of each, side by side (target_layout:240)
 #   draft_share the same for k26_dflash_share only (bench_k26_full's draft, issue 17's must-show)
 #   draft_waves bench_draft.py on k26_dflash_share only: draft_block with the ctx kernel at 1, 2 and
@@ -114,7 +114,7 @@ run_part() {
                 --time_budget_s $(( secs - 20 )) ;;
     xla_options) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" ;;
     target_layout) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
-                --variants default --layouts packed_s5,packed ;;
+                --variants default --layouts packed,packed_fold ;;
     draft_waves) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 \
                 --drafts k26_dflash_share --out_dir "$RAW" --ctx_impls \
                 pallas:p131:64:8:3+block+packed,pallas:p263:64:8:3+block+packed,pallas:p263:64:4:3+block+packed,pallas:p395:64:4:2+block+packed,pallas:p263:128:8:2+block+packed ;;

@@ -7,7 +7,7 @@ winner becomes a `runtime.RuntimeConfig` default only after it is measured here.
 
   python scripts/probe_xla_options.py --config configs/bench_k26_full.py --out_dir runs/xla_opts
   (GPU: bash scripts/gpu_measure.sh $OUT xla_options:300; the target's per-layer vs packed
-  layout (target.pack) vs the fifth session's packed layout, default options: bash
+  layout (target.pack) vs packed_fold (fold_norms), default options: bash
   scripts/gpu_measure.sh $OUT target_layout:240)
 """
 import functools
@@ -37,7 +37,9 @@ _LAYOUTS = flags.DEFINE_list("layouts", ["per_layer"], "Target param layouts, ea
                              "every variant (all of a mode's programs compiled at once): "
                              "per_layer (load_target's), packed (target.pack: load_pair's "
                              "and bench_k26_full's), packed_s5 (the fifth session's packed "
-                             "layout: q_b, o, shared down and w_qc contracted on a major dim).")
+                             "layout: q_b, o, shared down and w_qc contracted on a major dim), "
+                             "packed_fold (packed with fold_norms: the attention and q LoRA "
+                             "norms' gains in qkv_a_t / q_b_t, 1/rms on the dots' outputs).")
 runtime.define_flags()
 
 VARIANTS = {  # name -> XLA DebugOptions fields for compiler_options
@@ -101,7 +103,8 @@ def main(_):
   tcfg, tp = load_target(c.target, dtype)
   dcfg, dp = load_draft(c.draft, tcfg, dtype)
   layouts = {"per_layer": lambda: tp, "packed": lambda: pack_for_decode(tcfg, tp),
-             "packed_s5": lambda: pack_for_decode(tcfg, tp, out_major=False)}
+             "packed_s5": lambda: pack_for_decode(tcfg, tp, out_major=False),
+             "packed_fold": lambda: pack_for_decode(tcfg, tp, fold_norms=True)}
   pairs = {name: Pair(tcfg, layouts[name](), dcfg, dp) for name in _LAYOUTS.value}
   os.makedirs(_OUT.value, exist_ok=True)
   rows = []

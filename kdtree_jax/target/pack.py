@@ -45,11 +45,40 @@ import jax.numpy as jnp
 from kdtree_jax.target.config import TargetConfig
 
 
-def pack_for_decode(cfg: TargetConfig, params, out_major: bool = True):
+def pack_for_decode(cfg: TargetConfig, params, out_major: bool = True, fold_norms: bool = False):
   """params with every layer in the packed layout (a new pytree; the input is not changed).
   out_major=False: the fifth session's layout (q_b, o and the shared down as stored per layer,
-  "w_qc" [H, Dn + P, R + P]), kept for the GPU A/B (probe_xla_options --layouts packed_s5)."""
-  return params | {"layers": [pack_layer(cfg, lp, out_major) for lp in params["layers"]]}
+  "w_qc" [H, Dn + P, R + P]), kept for the GPU A/B (probe_xla_options --layouts packed_s5).
+  fold_norms (needs out_major): `fold_layer_norms` (probe_xla_options --layouts packed_fold)."""
+  if fold_norms and not out_major:
+    raise ValueError("fold_norms folds gains into the out-major qkv_a_t / q_b_t: out_major=True")
+  layers = [pack_layer(cfg, lp, out_major) for lp in params["layers"]]
+  if fold_norms:
+    layers = [fold_layer_norms(lp) for lp in layers]
+  return params | {"layers": layers}
+
+
+def fold_layer_norms(lp):
+  """A packed layer with the attention norm's gain folded into qkv_a_t ("qkv_a_gt" = qkv_a_t *
+  attn_norm, replacing both) and the q LoRA norm's into q_b_t ("q_b_gt" = q_b_t * q_a_norm):
+  each norm's only consumer is that dot, and dot(x, w g) / rms(x) = dot(g x / rms(x), w) in
+  exact arithmetic, so the forward applies 1 / rms to the dot's output (norm.normed_dot_t) and
+  the normed input is never made (at one token, one elementwise kernel fewer per norm). The
+  products are rounded to the weights' dtype once, here. Layers whose qkv_a_t was not packed
+  (mixed dtypes) are returned as they are; the MLP / MoE norm stays (the routed experts read
+  the normed input too)."""
+  attn = dict(lp["attn"])
+  if "qkv_a_t" not in attn:
+    return lp
+  attn["qkv_a_gt"] = _fold_gain(attn.pop("qkv_a_t"), lp["attn_norm"])
+  if "q_b_t" in attn:
+    attn["q_b_gt"] = _fold_gain(attn.pop("q_b_t"), attn.pop("q_a_norm"))
+  return {k: w for k, w in lp.items() if k != "attn_norm"} | {"attn": attn}
+
+
+def _fold_gain(w_t, gain):
+  """Out-major w_t [N, D] times the gain [D] of the norm before it, in f32, rounded once."""
+  return (w_t.astype(jnp.float32) * gain.astype(jnp.float32)).astype(w_t.dtype)
 
 
 def dot_t(x, w_t, **kw):
