@@ -204,6 +204,7 @@ def expert_ffn_dense(x_td, rank_te, scores_te, gate_edf, up_edf, down_efd, weigh
   2. each row's token, each (token, j < k) pair's row and weight; the work list;
   then the x gather, the two kernel calls and a gather-combine over k as in `expert_ffn`.
   One token (T = 1) has its own shorter path (`_one_token_ffn`; lean: `_lean_one_token_ffn`).
+  lean (T > 1): the pass over the gated call's split partials reads the live rows only.
   """
   t = x_td.shape[0]
   e_l = gate_edf.shape[0]
@@ -224,9 +225,10 @@ def expert_ffn_dense(x_td, rank_te, scores_te, gate_edf, up_edf, down_efd, weigh
       return one_window_work_list(live, sizes, ends, min(e_l, t * k))
     return work.work_list(sizes, t * k, rows, ends)
 
+  row = jnp.arange(t * k, dtype=jnp.int32)
   y = expert_mlp(x_td[tok_row], gate_edf, up_edf, down_efd, sizes, impl, group_ends=ends,
-                 items=items)
-  return combine_pairs(y, pos_tk.reshape(-1), ok_tk.reshape(-1), w_tk)
+                 items=items, h_rows=jnp.where(row < ends[-1], row, 0) if lean else None)
+  return combine_pairs(y, pos_tk.reshape(-1), ok_tk.reshape(-1), w_tk)  # pos: 0 where no pair
 
 
 def _one_token_ffn(x_1d, rank_e, scores_e, gate_edf, up_edf, down_efd, weighting, impl):

@@ -82,14 +82,15 @@ def test_lean_glue_equals_numpy_f32(t, router):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("t", [1, 5, 12])
-def test_lean_glue_bit_identical_on_the_kernel_interpret(t):
+@pytest.mark.parametrize("t,glue", [(1, "auto"), (5, "auto"), (12, "auto"), (12, "dense")])
+def test_lean_glue_bit_identical_on_the_kernel_interpret(t, glue):
   """INT4 experts on the kernel (GPU interpret mode), D 512 so the gated call splits K in 2
   (its partials go through the live-rows pass): lean == the sixth session's glue, bitwise.
-  T=1: the one-token path; T=5, 12 (R=8): experts over one and several windows."""
+  T=1: the one-token path; T=5, 12 (R=8): experts over one and several windows; the dense
+  glue at T=12."""
   cfg = C.tiny(hidden_size=512, moe_intermediate_size=128, n_routed_experts=8,
                num_experts_per_tok=3, n_group=1, topk_group=1, num_local_experts=6,
-               expert_backend="interpret")
+               expert_backend="interpret", moe_glue=glue)
   p = P.init_params(jax.random.key(1), cfg, jnp.bfloat16, int4_experts=True)["layers"]
   p = p[cfg.first_k_dense_replace]["moe"]
   x = jax.random.normal(jax.random.key(10 + t), (t, cfg.hidden_size), jnp.bfloat16)
