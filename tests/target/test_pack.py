@@ -293,8 +293,8 @@ def test_one_token_dots_contract_the_packed_weights_minor_dim():
 
 @pytest.mark.slow
 def test_speculative_decoding_on_packed_params_is_lossless():
-  """ar / chain / ddtree on the packed target (loader.load_pair's layout) emit the greedy tokens
-  of ar on the per-layer params."""
+  """ar / chain / ddtree on the packed target (loader.load_pair's layout, and with fold_norms)
+  emit the greedy tokens of ar on the per-layer params."""
   tcfg = C.tiny(eos_token_id=None, bos_token_id=None, pad_token_id=None)
   tp = P.init_params(jax.random.key(4), tcfg, jnp.float32, std=0.15)
   dcfg = DraftConfig.tiny(hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,
@@ -305,9 +305,11 @@ def test_speculative_decoding_on_packed_params_is_lossless():
   packed = pair.replace(tparams=pack.pack_for_decode(tcfg, tp))
   prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
   spec = lambda m: SpecConfig(mode=m, budget=5, max_new_tokens=16, block_size=6)
+  folded = pair.replace(tparams=pack.pack_for_decode(tcfg, tp, fold_norms=True))
   want = loop.generate(pair, spec("ar"), prompts, max_len=48).tokens
   for mode in ("ar", "chain", "ddtree"):
     assert loop.generate(packed, spec(mode), prompts, max_len=48).tokens == want, mode
+    assert loop.generate(folded, spec(mode), prompts, max_len=48).tokens == want, mode
 
 
 def test_packed_params_are_refused_under_a_mesh():
