@@ -238,3 +238,28 @@ def test_moe_under_a_mesh_same_as_single_device_xla(mesh_spec):
   with sharding.use_mesh(mesh):
     got = jax.jit(lambda p, x: moe.moe(p, pallas, x))(ps, x)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["k2_qlora_yarn32", "k25_real_rope", "k25_wrapper"])
+def test_hf_fixtures_with_the_routing_kernel(name, monkeypatch):
+  """The HF parity fixtures without a group limit, with router_impl "pallas" (interpret mode):
+  the first 32 positions of both rows (T = 64 tokens per MoE layer) match HF's f32 logits at the
+  parity test's tolerance, and the XLA routing's logits to f32 rounding."""
+  # pylint: disable-next=import-outside-toplevel
+  import kdtree_jax
+  import os  # pylint: disable=import-outside-toplevel
+  path = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf", name)
+  cfg, params = kdtree_jax.load_hf_checkpoint(path, dtype=jnp.float32)
+  assert cfg.n_group == 1
+  with np.load(os.path.join(path, "reference.npz")) as z:
+    tokens, ref = z["tokens"][:, :32], z["logits"][:, :32]
+  assert tokens.size <= route_kernel.MAX_TOKENS
+  calls = []
+  real = route_kernel.route_pallas
+  monkeypatch.setattr(route_kernel, "route_pallas", lambda *a: calls.append(1) or real(*a))
+  got = np.asarray(kdtree_jax.forward(dataclasses.replace(cfg, router_impl="pallas"), params,
+                                      jnp.asarray(tokens)))
+  assert calls  # the MoE layers routed by the kernel (traced once per layer, or once if scanned)
+  xla = np.asarray(kdtree_jax.forward(cfg, params, jnp.asarray(tokens)))
+  assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-4  # test_hf_parity.REL_TOL
+  np.testing.assert_allclose(got, xla, rtol=1e-5, atol=1e-5 * np.abs(xla).max())
