@@ -16,9 +16,10 @@
 #               chunk), per-call Mosaic us, wrong rows marked FAIL; 8 programs: moe_tune:95
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 1, 16, 65: one MoE layer
 #               of bench_k26_full per kernel, sorted vs dense glue vs auto (dense at T=1, else
-#               sorted) with the one-kernel routing (router_impl=pallas) (rows of one T
-#               together, T=1 first); each variant's optimized HLO in raw/moe_layer_hlo/;
-#               first the routing kernel's fast tests compiled for the GPU (<= 90 s)
+#               sorted) with the one-kernel routing (router_impl=pallas), the lean glue
+#               (lean_glue=true) and both (rows of one T together, T=1 first; 15 programs);
+#               each variant's optimized HLO in raw/moe_layer_hlo/; first the routing kernel's
+#               fast tests compiled for the GPU (<= 90 s): moe_layer:300
 #   verify      tree-verify kernel: GPU tests (-m gpu, 14 cases, one kernel compile each, the f32
 #               reference on the CPU: < 2 min), short bench (default L=46000 grid); verify:240
 #   verify_probes  tree-verify bench at L=46000, B=1, H=8 (N=1,8,16,64) then H=64 (N=64 first)
@@ -93,7 +94,8 @@ run_part() {
     moe_layer) one_gpu timeout "$secs" bash -c "timeout 90 python3 -m pytest -q -rs -m 'not slow' \
                  tests/target/test_route_kernel.py; \
                  python3 -m pallas_kernels.grouped_matmul.bench --parts layer \
-                 --tokens 1,16,65 --layer_variants sorted,dense,auto+router_impl=pallas \
+                 --tokens 1,16,65 --layer_variants \
+                 sorted,dense,auto+router_impl=pallas,auto+lean_glue=true,auto+router_impl=pallas+lean_glue=true \
                  --hlo_dir $RAW/moe_layer_hlo --out $RAW/bench_moe_layer.jsonl" ;;
     verify) one_gpu timeout "$secs" bash -c "timeout 170 python3 -m pytest -q -rs --durations=15 -m gpu \
                 tests/kernels/test_tree_verify_attention.py tests/sharding/test_verify_attention_sharded.py; \
