@@ -11,13 +11,13 @@
 #   moe_bench   pallas_kernels/grouped_matmul/bench.py: routed FFN per T, tuning sweep, whole MoE layer
 #   moe_tune    pallas_kernels/grouped_matmul/bench.py --parts mlp_tune: the INT4 expert FFN's gated
 #               and down calls at T=16 (4 experts), 1 (1), 9 (8), 65 (36): the promoted default
-#               tuning (tuning.DEFAULT_VARIANTS, by rows) beside, at T=9 and 65, the same + cat
-#               (select-free INT4 scales) and + cat + kp (K-packed weights, one ldmatrix per
-#               chunk), per-call Mosaic us, wrong rows marked FAIL; 8 programs: moe_tune:95
-#   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 1, 16, 65: one MoE layer
-#               of bench_k26_full per kernel, sorted vs dense glue vs auto (dense at T=1, else
-#               sorted) with the one-kernel routing (router_impl=pallas), the lean glue
-#               (lean_glue=true) and both (rows of one T together, T=1 first; 15 programs);
+#               tuning (tuning.DEFAULT_VARIANTS, by rows) beside, at T=1, 9, 16 and 65, the same
+#               + cat (select-free INT4 scales) and + cat + kp (K-packed weights, one ldmatrix
+#               per chunk), per-call Mosaic us, wrong rows marked FAIL; 12 programs: moe_tune:170
+#   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 16, 1: one MoE layer
+#               of bench_k26_full per kernel, sorted vs auto (dense at T=1, else sorted) with
+#               the one-kernel routing (router_impl=pallas), the lean glue (lean_glue=true) and
+#               both (rows of one T together, T=16 first; 10 programs);
 #               each variant's optimized HLO in raw/moe_layer_hlo/; first the routing kernel's
 #               fast tests compiled for the GPU (<= 90 s): moe_layer:300
 #   verify      tree-verify kernel: GPU tests (-m gpu, 14 cases, one kernel compile each, the f32
@@ -94,8 +94,8 @@ run_part() {
     moe_layer) one_gpu timeout "$secs" bash -c "timeout 90 python3 -m pytest -q -rs -m 'not slow' \
                  tests/target/test_route_kernel.py; \
                  python3 -m pallas_kernels.grouped_matmul.bench --parts layer \
-                 --tokens 1,16,65 --layer_variants \
-                 sorted,dense,auto+router_impl=pallas,auto+lean_glue=true,auto+router_impl=pallas+lean_glue=true \
+                 --tokens 16,1 --layer_variants \
+                 sorted,auto,auto+router_impl=pallas,auto+lean_glue=true,auto+router_impl=pallas+lean_glue=true \
                  --hlo_dir $RAW/moe_layer_hlo --out $RAW/bench_moe_layer.jsonl" ;;
     verify) one_gpu timeout "$secs" bash -c "timeout 170 python3 -m pytest -q -rs --durations=15 -m gpu \
                 tests/kernels/test_tree_verify_attention.py tests/sharding/test_verify_attention_sharded.py; \

@@ -21,19 +21,28 @@ def expert_operands(w) -> tuple:
   return (w.packed, w.scale) if isinstance(w, Int4Weight) else (w,)
 
 
+def k_packed(*ws) -> bool:
+  """Whether these INT4 stacks are K-packed (`int4.pack_k`): all or none of them."""
+  flags = {isinstance(w, Int4Weight) and w.k_packed for w in ws}
+  if len(flags) > 1:
+    raise ValueError("expert stacks of one call must all be K-packed (int4.pack_k) or none")
+  return flags.pop()
+
+
 def grouped_matmul(x_td, w, group_sizes, impl="auto"):
   """out[rows of expert e] = x[rows of expert e] @ w[e]; rows of x [T, in] are sorted by expert.
 
   impl: "auto" (the kernel on a GPU when the shapes suit it, else XLA), "pallas" (the kernel),
   "interpret" (the kernel on CPU, tests), "xla" (the reference); the kernel's API checks it.
   """
-  return kernel_grouped_matmul(x_td, expert_operands(w), group_sizes, backend=impl)
+  return kernel_grouped_matmul(x_td, expert_operands(w), group_sizes, backend=impl,
+                               k_packed=k_packed(w))
 
 
 def gated_grouped_matmul(x_td, gate_edf, up_edf, group_sizes, impl="auto"):
   """silu(x @ gate[g]) * (x @ up[g]) per group: one kernel call on a GPU (fused epilogue)."""
   return kernel_gated_matmul(x_td, expert_operands(gate_edf), expert_operands(up_edf),
-                             group_sizes, backend=impl)
+                             group_sizes, backend=impl, k_packed=k_packed(gate_edf, up_edf))
 
 
 def expert_mlp(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto", group_ends=None,
@@ -46,10 +55,11 @@ def expert_mlp(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto", group
   return kernel_expert_mlp(x_td, expert_operands(gate_edf), expert_operands(up_edf),
                            expert_operands(down_efd), group_sizes, backend=impl,
                            group_ends=group_ends, items=items, row_groups=row_groups,
-                           h_rows=h_rows)
+                           h_rows=h_rows, k_packed=k_packed(gate_edf, up_edf, down_efd))
 
 
 def work_rows(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto") -> int | None:
   """R of the work list `expert_mlp` builds (x_td may be a ShapeDtypeStruct); None on XLA."""
   return kernel_work_rows(x_td, expert_operands(gate_edf), expert_operands(up_edf),
-                          expert_operands(down_efd), group_sizes, backend=impl)
+                          expert_operands(down_efd), group_sizes, backend=impl,
+                          k_packed=k_packed(gate_edf, up_edf, down_efd))

@@ -7,22 +7,26 @@ NUM_SMS = 132  # H200 SXM
 
 # The `apply_variant` name default_tuning applies to INT4 calls, by M (rows = T tokens x top-8
 # pairs): the first entry whose bound M <= max_rows holds, with the measurement it comes from
-# (H200, `bash scripts/gpu_measure.sh $OUT moe_tune:160`: `bench.py --parts mlp_tune`, both
+# (H200, `bash scripts/gpu_measure.sh $OUT moe_tune:170`: `bench.py --parts mlp_tune`, both
 # calls of the INT4 expert FFN on one GPU's share of K2.6, 48 local experts, D 7168, F 2048;
-# whole-call CUPTI us; results/h200/2026-12-01/s5_moe_tune.log, copy 4.08 TB/s). bf16 calls take
-# none (measured on INT4 only). A new row of the mlp_tune bench is promoted by naming it here;
-# 'GATED|PLAIN' names the gated (gate|up) call's and the plain (down) call's variants apart (the
-# bench times each call: both must keep one R, the work list is shared).
+# whole-call CUPTI us; s5 = results/h200/2026-12-01/s5_moe_tune.log, s6 = s6_moe_tune.log).
+# bf16 calls take none (measured on INT4 only). A new row of the mlp_tune bench is promoted by
+# naming it here; 'GATED|PLAIN' names the gated (gate|up) call's and the plain (down) call's
+# variants apart (the bench times each call: both must keep one R, the work list is shared).
+# `kp` (int4_k_packed) is not named here: it follows the weights (api.py's k_packed, from
+# Int4Weight.k_packed: target.pack.pack_for_decode packs the routed stacks); s6 measured each
+# row + cat + kp 1.02-1.08x faster than the row (cat alone: noise), so every row has + cat.
 DEFAULT_VARIANTS = (
-    # max_rows, variant, measured (s5 = fifth session, 2026-12-01 10:54 UTC)
-    (8, "once+ismem", "s5 T=1 (1 expert): 26.6 us vs 27.3 base (+x2 27.2: noise; the simpler)"),
-    (12 * 8, "once+ismem+x4c4+s2+r8", "s5 run 2 T=9 (8 experts): 107.9 us vs 123.8 with R 16 "
-     "(the T=16 class's); T=2..12: up to the midpoint to the measured T=16"),
-    (33 * 8 - 1, "once+ismem+x4c4+s2", "s5 T=16 (4 experts): 78.0 us vs 87.3 base (run 2: 78.8; "
-     "+dq2 76.5, +s3 slower: within noise, not promoted); T=13..32 unmeasured"),
-    (65 * 8, "once+ismem+r8+s2+w16", "s5 run 2 T=65 (36 experts): 325.2 us (66.7% of copy) vs "
-     "336.5 r8+s2 (run 1: 336.4) vs 555.9 base; R = 8 fits ~2 local rows per expert, not "
-     "prefill's hundreds; w16: a persistent grid over the live items"),
+    # max_rows, variant, measured
+    (8, "once+ismem+cat", "s6 T=1 (1 expert): + kp 24.3 us vs 26.2 (s5: once+ismem 26.6 vs "
+     "27.3 base)"),
+    (12 * 8, "once+ismem+x4c4+s2+r8+cat", "s6 T=9 (8 experts): + kp 98.6 us vs 106.9 (s5 run 2: "
+     "107.9 vs 123.8 with R 16, the T=16 class's); T=2..12: up to the midpoint to T=16"),
+    (33 * 8 - 1, "once+ismem+x4c4+s2+cat", "s6 T=16 (4 experts): + kp 72.5 us vs 74.1 (s5: 78.0 vs "
+     "87.3 base; +dq2, +s3 within noise); T=13..32 unmeasured"),
+    (65 * 8, "once+ismem+r8+s2+w16+cat", "s6 T=65 (36 experts): + kp 318.5 us (67.0% of copy) vs "
+     "324.9 (s5 run 2: 325.2 vs 336.5 r8+s2 vs 555.9 base); R = 8 fits ~2 local rows per expert, "
+     "not prefill's hundreds; w16: a persistent grid over the live items"),
     (None, "default", "unmeasured (prefill chunks): the base tuning, R from the rows per expert"),
 )
 
@@ -169,7 +173,8 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   """A named change of a [K -> N] call's tuning t (the bench's --mlp_variants; promote one by
   naming it in DEFAULT_VARIANTS): '+'-joined parts, applied in order:
   once: store_once; ismem: items_smem; wide: int4_wide_loads; cat: int4_scale_concat;
-  kp: int4_k_packed (the caller packs the weights: bench.mlp_tune does);
+  kp: int4_k_packed (the caller packs the weights: bench.mlp_tune does; the model's calls
+  take it from the weights, api.py's k_packed);
   dqN: dequant_batch N;
   rN: rows N (both calls of one work list must share it); kBK: block_k BK; sN: stages N;
   xN[cC]: scale_splits by N for ~C CTAs per SM (2); wN: slots for ~N CTAs per SM (a

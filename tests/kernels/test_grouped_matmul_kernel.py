@@ -427,10 +427,10 @@ def test_default_variants_promote_per_row_count():
   T=33..65 (M 264..520) R = 8 on 2 stages in a persistent grid, larger M (prefill) the base; bf16 calls and variant='default' the base."""
   d, f = 7168, 2048
   base = lambda m, k, n, **kw: default_tuning(m, 48, k, n, True, variant="default", **kw)
-  want = {8: "once+ismem", 72: "once+ismem+x4c4+s2+r8", 96: "once+ismem+x4c4+s2+r8",
-          97: "once+ismem+x4c4+s2", 128: "once+ismem+x4c4+s2", 263: "once+ismem+x4c4+s2",
-          264: "once+ismem+r8+s2+w16", 520: "once+ismem+r8+s2+w16", 521: "default",
-          4096: "default"}
+  want = {8: "once+ismem+cat", 72: "once+ismem+x4c4+s2+r8+cat", 96: "once+ismem+x4c4+s2+r8+cat",
+          97: "once+ismem+x4c4+s2+cat", 128: "once+ismem+x4c4+s2+cat",
+          263: "once+ismem+x4c4+s2+cat", 264: "once+ismem+r8+s2+w16+cat",
+          520: "once+ismem+r8+s2+w16+cat", 521: "default", 4096: "default"}
   for m, name in want.items():
     assert tuning_module.promoted_variant(m) == name, m
     assert tuning_module.promoted_variant(m, gated=True) == name, m
@@ -439,6 +439,7 @@ def test_default_variants_promote_per_row_count():
     assert default_tuning(m, 48, f, d, True) == apply_variant(name, base(m, f, d), f, d), m
   t1, t16, t65 = (default_tuning(m, 48, d, f, True, gated=True) for m in (8, 128, 520))
   assert (t1.store_once, t1.items_smem, t1.splits, t1.stages) == (True, True, 7, 4)
+  assert t1.int4_scale_concat and not t1.int4_k_packed  # kp follows the weights (api k_packed)
   assert (t16.splits, t16.slots, t16.stages, t16.rows) == (4, 4, 2, 16)
   assert (t65.rows, t65.stages, t65.splits, t65.items_smem) == (8, 2, 1, True)
   for m in (8, 128, 520):  # gated and down calls of one work list share R
@@ -653,21 +654,47 @@ def test_gated_kernel_gpu_lean_options_match_reference(opts):
          gated_grouped_matmul(x, q_a, q_b, gs, backend="xla"), sum(sizes))
 
 
+def test_k_packed_stacks_follow_into_the_tuning_and_the_reference():
+  """K-packed INT4 stacks (kpack.pack_int4_k) with k_packed=True: the kernel (interpret, the
+  promoted T=16 class: gated split-K through the slots loop) and the XLA path give the
+  unpacked stacks' dequantise-first reference (XLA: exactly, the permutation undone); the
+  chosen tuning reads them K-packed; k_packed on bf16 stacks is an error."""
+  e_l, d, f, t = 8, 256, 128, 16
+  m = 8 * t
+  gs = _class_sizes(t, 4, e_l)
+  x, (w_bf16,), gate = _operands(m, d, f, e_l, 32, seed=30)
+  _, _, up = _operands(m, d, f, e_l, 32, seed=31)
+  _, _, down = _operands(m, f, d, e_l, 32, seed=32)
+  packed = [(kpack.pack_int4_k(q), s) for q, s in (gate, up, down)]
+  want = pallas_expert_mlp(x, gate, up, down, gs, backend="xla")[0]
+  xla = pallas_expert_mlp(x, *packed, gs, backend="xla", k_packed=True)[0]
+  np.testing.assert_array_equal(np.asarray(xla), np.asarray(want))
+  got = pallas_expert_mlp(x, *packed, gs, backend="interpret", k_packed=True)
+  _check(got.sum(axis=0), want, int(gs.sum()))
+  tg = default_tuning(m, e_l, d, f, True, interpret=True, gated=True)
+  assert not tg.int4_k_packed  # the tuning alone does not say; the call's k_packed does
+  with pytest.raises(ValueError, match="k_packed is for INT4"):
+    grouped_matmul(x, (w_bf16,), gs, backend="xla", k_packed=True)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("k_packed", [False, True])
 @pytest.mark.parametrize("t,touched", [(16, 4), (65, 36)])
-def test_expert_mlp_gpu_promoted_tunings_k26(t, touched):
+def test_expert_mlp_gpu_promoted_tunings_k26(t, touched, k_packed):
   """expert_mlp at K2.6's INT4 shapes (48 local experts, D 7168, F 2048) with the promoted
   default tunings of the T=16 class (x4c4+s2: split-K partials through the slots loop) and the
-  T=65 class (R = 8, 2 stages) == the f32 dequantise-first XLA path within bf16 rounding (T=1's
-  is test_expert_ffn_gpu_k26_ar_token_both_glues)."""
+  T=65 class (R = 8, 2 stages), on plain or K-packed stacks (int4.pack_k, as the decode layout
+  holds them) == the f32 dequantise-first XLA path on the plain stacks within bf16 rounding
+  (T=1's is test_expert_ffn_gpu_k26_ar_token_both_glues)."""
   e_l, d, f, m = 48, 7168, 2048, 8 * t
   gs = _class_sizes(t, touched)
   ks = jax.random.split(jax.random.key(t), 4)
-  gate, up, down = [(w.packed, w.scale) for w in (
-      int4.random_int4(kk, s, 0.02) for kk, s in zip(ks[:3], [(e_l, d, f), (e_l, d, f),
-                                                              (e_l, f, d)]))]
+  stacks = [int4.random_int4(kk, s, 0.02)
+            for kk, s in zip(ks[:3], [(e_l, d, f), (e_l, d, f), (e_l, f, d)])]
+  gate, up, down = [(w.packed, w.scale) for w in stacks]
   x = jax.random.normal(ks[3], (m, d), jnp.bfloat16)
-  got = pallas_expert_mlp(x, gate, up, down, gs, backend="pallas").sum(axis=0)
+  run = [(w.packed, w.scale) for w in map(int4.pack_k, stacks)] if k_packed else [gate, up, down]
+  got = pallas_expert_mlp(x, *run, gs, backend="pallas", k_packed=k_packed).sum(axis=0)
   want = pallas_expert_mlp(x, gate, up, down, gs, backend="xla")[0]
   live = int(gs.sum())
   assert float(jnp.linalg.norm(got[:live] - want[:live]) / jnp.linalg.norm(want[:live])) < 1e-2
