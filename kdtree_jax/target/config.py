@@ -87,14 +87,19 @@ class TargetConfig:
   # "sorted" runs), or "auto": dense at one token (ar), sorted above (the faster of the two on
   # the H200 at each T). Same routing decisions either way.
   moe_glue: str = "auto"
-  # lean_glue: the same glue's values in fewer launches and bytes (experts.py `_lean_expert_ffn`,
-  # `_lean_one_token_ffn`: one index reduction less, the split-partial passes and the combine read
-  # the live rows only); False keeps the sixth session's glue for the A/B.
-  lean_glue: bool = False
+  # lean_glue: above one token, the same glue's values in fewer launches and bytes (experts.py
+  # `_lean_expert_ffn`: one index reduction less, the split-partial passes and the combine read
+  # the live rows only); False keeps the fifth session's glue for the A/B. Measured on the H200
+  # (one K2.6-share MoE layer, `gpu_measure.sh moe_layer`, results/h200/2026-12-01/
+  # s6_moe_layer.log): T=16 235.5 vs 240.1 us with the routing kernel; at one token it was 1 us
+  # slower (43.8 vs 42.8), so one token keeps the plain path whatever this says.
+  lean_glue: bool = True
   # router_impl: the routing after the router logits (sigmoid, bias, top-k, weights): "xla" (a
-  # few fused reductions) or "pallas" (one Pallas kernel, `target/route_kernel.py`, where
-  # n_group == 1 and T is small; elsewhere "xla" runs). Same routing decisions either way.
-  router_impl: str = "xla"
+  # few fused reductions), "pallas" (one Pallas kernel, `target/route_kernel.py`, where
+  # n_group == 1 and T is small; elsewhere "xla" runs) or "auto": "pallas" on a GPU, else "xla"
+  # (the kernel's interpret mode would only slow CPU runs). Same routing decisions either way;
+  # H200 (s6_moe_layer.log): one MoE layer T=1 42.8 vs 46.8 us, T=16 240.1 vs 248.9.
+  router_impl: str = "auto"
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
   shared_intermediate_size: int | None = None
@@ -116,8 +121,8 @@ class TargetConfig:
       raise ValueError(f"{self.expert_backend=} must be one of auto, pallas, interpret, xla")
     if self.moe_glue not in ("auto", "sorted", "dense"):
       raise ValueError(f"{self.moe_glue=} must be 'auto', 'sorted' or 'dense'")
-    if self.router_impl not in ("xla", "pallas"):
-      raise ValueError(f"{self.router_impl=} must be 'xla' or 'pallas'")
+    if self.router_impl not in ("auto", "xla", "pallas"):
+      raise ValueError(f"{self.router_impl=} must be 'auto', 'xla' or 'pallas'")
 
   # ---- derived shapes -------------------------------------------------------------------
   @property

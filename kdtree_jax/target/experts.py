@@ -203,15 +203,15 @@ def expert_ffn_dense(x_td, rank_te, scores_te, gate_edf, up_edf, down_efd, weigh
   1. each slot's sorted row, its rank among its token's local slots, rows per expert so far;
   2. each row's token, each (token, j < k) pair's row and weight; the work list;
   then the x gather, the two kernel calls and a gather-combine over k as in `expert_ffn`.
-  One token (T = 1) has its own shorter path (`_one_token_ffn`; lean: `_lean_one_token_ffn`).
+  One token (T = 1) has its own shorter path (`_one_token_ffn`; no lean form: the H200 measured
+  the live-rows pass 1 us slower there, results/h200/2026-12-01/s6_moe_layer.log).
   lean (T > 1): the pass over the gated call's split partials reads the live rows only.
   """
   t = x_td.shape[0]
   e_l = gate_edf.shape[0]
   k = weighting.k
   if t == 1:
-    one_token = _lean_one_token_ffn if lean else _one_token_ffn
-    return one_token(x_td, rank_te[0], scores_te[0], gate_edf, up_edf, down_efd, weighting,
+    return _one_token_ffn(x_td, rank_te[0], scores_te[0], gate_edf, up_edf, down_efd, weighting,
                           impl)
   sel = rank_te[:, :e_l] < k
   w_te = weighting.dense(rank_te, scores_te)
@@ -241,15 +241,14 @@ def _one_token_ffn(x_1d, rank_e, scores_e, gate_edf, up_edf, down_efd, weighting
                        sizes=(rank_e[:gate_edf.shape[0]] < weighting.k).astype(jnp.int32))
 
 
-def one_token_ffn(x_1d, items, w_j, gate_edf, up_edf, down_efd, impl, sizes=None, lean=False):
+def one_token_ffn(x_1d, items, w_j, gate_edf, up_edf, down_efd, impl, sizes=None):
   """One token from its work list [4, k] (`one_token_work_list`'s rows, or the routing kernel's,
   `route_kernel.route_one_token`) and its k weights: row j is its j-th choice (rows in choice
   order, not expert order: each row is its own work item, so the kernel needs no order; the XLA
   path sorts them); the rows are x broadcast; the combine sums row j x its weight over the local
   choices (element-wise terms, as `combine_pairs`, not a reduction over [S, k, D]).
   sizes: rows per local expert, counted from the items if None (the XLA path's; the kernel
-  reads the items only). lean (TargetConfig.lean_glue): the pass over the gated call's K-split
-  partials reads the live rows only (dead rows take row 0; the down call stores none of them)."""
+  reads the items only)."""
   k, e_l = items.shape[1], gate_edf.shape[0]
   live = items[3] > 0
   if sizes is None:
@@ -257,28 +256,16 @@ def one_token_ffn(x_1d, items, w_j, gate_edf, up_edf, down_efd, impl, sizes=None
                     dtype=jnp.int32)
   rows = jnp.broadcast_to(x_1d, (k, x_1d.shape[1]))
   y = expert_mlp(rows, gate_edf, up_edf, down_efd, sizes, impl, items=lambda r: items,  # [S, k, D]
-                 row_groups=jnp.where(live, items[0], e_l),
-                 h_rows=jnp.where(live, jnp.arange(k, dtype=jnp.int32), 0) if lean else None)
+                 row_groups=jnp.where(live, items[0], e_l))
   return weighted_row_sum(lambda s, j: y[s, j][None], y.shape[0], live[None], w_j[None])
 
 
-def _lean_one_token_ffn(x_1d, rank_e, scores_e, gate_edf, up_edf, down_efd, weighting, impl):
-  """`_one_token_ffn` (same values) with each choice's score from the work list's reduction
-  (`one_token_work_list`'s scores: no gather fusion for the weights), then the lean
-  `one_token_ffn` (the pass over the gated call's split partials reads the live rows only)."""
-  k, e_l = weighting.k, gate_edf.shape[0]
-  items, score_j = one_token_work_list(rank_e, k, e_l, scores_e)
-  return one_token_ffn(x_1d, items, weighting.of_choices(score_j), gate_edf, up_edf, down_efd,
-                       impl, sizes=(rank_e[:e_l] < k).astype(jnp.int32), lean=True)
-
-
-def one_token_work_list(rank_e, m: int, e_l: int, scores_e=None):
+def one_token_work_list(rank_e, m: int, e_l: int):
   """One token's work list over its m choices, int32 [4, m]: row j alone in its window, i.e.
   (expert of choice j (any of the E), j - j % 8, j % 8, 1 if that expert is local (< e_l)
   else 0), as one reduction over the experts with no stack after it. The kernel skips the
   non-local rows (size 0) and never reads their expert; R >= 8 for any tuning, so the list does
-  not depend on R. scores_e [E] f32: also return each choice's score [m] from the same
-  reduction (a variadic reduce: one f32 term per row is non-zero, so the sum is exact)."""
+  not depend on R."""
   ids = jnp.arange(rank_e.shape[0], dtype=jnp.int32)[None, :]
   item = jnp.arange(m, dtype=jnp.int32)[:, None]
   hit = rank_e[None, :] == item  # [m, E]
@@ -287,12 +274,7 @@ def one_token_work_list(rank_e, m: int, e_l: int, scores_e=None):
                      jnp.where(first, item - item % work.ALIGN, 0),
                      jnp.where(first, item % work.ALIGN, 0),
                      (hit & (ids < e_l)).astype(jnp.int32)])
-  if scores_e is None:
-    return jnp.sum(terms, axis=2, dtype=jnp.int32)
-  score_terms = jnp.stack([jnp.where(hit, scores_e, 0.0)] + [jnp.zeros(hit.shape)] * 3)
-  items, scores = jax.lax.reduce((terms, score_terms), (jnp.int32(0), jnp.float32(0)),
-                                 lambda a, b: (a[0] + b[0], a[1] + b[1]), (2,))
-  return items, scores[0]
+  return jnp.sum(terms, axis=2, dtype=jnp.int32)
 
 
 def one_window_work_list(live_e, sizes_e, ends_e, n_items: int):

@@ -84,9 +84,11 @@ def route_one_token(p, cfg: TargetConfig, x_td, logits=None):
 
 
 def _routing_kernel(cfg: TargetConfig, t: int) -> bool:
-  """Whether T tokens route through the one-launch kernel (router_impl "pallas", no group
-  limit, T <= route_kernel.MAX_TOKENS); else the XLA path."""
-  return cfg.router_impl == "pallas" and route_kernel.supports(t, cfg.n_group)
+  """Whether T tokens route through the one-launch kernel (router_impl "pallas", or "auto" on a
+  GPU; no group limit, T <= route_kernel.MAX_TOKENS); else the XLA path."""
+  wanted = cfg.router_impl == "pallas" or (cfg.router_impl == "auto"
+                                           and jax.default_backend() == "gpu")
+  return wanted and route_kernel.supports(t, cfg.n_group)
 
 
 def _logits(p, x_td, logits):
@@ -151,8 +153,7 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
   if _dense_glue(cfg, x_td.shape[0]) and x_td.shape[0] == 1 and _routing_kernel(cfg, 1):
     items, w = route_one_token(p, cfg, x_td, logits)  # no XLA glue up to the expert kernels
     _record(routes, items[:1])
-    y = one_token_ffn(x_td, items, w, p["gate"], p["up"], p["down"], impl=cfg.expert_backend,
-                      lean=cfg.lean_glue)
+    y = one_token_ffn(x_td, items, w, p["gate"], p["up"], p["down"], impl=cfg.expert_backend)
   elif _dense_glue(cfg, x_td.shape[0]):  # (router_impl "pallas" above one token: XLA's rank)
     rank, scores = route_dense(p, cfg, x_td, logits)
     if routes is not None:  # the ids in top-k order (the same logits and rank, shared by XLA)
@@ -160,7 +161,7 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
     y = expert_ffn_dense(x_td, rank, scores, p["gate"], p["up"], p["down"],
                          Weighting(cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                    cfg.routed_scaling_factor),
-                         impl=cfg.expert_backend, lean=cfg.lean_glue)
+                         impl=cfg.expert_backend, lean=cfg.lean_glue and x_td.shape[0] > 1)
   else:
     idx, w = route(p, cfg, x_td, logits)
     _record(routes, idx)

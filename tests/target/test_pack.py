@@ -339,3 +339,28 @@ def test_layer_launch_script_counts_fewer_kernels_packed():
   counts = {m[0]: (int(m[1]), int(m[2])) for m in re.findall(line, out)}
   assert counts["packed"][1] == counts["per-layer"][1] - 4, out
   assert counts["packed"][0] < counts["per-layer"][0], out
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_packed_int4_experts_are_k_packed_and_give_the_same_moe(backend):
+  """pack_for_decode stores INT4 routed stacks K-packed (int4.pack_k: the kernel's 32-bit
+  loads); the dequantised weights are unchanged, and the packed MoE layer (XLA, or the
+  grouped-matmul kernel in GPU interpret mode reading the K-packed stacks) gives the per-layer
+  layer's output: f32 rounding on XLA (the router | shared join reorders no sum), one bf16
+  rounding of each product on the kernel."""
+  from kdtree_jax.checkpoint import int4  # pylint: disable=import-outside-toplevel
+  from kdtree_jax.target import moe  # pylint: disable=import-outside-toplevel
+  cfg = C.tiny(hidden_size=128, moe_intermediate_size=64, n_routed_experts=8,
+               num_experts_per_tok=3, n_group=1, topk_group=1, expert_backend=backend)
+  params = P.init_params(jax.random.key(2), cfg, jnp.bfloat16, int4_experts=True)
+  layer = cfg.first_k_dense_replace
+  plain = params["layers"][layer]["moe"]
+  packed = pack.pack_for_decode(cfg, params)["layers"][layer]["moe"]
+  for name in ("gate", "up", "down"):
+    assert packed[name].k_packed and not plain[name].k_packed
+    np.testing.assert_array_equal(np.asarray(int4.dequantize(packed[name]), np.float32),
+                                  np.asarray(int4.dequantize(plain[name]), np.float32))
+  x = jax.random.normal(jax.random.key(5), (5, cfg.hidden_size), jnp.bfloat16)
+  want = np.asarray(moe.moe(plain, cfg, x), np.float32)
+  got = np.asarray(moe.moe(packed, cfg, x), np.float32)
+  assert rel(got, want) < (1e-6 if backend == "xla" else 1e-2)
