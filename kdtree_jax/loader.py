@@ -84,7 +84,7 @@ def load_target_for_decode(c, dtype, mesh=None):
   """load_target, the params in target.pack's decode layout without a mesh (one dot for q_a |
   kv_a, gate | up, router | shared gate | up per layer); per-layer weights under a mesh."""
   tcfg, tparams = load_target(c, dtype, mesh)
-  return tcfg, tparams if mesh is not None else pack_target(tcfg, tparams)
+  return tcfg, tparams if mesh is not None else pack_target(tcfg, tparams, donate_experts=True)
 
 
 def load_target(c, dtype, mesh=None):

@@ -46,16 +46,23 @@ import jax.numpy as jnp
 
 from kdtree_jax.checkpoint import int4
 from kdtree_jax.target.config import TargetConfig
+from pallas_kernels.grouped_matmul import kpack
 
 
-def pack_for_decode(cfg: TargetConfig, params, out_major: bool = True, fold_norms: bool = False):
-  """params with every layer in the packed layout (a new pytree; the input is not changed).
+def pack_for_decode(cfg: TargetConfig, params, out_major: bool = True, fold_norms: bool = False,
+                    donate_experts: bool = False):
+  """params with every layer in the packed layout (a new pytree; the input is not changed,
+  unless donate_experts).
   out_major=False: the fifth session's layout (q_b, o and the shared down as stored per layer,
   "w_qc" [H, Dn + P, R + P]), kept for the GPU A/B (probe_xla_options --layouts packed_s5).
-  fold_norms (needs out_major): `fold_layer_norms` (probe_xla_options --layouts packed_fold)."""
+  fold_norms (needs out_major): `fold_layer_norms` (probe_xla_options --layouts packed_fold).
+  donate_experts: each INT4 routed stack's buffer is donated to its K-packed copy (the input's
+  stacks are deleted), so packing a loaded model needs one stack's room, not a second copy of
+  every expert (without it, K2.6's one-GPU share, ~63 GB of experts, did not fit the H200
+  while it loaded: sixth session). The loader passes it; tests keep both layouts."""
   if fold_norms and not out_major:
     raise ValueError("fold_norms folds gains into the out-major qkv_a_t / q_b_t: out_major=True")
-  layers = [pack_layer(cfg, lp, out_major) for lp in params["layers"]]
+  layers = [pack_layer(cfg, lp, out_major, donate_experts) for lp in params["layers"]]
   if fold_norms:
     layers = [fold_layer_norms(lp) for lp in layers]
   return params | {"layers": layers}
@@ -89,13 +96,13 @@ def dot_t(x, w_t, **kw):
   return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())), **kw)
 
 
-def pack_layer(cfg: TargetConfig, lp, out_major: bool = True):
+def pack_layer(cfg: TargetConfig, lp, out_major: bool = True, donate_experts: bool = False):
   attn = _pack_attn(lp["attn"], cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, out_major)
   out = dict(lp, attn=attn)
   if "mlp" in lp:
     out["mlp"] = _pack_gate_up(lp["mlp"])
   if "moe" in lp:
-    out["moe"] = _pack_moe(lp["moe"], out_major)
+    out["moe"] = _pack_moe(lp["moe"], out_major, donate_experts)
   return out
 
 
@@ -156,8 +163,19 @@ def _pack_gate_up(p, down_t=False):
   return {"gate_up_t": _cat_t([p["gate"], p["up"]])} | down
 
 
-def _pack_moe(p, out_major=True):
-  p = p | {n: int4.pack_k(p[n]) for n in ("gate", "up", "down")
+_PACK_INT4_K_IN_PLACE = jax.jit(kpack.pack_int4_k, donate_argnums=0)
+
+
+def _pack_k_donated(w: int4.Int4Weight) -> int4.Int4Weight:
+  """int4.pack_k whose input stack's buffer is donated (deleted): no second copy held."""
+  if w.k_packed or w.packed.shape[-1] % kpack.CHUNK:
+    return w
+  return int4.Int4Weight(_PACK_INT4_K_IN_PLACE(w.packed), w.scale, k_packed=True)
+
+
+def _pack_moe(p, out_major=True, donate_experts=False):
+  pack_k = _pack_k_donated if donate_experts else int4.pack_k
+  p = p | {n: pack_k(p[n]) for n in ("gate", "up", "down")
            if isinstance(p.get(n), int4.Int4Weight)}
   if "shared" not in p:
     return p

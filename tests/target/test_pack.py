@@ -364,3 +364,23 @@ def test_packed_int4_experts_are_k_packed_and_give_the_same_moe(backend):
   want = np.asarray(moe.moe(plain, cfg, x), np.float32)
   got = np.asarray(moe.moe(packed, cfg, x), np.float32)
   assert rel(got, want) < (1e-6 if backend == "xla" else 1e-2)
+
+
+def test_donated_expert_packing_frees_the_input_stacks():
+  """pack_for_decode(donate_experts=True) (the loader's): the same K-packed stacks, and the
+  input's INT4 buffers are deleted (donated), so a loaded model is not held twice."""
+  from kdtree_jax.checkpoint import int4  # pylint: disable=import-outside-toplevel
+  cfg = C.tiny(hidden_size=128, moe_intermediate_size=64, n_routed_experts=8,
+               num_experts_per_tok=3, n_group=1, topk_group=1)
+  params = P.init_params(jax.random.key(2), cfg, jnp.bfloat16, int4_experts=True)
+  layer = cfg.first_k_dense_replace
+  want = pack.pack_for_decode(cfg, params)["layers"][layer]["moe"]
+  stacks = {n: params["layers"][layer]["moe"][n] for n in ("gate", "up", "down")}
+  got = pack.pack_for_decode(cfg, params, donate_experts=True)["layers"][layer]["moe"]
+  for name, w in stacks.items():
+    assert w.packed.is_deleted() and not w.scale.is_deleted()
+    assert got[name].k_packed
+    np.testing.assert_array_equal(np.asarray(got[name].packed.astype(jnp.int8)),
+                                  np.asarray(want[name].packed.astype(jnp.int8)))
+    np.testing.assert_array_equal(np.asarray(int4.dequantize(got[name]), np.float32),
+                                  np.asarray(int4.dequantize(want[name]), np.float32))
