@@ -13,6 +13,7 @@ from kdtree_jax.target import config as C
 from kdtree_jax.target import experts, moe
 from kdtree_jax.target import params as P
 from pallas_kernels.grouped_matmul import work
+from test_moe_glue import _numpy_routed  # its neighbour's f64 numpy reference (pytest imports by folder)
 
 
 def _routing(t, k, e, seed):
@@ -40,21 +41,6 @@ def test_order_and_item_ends_match_numpy(t, k, e, e_l, rows):
   np.testing.assert_array_equal(
       np.asarray(work.work_list(sizes, t * k, rows, ends, items_upto=upto)),
       np.asarray(work.work_list(jnp.asarray(size_np, jnp.int32), t * k, rows)))
-
-
-def _numpy_routed(p, cfg, x):
-  """Per token: the routing (`moe.route`), then sum of weight x expert FFN over the local
-  experts it chose; f64 numpy on the (dequantised) f32 weights."""
-  idx, w = moe.route(p, cfg, jnp.asarray(x))
-  idx, w = np.asarray(idx), np.asarray(w, np.float64)
-  g, u, d = (np.asarray(p[n], np.float64) for n in ("gate", "up", "down"))
-  out = np.zeros(x.shape, np.float64)
-  for t in range(x.shape[0]):
-    for e, wt in zip(idx[t], w[t]):
-      if e < g.shape[0]:
-        a, b = x[t] @ g[e], x[t] @ u[e]
-        out[t] += wt * ((a / (1 + np.exp(-a)) * b) @ d[e])
-  return out
 
 
 @pytest.mark.parametrize("t,router", [(6, "xla"), (6, "pallas"), (7, "xla")])
