@@ -247,12 +247,17 @@ def verify_attention(cfg: TargetConfig, q_bnhc, cache_blc, lengths_b, tree_mask_
 
 
 def write_rows(cache_blc, rows_bnc, start_b):
-  """Writes rows_bnc at [start, start + N) of each batch row (in place under donation): one
-  dynamic_update_slice per batch row (B is static), each start clamped to [0, L - N] as
-  dynamic_update_slice does. Not a vmap: vmapped, it is a scatter, which drops an out-of-bounds
-  window, and XLA's scatter -> dynamic-update-slice rewrite keeps that by selecting between the
-  new rows and the cache's OLD rows (a dynamic-slice read back per layer: on the H200, 85 us per
-  ar step at 61 layers) although the clamped window is always in bounds."""
-  for b in range(cache_blc.shape[0]):
-    cache_blc = jax.lax.dynamic_update_slice(cache_blc, rows_bnc[b:b + 1], (b, start_b[b], 0))
-  return cache_blc
+  """Writes rows_bnc at [start, start + N) of each batch row (in place under donation), each
+  start clamped to [0, L - N] as dynamic_update_slice does. One batch row (decode): ONE
+  dynamic_update_slice. Vmapped (B > 1) it is a scatter, which drops an out-of-bounds window,
+  and XLA's scatter -> dynamic-update-slice rewrite keeps that by selecting between the new rows
+  and the cache's OLD rows (a dynamic-slice read back per layer: on the H200, 85 us per ar step
+  at 61 layers) although the clamped window is always in bounds; B > 1 keeps the vmap all the
+  same: a loop of per-row updates on a data-sharded batch made GSPMD move rows between shards
+  (2 more collectives per layer at data=2, expert=4: tests/sharding/test_collectives.py)."""
+  if cache_blc.shape[0] == 1:
+    return jax.lax.dynamic_update_slice(cache_blc, rows_bnc, (0, start_b[0], 0))
+
+  def one(c, r, s):
+    return jax.lax.dynamic_update_slice(c, r, (s, 0))
+  return jax.vmap(one)(cache_blc, rows_bnc, start_b)
