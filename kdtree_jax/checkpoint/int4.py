@@ -81,12 +81,17 @@ def dequantize(w: Int4Weight, dtype=jnp.bfloat16):
   return kernel_reference.dequantize(packed, w.scale, dtype)
 
 
-def pack_k(w: Int4Weight) -> Int4Weight:
+_PACK_K_DONATED = jax.jit(kpack.pack_int4_k, donate_argnums=0)
+
+
+def pack_k(w: Int4Weight, donate: bool = False) -> Int4Weight:
   """The same weight K-packed for the kernel's 32-bit loads (`Tuning.int4_k_packed`); a stack
-  already K-packed, or whose in-dim is not a multiple of kpack.CHUNK, is returned as it is."""
+  already K-packed, or whose in-dim is not a multiple of kpack.CHUNK, is returned as it is.
+  donate: w.packed's buffer goes to the copy (deleted), so a loaded model is not held twice."""
   if w.k_packed or w.packed.shape[-1] % kpack.CHUNK:
     return w
-  return Int4Weight(kpack.pack_int4_k(w.packed), w.scale, k_packed=True)
+  packed = (_PACK_K_DONATED if donate else kpack.pack_int4_k)(w.packed)
+  return Int4Weight(packed, w.scale, k_packed=True)
 
 
 def random_int4(key, shape_eio, std, group=32) -> Int4Weight:

@@ -29,23 +29,10 @@ def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto"
   return combine_pairs(y, rank, mine, w_tk)
 
 
-def group_ends(idx_tk, e_l, e0=0):
-  """cumsum of the rows per local expert, counted from the expert ids as the sizes are."""
-  return sorted_pair_layout(idx_tk, e_l, e0)[3]
-
-
-def sort_pairs(idx_tk, e_l, e0=0):
-  """(token, slot) pairs sorted by local expert (stable), the others last.
-
-  Returns (order [M]: the pair at each sorted row, rank [M]: each pair's sorted row, rows per
-  local expert [E_l], whether each pair is local [M]), M = T*K.
-  """
-  order, rank, sizes, _, mine = sorted_pair_layout(idx_tk, e_l, e0)
-  return order, rank, sizes, mine
-
-
 def sorted_pair_layout(idx_tk, e_l, e0=0):
-  """`sort_pairs` plus the inclusive cumsum of the sizes: (order, rank, sizes, ends, mine).
+  """(token, slot) pairs sorted by local expert (stable), the others last: (order [M]: the pair
+  at each sorted row, rank [M]: each pair's sorted row, rows per local expert [E_l], their
+  inclusive cumsum [E_l], whether each pair is local [M]), M = T*K.
 
   Up to COMPARE_SORT_MAX_PAIRS pairs, each pair's rank and every expert's size and end are the
   rows of ONE masked reduction over the pairs ([M + 2 E_l, M]); the order is a second one."""

@@ -46,7 +46,6 @@ import jax.numpy as jnp
 
 from kdtree_jax.checkpoint import int4
 from kdtree_jax.target.config import TargetConfig
-from pallas_kernels.grouped_matmul import kpack
 
 
 def pack_for_decode(cfg: TargetConfig, params, out_major: bool = True, fold_norms: bool = False,
@@ -163,19 +162,8 @@ def _pack_gate_up(p, down_t=False):
   return {"gate_up_t": _cat_t([p["gate"], p["up"]])} | down
 
 
-_PACK_INT4_K_IN_PLACE = jax.jit(kpack.pack_int4_k, donate_argnums=0)
-
-
-def _pack_k_donated(w: int4.Int4Weight) -> int4.Int4Weight:
-  """int4.pack_k whose input stack's buffer is donated (deleted): no second copy held."""
-  if w.k_packed or w.packed.shape[-1] % kpack.CHUNK:
-    return w
-  return int4.Int4Weight(_PACK_INT4_K_IN_PLACE(w.packed), w.scale, k_packed=True)
-
-
 def _pack_moe(p, out_major=True, donate_experts=False):
-  pack_k = _pack_k_donated if donate_experts else int4.pack_k
-  p = p | {n: pack_k(p[n]) for n in ("gate", "up", "down")
+  p = p | {n: int4.pack_k(p[n], donate=donate_experts) for n in ("gate", "up", "down")
            if isinstance(p.get(n), int4.Int4Weight)}
   if "shared" not in p:
     return p

@@ -114,7 +114,7 @@ def _mgpu_ffn(x, idx, w, gate, up, down):
   from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # pylint: disable=import-outside-toplevel
   blocks = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
   rd = lambda a, b, s: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, **blocks)
-  order, rank, sizes, mine = experts.sort_pairs(idx, gate.shape[0])
+  order, rank, sizes, _, mine = experts.sorted_pair_layout(idx, gate.shape[0])
   xs = x[order // idx.shape[1]]
   h = jax.nn.silu(rd(xs, gate, sizes)) * rd(xs, up, sizes)
   return experts.combine_pairs(rd(h, down, sizes).astype(jnp.float32)[None], rank, mine, w)

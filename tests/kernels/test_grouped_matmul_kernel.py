@@ -164,11 +164,11 @@ def test_gated_split_k_interpret_matches_reference(fmt):
 
 
 @pytest.mark.parametrize("t,k,e_l,e0", [(5, 3, 4, 2), (9, 8, 48, 0), (300, 8, 48, 0)])
-def test_sort_pairs_equals_stable_argsort(t, k, e_l, e0):
+def test_sorted_pair_layout_equals_stable_argsort(t, k, e_l, e0):
   """The comparison order (and the sort past COMPARE_SORT_MAX_PAIRS) == a stable argsort."""
   rng = np.random.default_rng(t)
   idx = np.stack([rng.permutation(64)[:k] for _ in range(t)]).astype(np.int32)
-  order, rank, sizes, mine = experts.sort_pairs(jnp.asarray(idx), e_l, e0)
+  order, rank, sizes, ends, mine = experts.sorted_pair_layout(jnp.asarray(idx), e_l, e0)
   local = idx.reshape(-1) - e0
   ok = (local >= 0) & (local < e_l)
   key = np.where(ok, local, e_l)
@@ -177,7 +177,7 @@ def test_sort_pairs_equals_stable_argsort(t, k, e_l, e0):
   np.testing.assert_array_equal(np.asarray(rank)[want], np.arange(t * k))
   np.testing.assert_array_equal(np.asarray(sizes), np.bincount(key, minlength=e_l + 1)[:e_l])
   np.testing.assert_array_equal(np.asarray(mine), ok)
-  np.testing.assert_array_equal(np.asarray(experts.group_ends(jnp.asarray(idx), e_l, e0)),
+  np.testing.assert_array_equal(np.asarray(ends),
                                 np.cumsum(np.bincount(key, minlength=e_l + 1)[:e_l]))
 
 
