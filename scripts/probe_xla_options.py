@@ -24,7 +24,8 @@ from kdtree_jax import forced_accept
 from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.loader import DTYPES, load_draft, load_target
 from kdtree_jax.pair import Pair
-from kdtree_jax.target.pack import pack_for_decode
+from kdtree_jax.config_overrides import with_overrides
+from kdtree_jax.target.pack import layout_params
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "bench_k26_full.py")
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Bench config.")
@@ -39,7 +40,9 @@ _LAYOUTS = flags.DEFINE_list("layouts", ["per_layer"], "Target param layouts, ea
                              "and bench_k26_full's), packed_s5 (the fifth session's packed "
                              "layout: q_b, o, shared down and w_qc contracted on a major dim), "
                              "packed_fold (packed with fold_norms: the attention and q LoRA "
-                             "norms' gains in qkv_a_t / q_b_t, 1/rms on the dots' outputs).")
+                             "norms' gains in qkv_a_t / q_b_t, 1/rms on the dots' outputs); "
+                             "any of these + 'field=value...': the same params with those "
+                             "TargetConfig fields set (e.g. packed+lean_glue=false).")
 runtime.define_flags()
 
 VARIANTS = {  # name -> XLA DebugOptions fields for compiler_options
@@ -73,11 +76,11 @@ def probe_mode(pairs, c, mode, dtype, variants):
   spec = _spec(c, mode)
   first = next(iter(pairs.values()))
   state = profiling.bench_state(first.tcfg, first.dcfg, spec, 1, c.bench.profile_ctx, dtype)
-  kw = dict(tcfg=first.tcfg, dcfg=first.dcfg, spec=spec)
   step = profiling._PHASES["step"]  # pylint: disable=protected-access
   jobs = []
   for layout, pair in pairs.items():
-    lowered = step.lower(*profiling.phase_structs(pair, spec, state)["step"], **kw)
+    lowered = step.lower(*profiling.phase_structs(pair, spec, state)["step"], tcfg=pair.tcfg,
+                         dcfg=pair.dcfg, spec=spec)
     jobs += [(layout, pair, v, lowered) for v in variants]
   outs = timing.Deadline(float("inf")).box_all(
       [functools.partial(lo.compile, compiler_options=options(v)) for _, _, v, lo in jobs])
@@ -97,15 +100,23 @@ def probe_mode(pairs, c, mode, dtype, variants):
   return rows
 
 
+def make_layouts(tcfg, tp, names):
+  """{name: (target config, params)} for --layouts: `pack.layout_params` of the names' bases
+  (one copy of the routed experts among them), a name 'BASE+field=value...' being BASE's params
+  with those TargetConfig fields set (`config_overrides`, e.g. packed+lean_glue=false)."""
+  params = layout_params(tcfg, tp, {n.split("+")[0] for n in names})
+  return {n: (with_overrides(tcfg, n.split("+")[1:], f"--layouts {n!r}"), params[n.split("+")[0]])
+          for n in names}
+
+
 def main(_):
   c = _CONFIG.value
   dtype = DTYPES[c.dtype]
   tcfg, tp = load_target(c.target, dtype)
   dcfg, dp = load_draft(c.draft, tcfg, dtype)
-  layouts = {"per_layer": lambda: tp, "packed": lambda: pack_for_decode(tcfg, tp),
-             "packed_s5": lambda: pack_for_decode(tcfg, tp, out_major=False),
-             "packed_fold": lambda: pack_for_decode(tcfg, tp, fold_norms=True)}
-  pairs = {name: Pair(tcfg, layouts[name](), dcfg, dp) for name in _LAYOUTS.value}
+  pairs = {name: Pair(cfg, lp, dcfg, dp)
+           for name, (cfg, lp) in make_layouts(tcfg, tp, _LAYOUTS.value).items()}
+  del tp  # the layouts hold what they need (packed: the loaded non-expert arrays are freed)
   os.makedirs(_OUT.value, exist_ok=True)
   rows = []
   with open(os.path.join(_OUT.value, "xla_options.jsonl"), "w") as f:
@@ -115,12 +126,13 @@ def main(_):
         f.write(json.dumps(r) + "\n")
         f.flush()
   print(f"\nstep kernel time per XLA option set (ctx {c.bench.profile_ctx}; CUPTI, first trace)")
-  print(f"{'mode':>6} {'layout':<9} {'variant':<34} {'ms':>8} {'wall ms':>8} {'launches':>8}  "
+  lw = max([9] + [len(r["layout"]) for r in rows])
+  print(f"{'mode':>6} {'layout':<{lw}} {'variant':<34} {'ms':>8} {'wall ms':>8} {'launches':>8}  "
         "top kernels (us)")
   for r in rows:
     tops = ", ".join(f"{n} {us:.0f}" for n, _, us in r.get("top", [])[:4])
     ms = f"{r['ms']:8.3f}" if r.get("ms") else f"{r['status']:>8}"
-    print(f"{r['mode']:>6} {r['layout']:<9} {r['variant']:<34} {ms} {r.get('wall_ms', 0):8.3f} "
+    print(f"{r['mode']:>6} {r['layout']:<{lw}} {r['variant']:<34} {ms} {r.get('wall_ms', 0):8.3f} "
           f"{r.get('launches') or 0:8.0f}  {tops}")
 
 

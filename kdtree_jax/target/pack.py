@@ -67,6 +67,34 @@ def pack_for_decode(cfg: TargetConfig, params, out_major: bool = True, fold_norm
   return params | {"layers": layers}
 
 
+LAYOUTS = ("per_layer", "packed_s5", "packed", "packed_fold")
+
+
+def layout_params(cfg: TargetConfig, params, names):
+  """{name: params} of the loaded per-layer `params` in each named layout (the GPU layout A/B,
+  scripts/probe_xla_options.py --layouts): per_layer (as loaded), packed_s5 (out_major=False),
+  packed, packed_fold (packed with `fold_layer_norms`). K2.6's one-GPU share fits ONE copy of
+  its routed experts (~63 GB of 126.9 usable on an H200), so packed donates the loaded stacks
+  to its K-packed copy unless per_layer or packed_s5 (which keep reading them) is named too,
+  and packed_fold shares packed's arrays (it copies the two folded dots' weights only)."""
+  names = set(names)
+  if names - set(LAYOUTS):
+    raise ValueError(f"unknown layouts {sorted(names - set(LAYOUTS))}; known: {LAYOUTS}")
+  out = {}
+  if "per_layer" in names:
+    out["per_layer"] = params
+  if "packed_s5" in names:
+    out["packed_s5"] = pack_for_decode(cfg, params, out_major=False)
+  if names & {"packed", "packed_fold"}:
+    keep = bool(names & {"per_layer", "packed_s5"})
+    packed = pack_for_decode(cfg, params, donate_experts=not keep)
+    if "packed" in names:
+      out["packed"] = packed
+    if "packed_fold" in names:
+      out["packed_fold"] = packed | {"layers": [fold_layer_norms(lp) for lp in packed["layers"]]}
+  return out
+
+
 def fold_layer_norms(lp):
   """A packed layer with the attention norm's gain folded into qkv_a_t ("qkv_a_gt" = qkv_a_t *
   attn_norm, replacing both) and the q LoRA norm's into q_b_t ("q_b_gt" = q_b_t * q_a_norm):

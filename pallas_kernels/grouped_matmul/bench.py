@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdtree_jax import bench_models, roofline, timing
+from kdtree_jax.config_overrides import with_overrides
 from pallas_kernels import bench_flags
 from kdtree_jax.checkpoint import int4
 from kdtree_jax.target import config as C
@@ -332,41 +333,14 @@ _LAYER_VARIANTS = flags.DEFINE_list(
 
 def layer_config(base, spec: str):
   """The TargetConfig of one --layer_variants entry 'glue[+field=value...]': base with moe_glue
-  = glue and each field set (its value parsed by the field's type; an unknown field, a value
-  that does not parse or one the config refuses is a ValueError naming the entry)."""
+  = glue and each field set (`config_overrides.with_overrides`: parsed by the field's type; an
+  unknown glue or field, a value that does not parse or one the config refuses is a ValueError
+  naming the entry)."""
   glue, *sets = spec.split("+")
   if glue not in LAYER_VARIANTS:
     raise ValueError(f"--layer_variants {spec!r}: glue {glue!r} is not one of {LAYER_VARIANTS}")
-  types = {f.name: str(f.type) for f in dataclasses.fields(base)}
-  changes = dict(moe_glue=glue)
-  for item in sets:
-    field, eq, text = item.partition("=")
-    if not eq or field not in types:
-      raise ValueError(f"--layer_variants {spec!r}: {item!r} is not field=value with a "
-                       f"TargetConfig field (one of {sorted(types)})")
-    changes[field] = _parse_field(spec, field, types[field], text)
-  try:
-    return dataclasses.replace(base, **changes)
-  except (ValueError, TypeError) as ex:
-    raise ValueError(f"--layer_variants {spec!r}: {ex}") from ex
-
-
-def _parse_field(spec, field, type_name, text):
-  """text as a value of a field annotated type_name ('bool', 'int | None', 'float', 'str')."""
-  if "None" in type_name and text.lower() == "none":
-    return None
-  try:
-    if "bool" in type_name:
-      return {"true": True, "1": True, "false": False, "0": False}[text.lower()]
-    if "int" in type_name:
-      return int(text)
-    if "float" in type_name:
-      return float(text)
-  except (KeyError, ValueError) as ex:
-    raise ValueError(f"--layer_variants {spec!r}: {field}={text!r} is not a {type_name}") from ex
-  if "str" in type_name:
-    return text
-  raise ValueError(f"--layer_variants {spec!r}: {field} ({type_name}) cannot be set here")
+  return with_overrides(dataclasses.replace(base, moe_glue=glue), sets,
+                        f"--layer_variants {spec!r}")
 
 
 def part_layer(ceil, sink, rows):

@@ -384,3 +384,26 @@ def test_donated_expert_packing_frees_the_input_stacks():
                                   np.asarray(want[name].packed.astype(jnp.int8)))
     np.testing.assert_array_equal(np.asarray(int4.dequantize(got[name]), np.float32),
                                   np.asarray(int4.dequantize(want[name]), np.float32))
+
+
+def test_layout_params_hold_one_copy_of_the_experts():
+  """pack.layout_params (probe_xla_options --layouts): packed and packed_fold share packed's
+  K-packed stacks (one copy of the experts: the loaded ones donated unless per_layer is asked
+  for too), packed_fold is `fold_layer_norms` of packed, unknown names are refused."""
+  cfg = C.tiny(hidden_size=128, moe_intermediate_size=64, n_routed_experts=8,
+               num_experts_per_tok=3, n_group=1, topk_group=1)
+  layer = cfg.first_k_dense_replace
+  params = P.init_params(jax.random.key(3), cfg, jnp.bfloat16, int4_experts=True)
+  both = pack.layout_params(cfg, params, ["per_layer", "packed"])
+  assert both["per_layer"] is params and not params["layers"][layer]["moe"]["gate"].packed.is_deleted()
+  got = pack.layout_params(cfg, params, {"packed", "packed_fold"})
+  assert params["layers"][layer]["moe"]["gate"].packed.is_deleted()
+  for name in ("gate", "up", "down"):
+    assert got["packed_fold"]["layers"][layer]["moe"][name] is got["packed"]["layers"][layer]["moe"][name]
+    assert got["packed"]["layers"][layer]["moe"][name].k_packed
+  fold = got["packed_fold"]["layers"][layer]
+  want = pack.fold_layer_norms(got["packed"]["layers"][layer])
+  np.testing.assert_array_equal(fold["attn"]["qkv_a_gt"], want["attn"]["qkv_a_gt"])
+  assert "attn_norm" not in fold and "attn_norm" in got["packed"]["layers"][layer]
+  with pytest.raises(ValueError, match="unknown layouts"):
+    pack.layout_params(cfg, params, ["packed", "packd"])
