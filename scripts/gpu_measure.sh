@@ -33,6 +33,10 @@
 #   k26_core    the same with the phase tables of ar and ddtree 15, loops at 46k only (a bare
 #               machine: ~130 s of compile, ~80-110 s per table: k26_core:450)
 #   k26_ddtree  k26_core without ar's phase table (k26_ddtree:360)
+#   dots        pallas_kernels/skinny_dot/bench.py: the few-row dense dots (q_a | kv_a, o, router |
+#               shared gate | up, q_b, shared down) at M = 1, 16: XLA's pack.dot_t vs the Pallas
+#               Triton kernel (default tuning, + x2: twice the K splits), each over 32 distinct
+#               weights (no L2 reuse), us / % of copy / x XLA, wrong rows FAIL (~28 programs): dots:120
 #   xla_options scripts/probe_xla_options.py: bench_k26_full's fused step (ar, ddtree 15) compiled
 #               per XLA option set (cuBLAS vs Triton GEMMs, ...), CUPTI kernel ms each (~200 s)
 #   target_layout  the same fused step (ar, ddtree 15), default options, target.pack's packed
@@ -114,6 +118,8 @@ run_part() {
     k26_ddtree) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --config.bench.phase_modes=ddtree \
                 --time_budget_s $(( secs - 20 )) ;;
+    dots) one_gpu timeout "$secs" python3 -m pallas_kernels.skinny_dot.bench \
+                --out "$RAW/bench_dots.jsonl" ;;
     xla_options) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" ;;
     target_layout) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
                 --variants default --layouts packed,packed_fold ;;

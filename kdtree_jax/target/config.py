@@ -94,6 +94,11 @@ class TargetConfig:
   # s6_moe_layer.log): T=16 235.5 vs 240.1 us with the routing kernel; at one token it was 1 us
   # slower (43.8 vs 42.8), so one token keeps the plain path whatever this says.
   lean_glue: bool = True
+  # dense_dot_impl: the few-row dense dots over pack.py's out-major weights (mla's q_a | kv_a,
+  # q_b, o; mlp's gate | up and down; pack.dot_t): "xla" (XLA's dot) or "pallas" (the Pallas
+  # Triton kernel pallas_kernels/skinny_dot where it takes the dot: <= 16 rows, else XLA's).
+  # Same sums (f32 accumulation, another order). "xla" until the H200 A/B (probe_xla_options).
+  dense_dot_impl: str = "xla"
   # router_impl: the routing after the router logits (sigmoid, bias, top-k, weights): "xla" (a
   # few fused reductions), "pallas" (one Pallas kernel, `target/route_kernel.py`, where
   # n_group == 1 and T is small; elsewhere "xla" runs) or "auto": "pallas" on a GPU, else "xla"
@@ -123,6 +128,8 @@ class TargetConfig:
       raise ValueError(f"{self.moe_glue=} must be 'auto', 'sorted' or 'dense'")
     if self.router_impl not in ("auto", "xla", "pallas"):
       raise ValueError(f"{self.router_impl=} must be 'auto', 'xla' or 'pallas'")
+    if self.dense_dot_impl not in ("xla", "pallas"):
+      raise ValueError(f"{self.dense_dot_impl=} must be 'xla' or 'pallas'")
 
   # ---- derived shapes -------------------------------------------------------------------
   @property

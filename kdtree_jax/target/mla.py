@@ -36,7 +36,7 @@ def input_dots(p, cfg: TargetConfig, x_bsd):
   attention norm's gain into "qkv_a_gt" (norm.normed_dot_t: the 1/rms on the dot's output)."""
   if "qkv_a_t" in p or "qkv_a_gt" in p:
     y = (normed_dot_t(x_bsd, p["qkv_a_gt"], cfg.rms_norm_eps) if "qkv_a_gt" in p
-         else dot_t(x_bsd, p["qkv_a_t"]))
+         else dot_t(x_bsd, p["qkv_a_t"], impl=cfg.dense_dot_impl))
     q_in, a = y[..., :-cfg.cache_dim], y[..., -cfg.cache_dim:]
     if cfg.q_lora_rank is None:
       q_in = q_in.reshape(*q_in.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
@@ -75,7 +75,7 @@ def project_q(p, cfg: TargetConfig, q_in, mean_square=None):
     return q.reshape(*q.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
   c_q = rms_norm(q_in, p["q_a_norm"], cfg.lora_norm_eps, mean_square)
   if "q_b_t" in p:  # out-major [H * (Dn + P), Rq]: contracts its minor dim
-    q = dot_t(c_q, p["q_b_t"])
+    q = dot_t(c_q, p["q_b_t"], impl=cfg.dense_dot_impl)
     return q.reshape(*q.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
   return jnp.einsum("bsr,rhk->bshk", c_q, p["q_b"])
 
@@ -130,7 +130,7 @@ def prefill_attention(p, cfg: TargetConfig, x_bsd, positions_bs):
   s = jnp.where(causal, s, -jnp.inf)
   probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
   o = jnp.einsum("bhqs,bshv->bqhv", probs, v)
-  return out_proj(p, o), rows
+  return out_proj(p, o, cfg.dense_dot_impl), rows
 
 
 def absorbed_attention(p, cfg: TargetConfig, x_bnd, positions_bn, layer_cache_blc, lengths_b,
@@ -148,14 +148,15 @@ def absorbed_attention(p, cfg: TargetConfig, x_bnd, positions_bn, layer_cache_bl
   layer_cache_blc = write_rows(layer_cache_blc, rows, lengths_b)
   u = verify_attention(cfg, q, layer_cache_blc, lengths_b, tree_mask_bnn, backend)
   o = unabsorb_u(p, cfg, u.astype(x_bnd.dtype))
-  return out_proj(p, o), layer_cache_blc
+  return out_proj(p, o, cfg.dense_dot_impl), layer_cache_blc
 
 
-def out_proj(p, o_bnhv):
+def out_proj(p, o_bnhv, impl: str = "xla"):
   """The heads' values [B, N, H, Dv] through o -> [B, N, D]: over p["o_t"] [D, H * Dv] (packed,
-  out-major: the heads flattened, contracting the weight's minor dim), else o [H, Dv, D]."""
+  out-major: the heads flattened, contracting the weight's minor dim; impl: pack.dot_t's,
+  TargetConfig.dense_dot_impl), else o [H, Dv, D]."""
   if "o_t" in p:
-    return dot_t(o_bnhv.reshape(*o_bnhv.shape[:-2], -1), p["o_t"])
+    return dot_t(o_bnhv.reshape(*o_bnhv.shape[:-2], -1), p["o_t"], impl=impl)
   return jnp.einsum("bnhv,hvd->bnd", o_bnhv, p["o"])
 
 

@@ -41,11 +41,14 @@ mesh. Per layer (the forward reads either layout; see mla.input_dots, mlp.swiglu
     H200 mlp_tune, sixth session: 1.02-1.08x faster at T = 1, 9, 16, 65), bf16 stacks as stored.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from kdtree_jax.checkpoint import int4
 from kdtree_jax.target.config import TargetConfig
+from pallas_kernels import skinny_dot
 
 
 def pack_for_decode(cfg: TargetConfig, params, out_major: bool = True, fold_norms: bool = False,
@@ -118,8 +121,18 @@ def _fold_gain(w_t, gain):
   return (w_t.astype(jnp.float32) * gain.astype(jnp.float32)).astype(w_t.dtype)
 
 
-def dot_t(x, w_t, **kw):
-  """x [..., D] @ w_t[N, D]^T -> [..., N] (kw: dot_general's precision, preferred_element_type)."""
+def dot_t(x, w_t, impl: str = "xla", **kw):
+  """x [..., D] @ w_t[N, D]^T -> [..., N] (kw: dot_general's precision, preferred_element_type).
+  impl (TargetConfig.dense_dot_impl): "xla" (dot_general), or "pallas": the few-row Pallas
+  Triton kernel (pallas_kernels/skinny_dot) where it takes the dot (<= 16 rows, one dtype, no
+  precision asked), else dot_general."""
+  if impl == "pallas" and set(kw) <= {"preferred_element_type"}:
+    m = math.prod(x.shape[:-1])
+    if skinny_dot.supports(m, w_t.shape[0], w_t.shape[1], x.dtype, w_t.dtype):
+      y = skinny_dot.skinny_dot(x.reshape(m, x.shape[-1]), w_t, **kw)
+      return y.reshape(*x.shape[:-1], w_t.shape[0])
+  elif impl not in ("xla", "pallas"):
+    raise ValueError(f"dot_t: {impl=} must be 'xla' or 'pallas'")
   return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())), **kw)
 
 

@@ -1,12 +1,20 @@
 """pallas_kernels.skinny_dot (few-row dots over out-major weights) vs an f64 numpy reference in
 Pallas interpret mode at K2.6's one-GPU-share shapes (K cut to 1024 where it is longer, plus one
-full shape), the tuning heuristic, and the CUDA lowering for an abstract H200."""
+full shape), the tuning heuristic, the CUDA lowering for an abstract H200, and pack.dot_t /
+a packed model's decode step with TargetConfig.dense_dot_impl="pallas" vs "xla"."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kdtree_jax.target import config as C
+from kdtree_jax.target import pack
+from kdtree_jax.target import params as P
+from kdtree_jax.target import transformer as T
+from kdtree_jax.target.cache import LatentCache
 from pallas_kernels.skinny_dot import Tuning, default_tuning, skinny_dot, supports
 from pallas_kernels.skinny_dot import tuning as tuning_lib
 
@@ -114,3 +122,46 @@ def test_lowers_for_h200(name, n, k, m):
   text = _lower_text(lambda x, w: skinny_dot(x, w, preferred_element_type=jnp.float32),
                      sd((m, k), jnp.bfloat16), sd((n, k), jnp.bfloat16))
   assert text.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.while" not in text
+
+
+def test_dot_t_pallas_matches_xla_and_falls_back():
+  """pack.dot_t(impl="pallas") on [B, S, K] x: the kernel's values where it takes the dot; XLA's
+  dot_general itself for more than 16 rows or an asked precision; an unknown impl refused."""
+  x, w = _inputs(2 * 5, 896, 256, jnp.float32, seed=4)
+  x = x.reshape(2, 5, 256)
+  want = pack.dot_t(x, w)
+  got = pack.dot_t(x, w, impl="pallas")
+  assert got.shape == want.shape == (2, 5, 896)
+  assert _rel_to_f64(got.reshape(10, 896), x.reshape(10, 256), w) <= 1e-5
+  hidden = lambda f: "pallas_call" in str(jax.make_jaxpr(f)(x, w))
+  assert hidden(lambda x, w: pack.dot_t(x, w, impl="pallas"))
+  big = jnp.concatenate([x, x], axis=1)  # 20 rows: XLA's dot
+  assert "pallas_call" not in str(
+      jax.make_jaxpr(lambda x, w: pack.dot_t(x, w, impl="pallas"))(big, w))
+  assert not hidden(lambda x, w: pack.dot_t(x, w, impl="pallas",
+                                            precision=jax.lax.Precision.HIGHEST))
+  with pytest.raises(ValueError):
+    pack.dot_t(x, w, impl="cublas")
+
+
+@pytest.mark.parametrize("b,n", [(1, 1), (2, 5)])
+def test_decode_with_pallas_dense_dots_matches_xla(b, n):
+  """A packed f32 model's decode step (mla's q_a | kv_a, q_b, o and the dense layer's MLP through
+  pack.dot_t) with dense_dot_impl="pallas" vs "xla": the same logits up to f32 summation order
+  (B x N rows: 1 (the multiply-sum) and 10 (tl.dot)); the kernel is in the step's program."""
+  cfg = C.tiny(qk_rope_head_dim=16)  # q_a | kv_a: 32 + 32 + 16 = 80 rows, a multiple of 16
+  params = pack.pack_for_decode(cfg, P.init_params(jax.random.key(5), cfg, jnp.float32, std=0.1))
+  tokens = jax.random.randint(jax.random.key(6), (b, 8), 0, cfg.vocab_size)
+  cache = LatentCache.zeros(cfg, b, 12, jnp.float32)
+  _, cache, _ = T.prefill(cfg, params, cache, tokens[:, :8 - n])
+  cache = cache.replace(lengths=jnp.full((b,), 8 - n, jnp.int32))
+  pos = jnp.broadcast_to(8 - n + jnp.arange(n, dtype=jnp.int32), (b, n))
+  mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
+  step = lambda cfg: (lambda c, t: T.decode(cfg, params, c, t, pos, mask)[0])
+  pallas_cfg = dataclasses.replace(cfg, dense_dot_impl="pallas")
+  want = jax.jit(step(cfg))(cache, tokens[:, 8 - n:])
+  got = jax.jit(step(pallas_cfg))(cache, tokens[:, 8 - n:])
+  jaxpr = str(jax.make_jaxpr(step(pallas_cfg))(cache, tokens[:, 8 - n:]))
+  assert jaxpr.count("pallas_call") >= 3 * cfg.num_hidden_layers  # qkv_a, q_b, o per layer
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-5
