@@ -37,6 +37,10 @@
 #               shared gate | up, q_b, shared down) at M = 1, 16: XLA's pack.dot_t vs the Pallas
 #               Triton kernel (default tuning, + x2: twice the K splits), each over 32 distinct
 #               weights (no L2 reuse), us / % of copy / x XLA, wrong rows FAIL (~28 programs): dots:120
+#   dots_step   the fused step (ar, ddtree 15) of bench_k26_full at full depth, target packed vs packed
+#               with mla's few-row dense dots (q_a | kv_a, q_b, o) on the skinny_dot kernel
+#               (dense_dot_impl=pallas; the MLPs' dots stay XLA's until transformer.py's and
+#               moe.py's calls pass the impl): CUPTI kernel ms each, side by side (dots_step:300)
 #   xla_options scripts/probe_xla_options.py: bench_k26_full's fused step (ar, ddtree 15) compiled
 #               per XLA option set (cuBLAS vs Triton GEMMs, ...), CUPTI kernel ms each (~200 s)
 #   target_layout  the same fused step (ar, ddtree 15), default options, target.pack's packed
@@ -120,6 +124,8 @@ run_part() {
                 --time_budget_s $(( secs - 20 )) ;;
     dots) one_gpu timeout "$secs" python3 -m pallas_kernels.skinny_dot.bench \
                 --out "$RAW/bench_dots.jsonl" ;;
+    dots_step) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
+                --variants default --layouts packed,packed+dense_dot_impl=pallas ;;
     xla_options) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" ;;
     target_layout) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
                 --variants default --layouts packed,packed_fold ;;
