@@ -90,9 +90,10 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
   out, lse = attention_kernel(q_rows, cache, lengths.astype(jnp.int32), words, n=n,
                                      scale=scale, tuning=t, value_dim=r, cache_rows=l,
                                      interpret=interpret)
-  if t.num_splits > 1 and t.merge == "triton":
+  merged = t.num_splits == 1 or t.merge == "kernel"  # the kernel wrote the final output
+  if not merged and t.merge == "triton":
     out, lse = merge_triton.merge_splits_triton(out, lse, n * h, q.dtype, interpret=interpret)
-  elif t.num_splits > 1:
+  elif not merged:
     out, lse = combine.merge_splits(out, lse, n * h, q.dtype)
   elif m != n * h:
     out, lse = out[:, :n * h], lse[:, :n * h]

@@ -10,7 +10,9 @@ SMEM_BYTES = 232448  # sm90 dynamic shared memory per CTA (227 KiB)
 MIN_TILES_PER_SPLIT = 2  # a split below this pays its Q load and epilogue for too little streaming
 KERNELS = ("v2", "v1")  # v2: kernel.py (tree block in the kernel); v1: kernel_v1.py (tree in XLA)
 SWAP_AB_MAX_ROWS = 8  # default_tuning's swap-AB bound on N*H (the measured shape; see there)
-MERGES = ("xla", "triton")  # v2's split merge: combine.py (XLA, ~3 kernels) or merge_triton.py (1)
+MERGES = ("xla", "triton", "kernel")  # v2's split merge: combine.py (XLA, ~3 kernels),
+                                      # merge_triton.py (1), or the kernel's last split
+                                      # (merge_in_kernel.py: no launch)
 
 
 @dataclasses.dataclass(frozen=True)
