@@ -105,6 +105,14 @@ class TargetConfig:
   # (the kernel's interpret mode would only slow CPU runs). Same routing decisions either way;
   # H200 (s6_moe_layer.log): one MoE layer T=1 42.8 vs 46.8 us, T=16 240.1 vs 248.9.
   router_impl: str = "auto"
+  # route_joint_logits: the routing kernel reads the router's E columns straight out of the packed
+  # router|shared dot's [T, E + 2 F] f32 output (no slice of the logits materialised for it;
+  # moe.router_and_shared). Same values; off until the H200 A/B (probe_xla_options).
+  route_joint_logits: bool = False
+  # one_token_rows_first: at one token (the dense glue), x broadcast to the K rows the expert
+  # kernels read is made first and the router|shared dot reads its row 0 (moe.one_token_rows), so
+  # the norm before the MoE and the broadcast can be one fusion. Same values; off until the A/B.
+  one_token_rows_first: bool = False
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
   shared_intermediate_size: int | None = None

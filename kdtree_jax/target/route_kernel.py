@@ -42,7 +42,9 @@ def supports(t: int, n_group: int) -> bool:
 
 def route_pallas(logits_te, bias_e, k: int, norm: bool, scale: float):
   """(ids [T, K] int32 in lax.top_k order of sigmoid(logits) + bias, ties to the lower index;
-  weights [T, K] f32: the chosen sigmoid scores, normalised to sum 1 if `norm`, times scale)."""
+  weights [T, K] f32: the chosen sigmoid scores, normalised to sum 1 if `norm`, times scale).
+  logits_te: [T, E] or wider: the kernel reads the first E = len(bias) columns (the packed
+  router|shared dot's output, TargetConfig.route_joint_logits: no slice made for the kernel)."""
   ids, w = _call(logits_te, bias_e, k, norm, scale, None)
   return ids, w
 
@@ -50,7 +52,7 @@ def route_pallas(logits_te, bias_e, k: int, norm: bool, scale: float):
 def route_one_token(logits_1e, bias_e, k: int, norm: bool, scale: float, e_local: int):
   """One token: (its work list [4, K] int32 as `experts.one_token_work_list`: row 0 the ids in
   top-k order, rows 1-2 each choice's 8-aligned row and offset, row 3 whether its expert is
-  < e_local; weights [K] f32 as `route_pallas`)."""
+  < e_local; weights [K] f32 as `route_pallas`). logits_1e: [1, E] or wider, as `route_pallas`."""
   if logits_1e.shape[0] != 1:
     raise ValueError(f"route_one_token takes one token: {logits_1e.shape=}")
   items, w = _call(logits_1e, bias_e, k, norm, scale, e_local)
@@ -58,10 +60,11 @@ def route_one_token(logits_1e, bias_e, k: int, norm: bool, scale: float, e_local
 
 
 def _call(logits_te, bias_e, k, norm, scale, e_local):
-  t, e = logits_te.shape
-  if not 1 <= t <= MAX_TOKENS or bias_e.shape != (e,) or not 1 <= k <= e:
+  t, width = logits_te.shape
+  e = bias_e.shape[0]
+  if not 1 <= t <= MAX_TOKENS or bias_e.shape != (e,) or not 1 <= k <= e <= width:
     raise ValueError(f"route kernel: {logits_te.shape=} {bias_e.shape=} {k=} "
-                     f"(T <= {MAX_TOKENS}, K <= E)")
+                     f"(T <= {MAX_TOKENS}, K <= E <= the logits' columns)")
   call = functools.partial(_pallas_route, k=k, norm=norm, scale=float(scale), e_local=e_local)
   logits = logits_te.astype(jnp.float32)
   return jax.lax.platform_dependent(logits, bias_e, cuda=call,
@@ -69,7 +72,7 @@ def _call(logits_te, bias_e, k, norm, scale, e_local):
 
 
 def _pallas_route(logits_te, bias_e, *, k, norm, scale, e_local, interpret=False):
-  t, e = logits_te.shape
+  t = logits_te.shape[0]
   kp = pl.next_power_of_2(k)
   # The outputs vary over a shard_map's axes as the logits do (its varying-axes check).
   out = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(logits_te).mat)
@@ -86,10 +89,11 @@ def _pallas_route(logits_te, bias_e, *, k, norm, scale, e_local, interpret=False
 
 
 def _route_kernel(logits_ref, bias_ref, first_ref, w_ref, *, k, norm, scale, e_local):
-  """Program `row`: its logits [E] -> its K choices (ids or the one-token work list) and weights
-  (K padded to a power of 2; the padded slots hold choice K's copies, cut by the caller)."""
+  """Program `row`: its logits [E] (the first E = len(bias) columns of its row) -> its K choices
+  (ids or the one-token work list) and weights (K padded to a power of 2; the padded slots hold
+  choice K's copies, cut by the caller)."""
   row = pl.program_id(0)
-  e = logits_ref.shape[1]
+  e = bias_ref.shape[0]
   ep, kp = pl.next_power_of_2(e), pl.next_power_of_2(k)
   lane = jnp.arange(ep, dtype=jnp.int32)
   live = lane < e
