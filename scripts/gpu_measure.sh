@@ -20,13 +20,15 @@
 #               both (rows of one T together, T=16 first; 10 programs);
 #               each variant's optimized HLO in raw/moe_layer_hlo/; first the routing kernel's
 #               fast tests compiled for the GPU (<= 90 s): moe_layer:300
-#   verify      tree-verify kernel: GPU tests (-m gpu, 14 cases, one kernel compile each, the f32
-#               reference on the CPU: < 2 min), short bench (default L=46000 grid); verify:240
+#   verify      tree-verify kernel: GPU tests (-m gpu, 15 cases incl. the in-kernel merge, one
+#               kernel compile each, the f32 reference on the CPU: < 2 min), short bench
+#               (default L=46000 grid); verify:240
 #   verify_probes  tree-verify bench at L=46000, B=1, H=8 (N=1,8,16,64) then H=64 (N=64 first)
-#               with the PROBES variants (swap_ab off at N*H = 8 where it is the default, on
-#               at 1x8x8 and 1x1x64; 66 splits; packed mask; ~13 variants, one compile each):
-#               verify_probes:200; ends with the best
-#               variant per shape and its % of copy
+#               with the PROBES variants (merge=kernel, the split merge inside the kernel, at
+#               N=1 (also swap_ab=0 and mask=packed), 8, 16 (also packed), 64 beside the default's
+#               Triton merge; swap_ab off at N*H = 8 where it is the default, on at 1x8x8 and
+#               1x1x64; 66 splits; packed mask; ~19 variants, one compile each):
+#               verify_probes:200; ends with the best variant per shape and its % of copy
 #   verify_full tree-verify kernel: every test + the full GPU grid, per-kernel profile, the issue's
 #               whole bench table (with probes and XLA) until half the time box is spent
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput

@@ -63,8 +63,14 @@ FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64]
 # week and dropped: pipeline_qk (tile i + 1's QK^T under tile i's softmax; 1.4-1.5x slower at
 # N=64, removed from the kernel), shared_p=0 and the 32-key ring at N=1. At N=8, H=8 and N=1,
 # H=64 (M = 64) swap-AB does the same tensor work (a check of the swapped structure).
-PROBES = {(1, 1, 8, 46000): "swap_ab=0;swap_ab=0,mask=packed;num_splits=66",
-          (1, 8, 8, 46000): "swap_ab=1",
+# merge=kernel (merge_in_kernel.py): the last split's CTA merges the others' partials after a GMEM
+# counter, no merge launch (the default's Triton merge is one); with the packed mask it is the
+# model's per-layer call without any XLA or Triton kernel.
+PROBES = {(1, 1, 8, 46000): "merge=kernel;merge=kernel,mask=packed;mask=packed;"
+                            "swap_ab=0,merge=kernel;swap_ab=0;swap_ab=0,mask=packed;num_splits=66",
+          (1, 8, 8, 46000): "merge=kernel;swap_ab=1",
+          (1, 16, 8, 46000): "merge=kernel;merge=kernel,mask=packed;mask=packed",
+          (1, 64, 8, 46000): "merge=kernel",
           (1, 1, 64, 46000): "swap_ab=1",
           (4, 1, 8, 46000): "swap_ab=0;num_splits=66",
           (4, 16, 8, 46000): "num_splits=32"}
