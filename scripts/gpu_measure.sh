@@ -37,8 +37,9 @@
 #   k26_ddtree  k26_core without ar's phase table (k26_ddtree:360)
 #   dots        pallas_kernels/skinny_dot/bench.py: the few-row dense dots (q_a | kv_a, o, router |
 #               shared gate | up, q_b, shared down) at M = 1, 16: XLA's pack.dot_t vs the Pallas
-#               Triton kernel (default tuning, + x2: twice the K splits), each over 32 distinct
-#               weights (no L2 reuse), us / % of copy / x XLA, wrong rows FAIL (~28 programs): dots:120
+#               Triton kernel (default tuning; x2: twice the K splits; u1: no unroll), over 32 distinct
+#               weights in turn (no L2 reuse), us / % of copy / x XLA, wrong rows FAIL (~33
+#               programs): dots:150
 #   dots_step   the fused step (ar, ddtree 15) of bench_k26_full at full depth, target packed vs packed
 #               with mla's few-row dense dots (q_a | kv_a, q_b, o) on the skinny_dot kernel
 #               (dense_dot_impl=pallas; the MLPs' dots stay XLA's until transformer.py's and

@@ -27,6 +27,7 @@ from kdtree_jax import roofline, timing
 from kdtree_jax.target.pack import dot_t
 from pallas_kernels import bench_flags
 from pallas_kernels.skinny_dot import default_tuning, skinny_dot, supports
+from pallas_kernels.skinny_dot import tuning as tuning_lib
 
 # (name, N, K, f32 output) of pack.dot_t's weights on bench_k26_full (the router's dot asks f32)
 SHAPES = {"qkv_a": (2112, 7168, False), "o": (7168, 1024, False),
@@ -39,22 +40,32 @@ MAX_COPIES = 32
 _ROWS = flags.DEFINE_list("rows", ["1", "16"], "M: rows of x (1: ar; 16: a ddtree 15 verify).")
 _SHAPES = flags.DEFINE_list("shapes", list(SHAPES), f"Shapes of {list(SHAPES)}.")
 _VARIANTS = flags.DEFINE_list(
-    "variants", ["default", "x2"],
-    "Kernel rows: 'default' (tuning.default_tuning) or '+'-joined changes to it: wN (warps), "
-    "sN (stages), x2 (twice the K splits), h (half BN), d (double BK).")
+    "variants", ["default", "x2", "u1"],
+    "Kernel rows: 'default' (tuning.default_tuning), '+'-joined changes to it: wN (warps), "
+    "sN (stages), uN (unroll), x2 (twice the K splits, unroll 1), h (half BN), d (double BK); or a whole "
+    "tuning 'n16k512w4s3x1u1' (rows where it divides the shape).")
 _OUT = flags.DEFINE_string("out", "runs/bench_dots.jsonl", "JSON lines output.")
 
 
 def variant_tuning(name, m, n, k):
-  """The Tuning of a --variants entry at this shape, or None where it does not apply."""
-  t = default_tuning(m, n, k)
+  """The Tuning of a --variants entry at this shape, or None where it does not apply (or is the
+  default's tuning under another name)."""
+  base = default_tuning(m, n, k)
+  if name.startswith("n"):
+    t = tuning_lib.parse(name)
+    return t if supports(m, n, k, jnp.bfloat16, jnp.bfloat16, t) else None
+  t = base
   for change in ([] if name == "default" else name.split("+")):
-    if change[0] == "w":
+    if change[0] == "u":
+      t = dataclasses.replace(t, unroll=int(change[1:]))
+    elif change[0] == "w":
       t = dataclasses.replace(t, num_warps=int(change[1:]))
     elif change[0] == "s":
       t = dataclasses.replace(t, num_stages=int(change[1:]))
-    elif change == "x2":
-      t = dataclasses.replace(t, splits=2 * t.splits)
+    elif change == "x2":  # BK halved until it divides the shorter share
+      t = dataclasses.replace(t, splits=2 * t.splits, unroll=1)
+      while k % t.splits == 0 and (k // t.splits) % t.bk and t.bk > 16:
+        t = dataclasses.replace(t, bk=t.bk // 2)
     elif change == "h":
       t = dataclasses.replace(t, bn=t.bn // 2)
     elif change == "d":
@@ -62,7 +73,7 @@ def variant_tuning(name, m, n, k):
     else:
       raise ValueError(f"--variants {name!r}: unknown change {change!r}")
   ok = t.bn >= 1 and supports(m, n, k, jnp.bfloat16, jnp.bfloat16, t)
-  return t if ok else None
+  return t if ok and (name == "default" or t != base) else None
 
 
 def _operands(m, n, k, copies):

@@ -39,7 +39,7 @@ def supports(m: int, n: int, k: int, x_dtype, w_dtype, tuning: Tuning | None = N
   except ValueError:
     return False
   return (t.bn >= rows_block_min(m) and n % t.bn == 0 and k % t.splits == 0
-          and (k // t.splits) % t.bk == 0)
+          and (k // t.splits) % (t.bk * t.unroll) == 0 and (t.unroll == 1 or m == 1))
 
 
 def skinny_dot(x_mk, w_nk, preferred_element_type=None, tuning: Tuning | None = None):
@@ -61,7 +61,8 @@ def _pallas_dot(x_mk, w_nk, *, dtype, tuning, interpret=False):
   s = tuning.splits
   part = jnp.float32 if s > 1 else dtype
   out = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(x_mk).mat)
-  kernel = functools.partial(_dot_kernel, m=m, bn=tuning.bn, bk=tuning.bk, k_split=k // s)
+  kernel = functools.partial(_dot_kernel, m=m, bn=tuning.bn, bk=tuning.bk, k_split=k // s,
+                             unroll=tuning.unroll)
   y = pl.pallas_call(
       kernel,
       grid=(n // tuning.bn, s),
@@ -73,8 +74,9 @@ def _pallas_dot(x_mk, w_nk, *, dtype, tuning, interpret=False):
   return y[0] if s == 1 else jnp.sum(y, axis=0).astype(dtype)
 
 
-def _dot_kernel(x_ref, w_ref, y_ref, *, m, bn, bk, k_split):
-  """Program (j, s): y_ref[s, :, j BN:(j + 1) BN] = x[:, K share s] @ w_t[rows j, K share s]^T."""
+def _dot_kernel(x_ref, w_ref, y_ref, *, m, bn, bk, k_split, unroll):
+  """Program (j, s): y_ref[s, :, j BN:(j + 1) BN] = x[:, K share s] @ w_t[rows j, K share s]^T
+  (M = 1: `unroll` BK chunks loaded per loop step, then multiplied and added)."""
   j, s = pl.program_id(0), pl.program_id(1)
   rows = pl.ds(pl.multiple_of(j * bn, bn), bn)
   k0 = s * k_split
@@ -82,10 +84,12 @@ def _dot_kernel(x_ref, w_ref, y_ref, *, m, bn, bk, k_split):
   steps = k_split // bk
   if m == 1:
     def step(i, acc):
-      w = w_ref[rows, cols(i)].astype(jnp.float32)
-      x = x_ref[pl.ds(0, 1), cols(i)].astype(jnp.float32)
-      return acc + w * x
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bn, bk), jnp.float32))
+      chunks = [(w_ref[rows, cols(i * unroll + u)], x_ref[pl.ds(0, 1), cols(i * unroll + u)])
+                for u in range(unroll)]  # every load issued before the first multiply-add
+      for w, x in chunks:
+        acc = acc + w.astype(jnp.float32) * x.astype(jnp.float32)
+      return acc
+    acc = jax.lax.fori_loop(0, steps // unroll, step, jnp.zeros((bn, bk), jnp.float32))
     y_ref[s, 0, rows] = jnp.sum(acc, axis=1).astype(y_ref.dtype)
     return
   live = jnp.broadcast_to((jnp.arange(MAX_ROWS) < m)[:, None], (MAX_ROWS, bk))

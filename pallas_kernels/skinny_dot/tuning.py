@@ -16,7 +16,8 @@ import dataclasses
 MAX_ROWS = 16        # M up to this: one [16, BK] x tile (tl.dot's smallest M); more: XLA
 NUM_SMS = 132        # H200
 PROGRAMS_PER_SM = 2
-LOAD_ELEMS = 8192    # weights per program per loop step (16 KB of bf16)
+LOAD_ELEMS = 8192    # weights per program per load (16 KB of bf16)
+INFLIGHT_ELEMS = 16384  # M = 1: weights per program per loop step, up to (unroll x one load)
 MAX_BN = 64
 
 
@@ -27,13 +28,15 @@ class Tuning:
   num_warps: int = 4
   num_stages: int = 3
   splits: int = 1    # K split this many ways (partials summed by XLA); 1: none
+  unroll: int = 1    # M = 1: BK chunks loaded per loop step before their multiply-adds
 
   def __str__(self):
-    return f"n{self.bn}k{self.bk}w{self.num_warps}s{self.num_stages}x{self.splits}"
+    return (f"n{self.bn}k{self.bk}w{self.num_warps}s{self.num_stages}x{self.splits}"
+            f"u{self.unroll}")
 
 
 def parse(name: str) -> Tuning:
-  """'n16k512w4s3x1' (str(Tuning)) -> Tuning; the w, s and x parts are optional."""
+  """'n16k512w4s3x1u1' (str(Tuning)) -> Tuning; the w, s, x and u parts are optional."""
   fields, key, num = {}, None, ""
   for ch in name + "$":
     if ch.isdigit():
@@ -42,7 +45,7 @@ def parse(name: str) -> Tuning:
     if key is not None:
       fields[key] = int(num)
     key, num = {"n": "bn", "k": "bk", "w": "num_warps", "s": "num_stages", "x": "splits",
-                "$": None}[ch], ""
+                "u": "unroll", "$": None}[ch], ""
   return Tuning(**fields)
 
 
@@ -61,7 +64,9 @@ def default_tuning(m: int, n: int, k: int) -> Tuning:
   """BN: the largest power of 2 (<= MAX_BN) dividing N that still gives PROGRAMS_PER_SM
   programs per SM (else the least BN); S: where N / BN programs are still fewer than that, the
   least divisor of K / BK that reaches it; BK: the largest power of 2 <= LOAD_ELEMS / BN
-  dividing K / S."""
+  dividing K / S; at M = 1 (no tl.dot, so no pipelined shared-memory stages) the unroll: the
+  most BK chunks per step (a divisor of the steps) within INFLIGHT_ELEMS, so a small BN
+  (K2.6's router: BN 2, BK 1024 by K = 7 x 1024) still has ~28 KB of loads in flight."""
   want = PROGRAMS_PER_SM * NUM_SMS
   lo = rows_block_min(m)
   bns = _pow2_divisors(n, lo, MAX_BN)
@@ -72,4 +77,8 @@ def default_tuning(m: int, n: int, k: int) -> Tuning:
   steps = k // bk
   splits = next((s for s in range(1, steps + 1) if steps % s == 0 and n // bn * s >= want),
                 steps)
-  return Tuning(bn=bn, bk=bk, splits=splits)
+  unroll = 1
+  if m == 1:
+    per = k // splits // bk
+    unroll = max(u for u in range(1, per + 1) if per % u == 0 and u * bn * bk <= INFLIGHT_ELEMS)
+  return Tuning(bn=bn, bk=bk, splits=splits, unroll=unroll)

@@ -67,6 +67,7 @@ def test_f32_inputs(m):
 
 
 @pytest.mark.parametrize("m,tuning", [(1, Tuning(bn=4, bk=128, splits=4)),
+                                      (1, Tuning(bn=2, bk=64, splits=2, unroll=4)),
                                       (5, Tuning(bn=32, bk=64, splits=2)),
                                       (16, Tuning(bn=64, bk=256, num_warps=8, splits=1))])
 def test_explicit_tunings(m, tuning):
@@ -91,6 +92,8 @@ def test_supports_refuses():
   assert not supports(1, 896, 7168, jnp.float32, bf)          # mixed dtypes
   assert not supports(16, 8, 7168, bf, bf)                    # N < tl.dot's 16
   assert not supports(1, 896, 7168, bf, bf, Tuning(bn=4, bk=1024, splits=2))  # 3584 % 1024
+  assert not supports(1, 896, 7168, bf, bf, Tuning(bn=4, bk=1024, unroll=2))  # 7 steps
+  assert not supports(16, 896, 7168, bf, bf, Tuning(bn=16, bk=512, unroll=2))  # M > 1
   with pytest.raises(ValueError):
     skinny_dot(jnp.zeros((17, 256), bf), jnp.zeros((64, 256), bf))
 
