@@ -61,7 +61,7 @@ def _pallas_dot(x_mk, w_nk, *, dtype, tuning, interpret=False):
   s = tuning.splits
   part = jnp.float32 if s > 1 else dtype
   out = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(x_mk).mat)
-  kernel = functools.partial(_dot_kernel, m=m, bn=tuning.bn, bk=tuning.bk, k_split=k // s,
+  kernel = functools.partial(_skinny_dot_kernel, m=m, bn=tuning.bn, bk=tuning.bk, k_split=k // s,
                              unroll=tuning.unroll)
   y = pl.pallas_call(
       kernel,
@@ -74,7 +74,7 @@ def _pallas_dot(x_mk, w_nk, *, dtype, tuning, interpret=False):
   return y[0] if s == 1 else jnp.sum(y, axis=0).astype(dtype)
 
 
-def _dot_kernel(x_ref, w_ref, y_ref, *, m, bn, bk, k_split, unroll):
+def _skinny_dot_kernel(x_ref, w_ref, y_ref, *, m, bn, bk, k_split, unroll):
   """Program (j, s): y_ref[s, :, j BN:(j + 1) BN] = x[:, K share s] @ w_t[rows j, K share s]^T
   (M = 1: `unroll` BK chunks loaded per loop step, then multiplied and added)."""
   j, s = pl.program_id(0), pl.program_id(1)
