@@ -37,9 +37,10 @@
 #   k26_ddtree  k26_core without ar's phase table (k26_ddtree:360)
 #   dots        pallas_kernels/skinny_dot/bench.py: the few-row dense dots (q_a | kv_a, o, router |
 #               shared gate | up, q_b, shared down) at M = 1, 16: XLA's pack.dot_t vs the Pallas
-#               Triton kernel (default tuning; x2: twice the K splits; u1: no unroll), over 32 distinct
-#               weights in turn (no L2 reuse), us / % of copy / x XLA, wrong rows FAIL (~33
-#               programs): dots:150
+#               Triton kernel (default tuning, then u1: no unroll, x2: twice the K splits, b2: twice
+#               BN and splits), each called in turn on >= 120 MB of distinct weights (no L2 reuse):
+#               us / % of copy / x XLA, wrong rows FAIL, a best-per-shape summary; ~43 programs,
+#               XLA's and the default's rows first (a cut box loses variants only): dots:150
 #   dots_step   the fused step (ar, ddtree 15) of bench_k26_full at full depth, target packed vs packed
 #               with mla's few-row dense dots (q_a | kv_a, q_b, o) on the skinny_dot kernel
 #               (dense_dot_impl=pallas; the MLPs' dots stay XLA's until transformer.py's and

@@ -40,9 +40,9 @@ MAX_COPIES = 32
 _ROWS = flags.DEFINE_list("rows", ["1", "16"], "M: rows of x (1: ar; 16: a ddtree 15 verify).")
 _SHAPES = flags.DEFINE_list("shapes", list(SHAPES), f"Shapes of {list(SHAPES)}.")
 _VARIANTS = flags.DEFINE_list(
-    "variants", ["default", "x2", "u1"],
+    "variants", ["default", "u1", "x2", "b2"],
     "Kernel rows: 'default' (tuning.default_tuning), '+'-joined changes to it: wN (warps), "
-    "sN (stages), uN (unroll), x2 (twice the K splits, unroll 1), h (half BN), d (double BK); or a whole "
+    "sN (stages), uN (unroll), x2 (twice the K splits, unroll 1), b2 (twice BN and the splits), h (half BN), d (double BK); or a whole "
     "tuning 'n16k512w4s3x1u1' (rows where it divides the shape).")
 _OUT = flags.DEFINE_string("out", "runs/bench_dots.jsonl", "JSON lines output.")
 
@@ -64,6 +64,10 @@ def variant_tuning(name, m, n, k):
       t = dataclasses.replace(t, num_stages=int(change[1:]))
     elif change == "x2":  # BK halved until it divides the shorter share
       t = dataclasses.replace(t, splits=2 * t.splits, unroll=1)
+      while k % t.splits == 0 and (k // t.splits) % t.bk and t.bk > 16:
+        t = dataclasses.replace(t, bk=t.bk // 2)
+    elif change == "b2":  # twice BN and the K splits: as many programs, half the x reads per
+      t = dataclasses.replace(t, bn=2 * t.bn, splits=2 * t.splits, unroll=1)  # weight byte
       while k % t.splits == 0 and (k // t.splits) % t.bk and t.bk > 16:
         t = dataclasses.replace(t, bk=t.bk // 2)
     elif change == "h":
@@ -110,35 +114,48 @@ def _time(fn, xs, ws):
   return sum(us for _, _, us in kernels), sum(calls for _, calls, _ in kernels)
 
 
-def bench_shape(name, m, ceil, emit, copies_cap):
+class Shapes:
+  """Per (shape, M): the operands (made once) and XLA's us (the x_xla baseline)."""
+
+  def __init__(self, copies_cap):
+    self.copies_cap, self.operands, self.xla_us = copies_cap, {}, {}
+
+  def get(self, name, m):
+    n, k, _ = SHAPES[name]
+    if (name, m) not in self.operands:
+      copies = max(1, min(self.copies_cap, math.ceil(STREAM_BYTES / (2 * n * k))))
+      self.operands[name, m] = _operands(m, n, k, copies)
+    return self.operands[name, m]
+
+
+def bench_row(name, m, impl, ceil, shapes):
+  """One row: XLA's dot ('xla') or the kernel at --variants entry `impl`; None where the
+  variant does not apply to this shape."""
   n, k, f32_out = SHAPES[name]
-  pref = jnp.float32 if f32_out else None
+  tun = None if impl == "xla" else variant_tuning(impl, m, n, k)
+  if impl != "xla" and tun is None:
+    return None
+  xs, ws = shapes.get(name, m)
   nbytes = 2 * n * k
-  copies = max(1, min(copies_cap, math.ceil(STREAM_BYTES / nbytes)))
-  xs, ws = _operands(m, n, k, copies)
   floor_us = nbytes / ceil["copy_tbps"] / 1e6
-  impls = [("xla", None)] + [(v, variant_tuning(v, m, n, k)) for v in _VARIANTS.value]
-  xla_us = None
-  for impl, tun in impls:
-    row = dict(part="dots", shape=name, M=m, N=n, K=k, impl=impl, copies=copies,
-               weight_bytes=nbytes, floor_us=floor_us)
-    if impl != "xla":
-      if tun is None:
-        continue
-      row["tuning"] = str(tun)
-    fn = _program(impl, tun, pref)
-    try:
-      row["rel_err"] = _rel_f64(fn(xs[0], ws[0]), xs[0], ws[0])
-      row["us"], row["launches"] = _time(fn, xs, ws)
-    except Exception as ex:  # one failing variant must not hide the rest
-      row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
-    else:
-      row["ok"] = row["rel_err"] <= REL_TOL
-      row["pct_copy"] = 100 * floor_us / row["us"]
-      xla_us = row["us"] if impl == "xla" else xla_us
-      if xla_us is not None:
-        row["x_xla"] = xla_us / row["us"]  # > 1: faster than XLA
-    emit(row)
+  row = dict(part="dots", shape=name, M=m, N=n, K=k, impl=impl, copies=len(ws),
+             weight_bytes=nbytes, floor_us=floor_us)
+  if tun is not None:
+    row["tuning"] = str(tun)
+  fn = _program(impl, tun, jnp.float32 if f32_out else None)
+  try:
+    row["rel_err"] = _rel_f64(fn(xs[0], ws[0]), xs[0], ws[0])
+    row["us"], row["launches"] = _time(fn, xs, ws)
+  except Exception as ex:  # one failing variant must not hide the rest
+    row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+    return row
+  row["ok"] = row["rel_err"] <= REL_TOL
+  row["pct_copy"] = 100 * floor_us / row["us"]
+  if impl == "xla":
+    shapes.xla_us[name, m] = row["us"]
+  if (name, m) in shapes.xla_us:
+    row["x_xla"] = shapes.xla_us[name, m] / row["us"]  # > 1: faster than XLA
+  return row
 
 
 def _print(row):
@@ -150,6 +167,21 @@ def _print(row):
         f"{row['us']:8.2f} us  {row['pct_copy']:5.1f}% copy  x XLA {row.get('x_xla', 1):5.2f}  "
         f"launches {row['launches'] or 0:.1f}  floor {row['floor_us']:.2f} us  "
         f"rel_err {row['rel_err']:.1e}{flag}", flush=True)
+
+
+def summary(rows):
+  """Per (shape, M): XLA's us and the fastest correct kernel row (its tuning, us, x XLA)."""
+  print("\nshape           M    XLA us  best kernel                 us  %copy  x XLA")
+  keys = dict.fromkeys((r["shape"], r["M"]) for r in rows)
+  for name, m in keys:
+    here = [r for r in rows if (r["shape"], r["M"]) == (name, m) and r.get("ok")]
+    xla = next((r for r in here if r["impl"] == "xla"), None)
+    best = min((r for r in here if r["impl"] != "xla"), key=lambda r: r["us"], default=None)
+    if xla is None or best is None:
+      print(f"{name:15} {m:2}  (no correct {'XLA' if xla is None else 'kernel'} row)")
+      continue
+    print(f"{name:15} {m:2} {xla['us']:8.2f}  {best['impl']:8} {best['tuning']:17} "
+          f"{best['us']:8.2f} {best['pct_copy']:5.1f} {best['x_xla']:6.2f}", flush=True)
 
 
 def main(_):
@@ -166,10 +198,16 @@ def main(_):
       sink.write(json.dumps(row) + "\n")
       sink.flush()
       _print(row)
-    for m in map(int, _ROWS.value):
-      for name in _SHAPES.value:
-        bench_shape(name, m, ceil, emit, copies_cap=MAX_COPIES if gpu else 1)
-      print(f"[{time.time() - t0:.0f} s] M={m} done", flush=True)
+    shapes, rows = Shapes(MAX_COPIES if gpu else 1), []
+    for impl in ["xla"] + _VARIANTS.value:  # every shape's baseline and default first
+      for m in map(int, _ROWS.value):
+        for name in _SHAPES.value:
+          row = bench_row(name, m, impl, ceil, shapes)
+          if row is not None:
+            emit(row)
+            rows.append(row)
+      print(f"[{time.time() - t0:.0f} s] {impl} done", flush=True)
+  summary(rows)
 
 
 if __name__ == "__main__":
