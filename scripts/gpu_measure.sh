@@ -24,10 +24,11 @@
 #               kernel compile each, the f32 reference on the CPU: < 2 min), short bench
 #               (default L=46000 grid); verify:240
 #   verify_probes  tree-verify bench at L=46000, B=1, H=8 (N=1,8,16,64) then H=64 (N=64 first)
-#               with the PROBES variants (merge=kernel, the split merge inside the kernel, at
-#               N=1 (also swap_ab=0 and mask=packed), 8, 16 (also packed), 64 beside the default's
-#               Triton merge; swap_ab off at N*H = 8 where it is the default, on at 1x8x8 and
-#               1x1x64; 66 splits; packed mask; ~19 variants, one compile each):
+#               with the PROBES variants (merge=kernel, the split merge inside the kernel, one
+#               level and two (merge_chunk), at N=1 (also swap_ab=0), 8, 16, 64 beside the
+#               default's Triton merge, packed-mask rows at N=1 and 16; swap_ab off at N*H = 8
+#               where it is the default, on at 1x8x8 and 1x1x64; 66 splits; packed mask; ~23
+#               variants, one compile each):
 #               verify_probes:200; ends with the best variant per shape and its % of copy
 #   verify_full tree-verify kernel: every test + the full GPU grid, per-kernel profile, the issue's
 #               whole bench table (with probes and XLA) until half the time box is spent
@@ -127,7 +128,7 @@ run_part() {
                 --config configs/bench_k26_core.py --config.bench.phase_modes=ddtree \
                 --time_budget_s $(( secs - 20 )) ;;
     dots) one_gpu timeout "$secs" python3 -m pallas_kernels.skinny_dot.bench \
-                --out "$RAW/bench_dots.jsonl" ;;
+                --dots_out "$RAW/bench_dots.jsonl" ;;
     dots_step) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
                 --variants default --layouts packed,packed+dense_dot_impl=pallas ;;
     xla_options) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" ;;

@@ -65,12 +65,16 @@ FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64]
 # H=64 (M = 64) swap-AB does the same tensor work (a check of the swapped structure).
 # merge=kernel (merge_in_kernel.py): the last split's CTA merges the others' partials after a GMEM
 # counter, no merge launch (the default's Triton merge is one); with the packed mask it is the
-# model's per-layer call without any XLA or Triton kernel.
-PROBES = {(1, 1, 8, 46000): "merge=kernel;merge=kernel,mask=packed;mask=packed;"
+# model's per-layer call without any XLA or Triton kernel. merge_chunk=G: two levels (chunks of
+# G splits merged by their last split, then the chunks by the last split; G ~ sqrt(S)): the
+# merge's reads are one SM's, S - 1 partials in one level (1 MB at N=1, 8.4 MB at N=8, H=8).
+PROBES = {(1, 1, 8, 46000): "merge=kernel;merge=kernel,merge_chunk=12;"
+                            "merge=kernel,merge_chunk=12,mask=packed;mask=packed;"
                             "swap_ab=0,merge=kernel;swap_ab=0;swap_ab=0,mask=packed;num_splits=66",
-          (1, 8, 8, 46000): "merge=kernel;swap_ab=1",
-          (1, 16, 8, 46000): "merge=kernel;merge=kernel,mask=packed;mask=packed",
-          (1, 64, 8, 46000): "merge=kernel",
+          (1, 8, 8, 46000): "merge=kernel;merge=kernel,merge_chunk=12;swap_ab=1",
+          (1, 16, 8, 46000): "merge=kernel;merge=kernel,merge_chunk=8;"
+                             "merge=kernel,merge_chunk=8,mask=packed;mask=packed",
+          (1, 64, 8, 46000): "merge=kernel;merge=kernel,merge_chunk=4",
           (1, 1, 64, 46000): "swap_ab=1",
           (4, 1, 8, 46000): "swap_ab=0;num_splits=66",
           (4, 16, 8, 46000): "num_splits=32"}

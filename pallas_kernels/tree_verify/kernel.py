@@ -322,20 +322,12 @@ def out_destinations(c, w, final):
 
 def store_or_merge(c, w, o, lse2, store, orient):
   """The end of a compute warpgroup: one split: store the final output; several: store this
-  split's partial; merge='kernel': the last split merges the others' (merge_in_kernel) and stores
-  the final output, every other split stores its partial and signals."""
-  if c.t.num_splits == 1 or not merge_in_kernel.enabled(c.t):
+  split's partial; merge='kernel': merge_in_kernel.finish (the leaders merge, the others store
+  their partials and signal)."""
+  if merge_in_kernel.enabled(c.t):
+    merge_in_kernel.finish(c, w, o, lse2, store, orient)
+  else:
     store(c, w, o, lse2, c.t.num_splits == 1)
-    return
-
-  @pl.when(merge_in_kernel.is_merger(c))
-  def _():
-    store(c, w, *merge_in_kernel.merge_wg(c, w, o, lse2, orient), True)
-
-  @pl.when(jnp.logical_not(merge_in_kernel.is_merger(c)))
-  def _():
-    store(c, w, o, lse2, False)
-    merge_in_kernel.signal_written(c)
 
 
 ORIENTATION = merge_in_kernel.Orientation(
@@ -394,7 +386,7 @@ def _make_body(t: Tuning, n, l, r, window, tiles, scale_log2, dtype, interpret):
 
 
 def run_warpgroups(c, compute_wg):
-  """Warpgroups 0 and 1 compute, 2 streams (and, in the merging CTA, feeds the split merge)."""
+  """Warpgroups 0 and 1 compute, 2 streams (and, in a merging CTA, feeds the split merge)."""
   wg = lax.axis_index("wg")
   for w in range(2):
     pl.when(wg == w)(functools.partial(compute_wg, c, w))
@@ -404,7 +396,7 @@ def run_warpgroups(c, compute_wg):
     plgpu.set_max_registers(40, action="decrease")
     _memory_wg(c)
     if merge_in_kernel.enabled(c.t):
-      pl.when(merge_in_kernel.is_merger(c))(functools.partial(merge_in_kernel.memory_wg, c))
+      pl.when(merge_in_kernel.is_leader(c))(functools.partial(merge_in_kernel.memory_wg, c))
 
 
 _OUT_NAMES = {"final": ("o_ref", "lse_ref"), "partial": ("part_o_ref", "part_lse_ref"),

@@ -1,24 +1,28 @@
 """The split merge inside the tree-verify kernel (Tuning(merge="kernel"); stream-K "fixup").
 
-Letters: B batch, S splits, M rows, R value width, K ring slots.
+Letters: B batch, S splits, M rows, R value width, K ring slots, G chunk (Tuning.merge_chunk).
 
-Every CTA (row tile, split, batch) but the last split's writes its normalised partial O and base-2
-LSE to GMEM (the kernel's partial outputs) and then each compute warpgroup signals a per (batch,
-row tile) GMEM counter (`red.release.gpu` after its TMA store has completed: the partial is
-visible before the count). The CTA of the HIGHEST split index merges: after its own split it
-waits until the counter reaches 2 (S - 1), then its TMA warpgroup streams the other splits'
-partials through a K-slot SMEM ring (the union's KV space: `ring_slots`) and each compute
-warpgroup folds them into its own O half, online-softmax style (weights 2^(lse_s - max)), then
-writes the final output (q dtype) and the natural LSE. CTAs launch roughly in grid order, so the
-one waiting CTA of a (batch, row tile) only waits for CTAs that started before it, and none of
-them waits: no deadlock whatever the grid size.
+Every CTA (row tile, split, batch) writes its normalised partial O and base-2 LSE to GMEM (the
+kernel's partial outputs), unless it is a leader, then each compute warpgroup signals a GMEM
+counter of its (batch, row tile) (`red.release.gpu` after its TMA store has completed: the
+partial is visible before the count). One level (merge_chunk 0): the CTA of the HIGHEST split
+index is the one leader; after its own split it waits until the counter reaches 2 (S - 1), then
+its TMA warpgroup streams the other splits' partials through a K-slot SMEM ring (the union's KV
+space: `ring_slots`) and each compute warpgroup folds them into its own O half, online-softmax
+style (weights 2^(lse_s - max)), then writes the final output (q dtype) and the natural LSE.
+Two levels (merge_chunk G): splits [qG, (q + 1)G) form chunk q with its own counter; each chunk's
+last split merges the chunk into its own partial slot and signals a leaders' counter; the last
+split (its chunk's leader) then also folds the other chunks' results: ~G + S / G partials on the
+longest path instead of S - 1 (the merge is one SM's reads). CTAs launch roughly in grid order and
+a CTA waits only for lower splits of its (batch, row tile), which started before it and never
+wait for a higher one: no deadlock whatever the grid size.
 
-The counters: `pl.get_global(SemaphoreType.REGULAR((B * tiles,)))`, a GMEM scratch that Pallas
-zero-fills before every call; the waiter decrements it back to 0 (`semaphore_wait`). The GPU
-interpreter has no GMEM semaphores (get_global cannot be interpreted in jax 0.11.2) but runs the
-grid one CTA after the other in grid order, so there the signal and the wait are left out: the
-merging CTA runs after every other split of its row tile. The handshake itself is checked only
-by the CUDA lowering and the GPU tests.
+The counters: `pl.get_global(SemaphoreType.REGULAR(...))`, a GMEM scratch that Pallas
+zero-fills before every call; each waiter decrements its count back to 0 (`semaphore_wait`). The
+GPU interpreter has no GMEM semaphores (get_global cannot be interpreted in jax 0.11.2) but runs
+the grid one CTA after the other in grid order, so there the signals and waits are left out: a
+leader runs after the splits it merges. The handshake itself is checked only by the CUDA
+lowering and the GPU tests.
 
 Orientation: kernel.py holds a row tile as [64, R/2] (rows along axis 0, statistics as [64] row
 vectors); kernel_swap.py as O^T [R/2, M] (statistics along axis 1). `Orientation` carries the
@@ -62,64 +66,146 @@ def ring_slots(num_splits, slot_bytes, space_bytes):
   return max(1, min(num_splits - 1, space_bytes // slot_bytes, MAX_RING_SLOTS))
 
 
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Static merge plan: splits in chunks of `chunk` consecutive ones (the last one shorter); one
+  chunk (chunk = S, the default) is the one-level merge."""
+  splits: int
+  chunk: int
+
+  @property
+  def chunks(self):
+    return -(-self.splits // self.chunk)
+
+
+def plan(t) -> Plan:
+  """Tuning.merge_chunk: 0 (or >= S) one level, else two levels of that chunk size."""
+  g = t.merge_chunk
+  return Plan(t.num_splits, g if 0 < g < t.num_splits else t.num_splits)
+
+
 def counters(t, tiles, b, interpret):
-  """The per (batch, row tile) GMEM counters (None in the interpreter); call once per kernel."""
+  """The GMEM counters (None in the interpreter): per (batch, row tile) one per chunk and one for
+  the chunks' leaders. Call once per kernel."""
   if not enabled(t) or interpret:
     return None
-  return pl.get_global(plgpu.SemaphoreType.REGULAR((b * tiles,)))
+  return pl.get_global(plgpu.SemaphoreType.REGULAR((b * tiles * (plan(t).chunks + 1),)))
 
 
-def _counter(c):
-  return c.sem.at[c.b * c.tiles + c.m_idx]
+def _counter(c, i):
+  """Counter i of this CTA's (batch, row tile): chunk i's, or (i = chunks) the leaders'."""
+  return c.sem.at[(c.b * c.tiles + c.m_idx) * (plan(c.t).chunks + 1) + i]
 
 
-def is_merger(c):
-  return c.s_idx == c.t.num_splits - 1
+def _roles(c):
+  """(chunk, leader, final, members): this split's chunk; whether it is the chunk's last split
+  (which merges the chunk) and the last split (which also merges the other chunks' results);
+  the splits of its chunk before it."""
+  p = plan(c.t)
+  chunk = lax.div(c.s_idx, p.chunk)
+  start = chunk * p.chunk
+  leader = c.s_idx == jnp.minimum(start + p.chunk, p.splits) - 1
+  return chunk, leader, c.s_idx == p.splits - 1, c.s_idx - start
 
 
-def signal_written(c):
-  """A compute warpgroup's partial half (and wg0's LSE) is in GMEM: count it (the TMA store
-  was awaited first, and the signal is a release)."""
+def _sources(c):
+  """Partials a leader folds: its chunk's other splits, and (the last split) the other chunks'
+  leaders."""
+  _, _, final, members = _roles(c)
+  return members + jnp.where(final, plan(c.t).chunks - 1, 0)
+
+
+def _source_split(c, j):
+  """Split index of source j (_sources' order)."""
+  chunk, _, _, members = _roles(c)
+  g = plan(c.t).chunk
+  return jnp.where(j < members, chunk * g + j, (j - members + 1) * g - 1)
+
+
+def _signal(c, i):
+  """A compute warpgroup's O half (wg0: and the LSE) is in GMEM: count it on counter i (the TMA
+  store was awaited first; the signal is a release)."""
   if not c.interpret:
-    plgpu.semaphore_signal(_counter(c), 1, memory_scope="gpu")
+    plgpu.semaphore_signal(_counter(c, i), 1, memory_scope="gpu")
+
+
+def _wait(c, i, count):
+  if not c.interpret:
+    plgpu.semaphore_wait(_counter(c, i), count, memory_scope="gpu")
+
+
+def finish(c, w, o, lse2, store, orient):
+  """The end of compute warpgroup w (o: its normalised O half, f32; lse2: the split's base-2
+  LSE). A chunk's leader merges (merge_wg): the last split stores the final output, another
+  leader its chunk's merged partial (in its own slot) and signals the leaders' counter; every
+  other split stores its partial and signals its chunk's counter. store(c, w, o, lse2, final)."""
+  chunk, leader, final, _ = _roles(c)
+
+  @pl.when(leader)
+  def _():
+    merged = merge_wg(c, w, o, lse2, orient)
+
+    @pl.when(final)
+    def _():
+      store(c, w, *merged, True)
+
+    @pl.when(jnp.logical_not(final))
+    def _():
+      store(c, w, *merged, False)
+      _signal(c, plan(c.t).chunks)
+
+  @pl.when(jnp.logical_not(leader))
+  def _():
+    store(c, w, o, lse2, False)
+    _signal(c, chunk)
+
+
+def is_leader(c):
+  return _roles(c)[1]
 
 
 def memory_wg(c):
-  """Merging CTA's TMA warpgroup, after its KV stream: once both compute warpgroups are past the
-  union's Q / KV / P (merge_go) and every other split has signalled, load split j's LSE and O
-  halves into ring slot j % K."""
-  k, others = c.ring.shape[0], c.t.num_splits - 1
+  """A leader's TMA warpgroup, after its KV stream: once both compute warpgroups are past the
+  union's Q / KV / P (merge_go) and its chunk (then, the last split, the other leaders) have
+  signalled, load source j's LSE and O halves into ring slot j % K."""
+  k = c.ring.shape[0]
+  chunk, _, _, members = _roles(c)
+  n = _sources(c)
   plgpu.barrier_wait(c.merge_go)
-  if not c.interpret:
-    plgpu.semaphore_wait(_counter(c), 2 * others, memory_scope="gpu")
+  _wait(c, chunk, 2 * members)
   rows = pl.ds(pl.multiple_of(c.m_idx * c.window, c.window), c.window)
   r2 = c.r // 2
 
-  @pl.loop(0, others)
+  @pl.loop(0, n)
   def _load(j):
     slot = lax.rem(j, k)
+    split = _source_split(c, j)
+
+    @pl.when(j == members)  # only the last split gets here: the other chunks' results next
+    def _():
+      _wait(c, plan(c.t).chunks, 2 * (plan(c.t).chunks - 1))
 
     @pl.when(j >= k)
     def _():
       plgpu.barrier_wait(c.ring_free.at[slot])
 
-    plgpu.copy_gmem_to_smem(c.part_lse_ref.at[c.b, j, rows], c.lse_ring.at[slot, pl.ds(0, c.window)],
-                            c.lse_bar.at[slot])
+    plgpu.copy_gmem_to_smem(c.part_lse_ref.at[c.b, split, rows],
+                            c.lse_ring.at[slot, pl.ds(0, c.window)], c.lse_bar.at[slot])
     for w in range(2):
       dst = c.ring.at[slot, w]
       dst = dst if dst.shape[0] == c.window else dst.at[pl.ds(0, c.window)]
-      plgpu.copy_gmem_to_smem(c.part_o_ref.at[c.b, j, rows, pl.ds(w * r2, r2)], dst,
+      plgpu.copy_gmem_to_smem(c.part_o_ref.at[c.b, split, rows, pl.ds(w * r2, r2)], dst,
                               c.half_bar.at[2 * slot + w])
 
-  @pl.loop(jnp.maximum(others - k, 0), others)
+  @pl.loop(jnp.maximum(n - k, 0), n)
   def _drain(j):
     plgpu.barrier_wait(c.ring_free.at[lax.rem(j, k)])
 
 
 def merge_wg(c, w, o, lse2, orient: Orientation):
-  """Compute warpgroup w of the merging CTA: its normalised O half `o` (f32) and the split's
-  base-2 LSE, folded with the other splits' partials from the ring; returns (out, lse2) merged
-  (rows that saw no key: O 0, LSE -inf)."""
+  """Compute warpgroup w of a leader: its normalised O half `o` (f32) and the split's base-2
+  LSE, folded with its sources' partials from the ring; returns (out, lse2) merged (rows that saw
+  no key: O 0, LSE -inf)."""
   k = c.ring.shape[0]
   plgpu.barrier_arrive(c.merge_go)
   den = jnp.where(lse2 == -jnp.inf, 0.0, 1.0)
@@ -138,7 +224,7 @@ def merge_wg(c, w, o, lse2, orient: Orientation):
     o = o * orient.bcast(alpha, o.shape) + o_s * orient.bcast(beta, o.shape)
     return o, m_new, den * alpha + beta
 
-  o, m, den = lax.fori_loop(0, c.t.num_splits - 1, step, (o, lse2, den))
+  o, m, den = lax.fori_loop(0, _sources(c), step, (o, lse2, den))
   nonempty = den > 0.0
   safe = jnp.where(nonempty, den, 1.0)
   return (o * orient.bcast(1.0 / safe, o.shape),

@@ -233,6 +233,11 @@ SMALL = [
     (1, 64, 8, 300, [236], Tuning(num_splits=2, merge="kernel")),
     (4, 5, 8, 400, [395, 0, 17, 200], Tuning(num_splits=4, merge="kernel", shared_p=False)),
     (4, 1, 8, 400, [399, 0, 17, 200], Tuning(num_splits=6, swap_ab=True, merge="kernel")),
+    # two levels (merge_chunk): chunks of 6 of 20 splits (the last of 2: the last split folds 1
+    # member + 3 leaders), swap_ab; chunks of 3 of 7, ragged B=4 with len 0 (the last split alone
+    # in its chunk: leaders only), 64-row kernel
+    (1, 1, 8, 2600, [2599], Tuning(num_splits=20, swap_ab=True, merge="kernel", merge_chunk=6)),
+    (4, 5, 8, 900, [895, 0, 17, 600], Tuning(num_splits=7, merge="kernel", merge_chunk=3)),
     # GPU: merge='kernel' at the ar shape's M = 8 (swap_ab), ragged B=4, len 0, empty splits,
     # more splits than ring slots (the GMEM counters and the waiting CTA run only on a GPU)
     GPU((4, 1, 8, 4100, [4099, 0, 17, 2050], Tuning(num_splits=33, swap_ab=True,
@@ -369,7 +374,9 @@ class TestLowersForGpu:
       (4, 1, 8, Tuning(num_splits=33, swap_ab=True, merge="kernel")),
       (1, 8, 8, Tuning(num_splits=132, merge="kernel")),
       (1, 16, 8, Tuning(num_splits=66, merge="kernel")),
-      (1, 64, 8, Tuning(num_splits=16, merge="kernel"))])
+      (1, 64, 8, Tuning(num_splits=16, merge="kernel")),
+      (1, 1, 8, Tuning(num_splits=132, swap_ab=True, merge="kernel", merge_chunk=12)),
+      (1, 8, 8, Tuning(num_splits=132, merge="kernel", merge_chunk=12))])
   def test_merge_in_kernel_lowers(self, b, n, h, tuning):
     """merge='kernel' at L = 46000: the split partials' release-signal (red.release.gpu) and the
     merging CTA's wait (a CAS loop, then fence.acquire.gpu) are in the module, and no merge
