@@ -1,16 +1,18 @@
 """The skinny dot vs XLA's `pack.dot_t` at K2.6's few-row dense dots (issue 13), CUPTI-timed.
 
 Per shape (the out-major weights of bench_k26_full's layer: q_a | kv_a, o, router | shared gate
-| up, q_b, shared down) and M in --rows: XLA's dot (pack.dot_t, as the model calls it) and the
-kernel per --variants, one program each, called in turn on `copies` distinct weights (and x),
+| up, q_b, shared down) and M in --dot_rows: XLA's dot (pack.dot_t, as the model calls it) and the
+kernel per --dot_variants, one program each, called in turn on `copies` distinct weights (and x),
 >= STREAM_BYTES in all, so the weights stream from HBM as in a 61-layer step and not from the
 50 MB L2: us per dot = the CUPTI kernel sum per call (split-K's sum included), with its
 launches per call. The copy
 bandwidth is measured in the same run: % of copy = (weight bytes / copy TB/s) / us. Every output
 is checked against an f64 numpy reference first (rel L2 <= REL_TOL, else FAIL, never fastest).
-One JSON line per row in --out; off a GPU: interpret mode and wall time (a smoke run).
+One JSON line per row in --dots_out (flags named apart from the other benches' flags: one
+process, e.g. the tests, may import them all); off a GPU: interpret mode and wall time (a smoke
+run).
 
-  python -m pallas_kernels.skinny_dot.bench --out runs/bench_dots.jsonl
+  python -m pallas_kernels.skinny_dot.bench --dots_out runs/bench_dots.jsonl
 """
 
 import dataclasses
@@ -37,19 +39,20 @@ REL_TOL = 1e-2  # bf16 in and out: one bf16 rounding per output, ~2e-3
 STREAM_BYTES = 120 << 20  # weight bytes per timed program: > 2x the H200's 50 MB L2
 MAX_COPIES = 32
 
-_ROWS = flags.DEFINE_list("rows", ["1", "16"], "M: rows of x (1: ar; 16: a ddtree 15 verify).")
-_SHAPES = flags.DEFINE_list("shapes", list(SHAPES), f"Shapes of {list(SHAPES)}.")
+_ROWS = flags.DEFINE_list("dot_rows", ["1", "16"], "M: rows of x (1: ar; 16: a ddtree 15 verify).")
+_SHAPES = flags.DEFINE_list("dot_shapes", list(SHAPES), f"Shapes of {list(SHAPES)}.")
 _VARIANTS = flags.DEFINE_list(
-    "variants", ["default", "u1", "x2", "b2"],
+    "dot_variants", ["default", "u1", "x2", "b2"],
     "Kernel rows: 'default' (tuning.default_tuning), '+'-joined changes to it: wN (warps), "
-    "sN (stages), uN (unroll), x2 (twice the K splits, unroll 1), b2 (twice BN and the splits), h (half BN), d (double BK); or a whole "
-    "tuning 'n16k512w4s3x1u1' (rows where it divides the shape).")
-_OUT = flags.DEFINE_string("out", "runs/bench_dots.jsonl", "JSON lines output.")
+    "sN (stages), uN (unroll), x2 (twice the K splits, unroll 1), b2 (twice BN and the "
+    "splits), h (half BN), d (double BK); or a whole tuning 'n16k512w4s3x1u1' (rows where it "
+    "divides the shape).")
+_OUT = flags.DEFINE_string("dots_out", "runs/bench_dots.jsonl", "JSON lines output.")
 
 
 def variant_tuning(name, m, n, k):
-  """The Tuning of a --variants entry at this shape, or None where it does not apply (or is the
-  default's tuning under another name)."""
+  """The Tuning of a --dot_variants entry at this shape, or None where it does not apply (or
+  is the default's tuning under another name)."""
   base = default_tuning(m, n, k)
   if name.startswith("n"):
     t = tuning_lib.parse(name)
@@ -75,7 +78,7 @@ def variant_tuning(name, m, n, k):
     elif change == "d":
       t = dataclasses.replace(t, bk=2 * t.bk)
     else:
-      raise ValueError(f"--variants {name!r}: unknown change {change!r}")
+      raise ValueError(f"--dot_variants {name!r}: unknown change {change!r}")
   ok = t.bn >= 1 and supports(m, n, k, jnp.bfloat16, jnp.bfloat16, t)
   return t if ok and (name == "default" or t != base) else None
 
@@ -129,7 +132,7 @@ class Shapes:
 
 
 def bench_row(name, m, impl, ceil, shapes):
-  """One row: XLA's dot ('xla') or the kernel at --variants entry `impl`; None where the
+  """One row: XLA's dot ('xla') or the kernel at --dot_variants entry `impl`; None where the
   variant does not apply to this shape."""
   n, k, f32_out = SHAPES[name]
   tun = None if impl == "xla" else variant_tuning(impl, m, n, k)

@@ -168,3 +168,20 @@ def test_decode_with_pallas_dense_dots_matches_xla(b, n):
   assert jaxpr.count("pallas_call") >= 3 * cfg.num_hidden_layers  # qkv_a, q_b, o per layer
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-5
+
+
+def test_bench_variants_are_valid_and_distinct():
+  """The bench's rows (importable beside the other benches: its flags are its own): every
+  variant it runs is a tuning the kernel takes, and none repeats the default under a new name."""
+  from pallas_kernels.grouped_matmul import bench as moe_bench  # pylint: disable=import-outside-toplevel,unused-import
+  from pallas_kernels.skinny_dot import bench  # pylint: disable=import-outside-toplevel
+  for m in (1, 16):
+    for n, k, _ in bench.SHAPES.values():
+      default = bench.variant_tuning("default", m, n, k)
+      assert default == default_tuning(m, n, k)
+      for name in ("u1", "x2", "b2", "w8+s1"):
+        t = bench.variant_tuning(name, m, n, k)
+        assert t is None or (t != default and supports(m, n, k, jnp.bfloat16, jnp.bfloat16, t))
+  assert bench.variant_tuning("n32k256w4s3x4", 16, 2112, 7168) == Tuning(32, 256, splits=4)
+  with pytest.raises(ValueError):
+    bench.variant_tuning("q3", 1, 896, 7168)
