@@ -111,7 +111,7 @@ run_part() {
                  sorted,auto,auto+router_impl=pallas,auto+lean_glue=true,auto+router_impl=pallas+lean_glue=true \
                  --hlo_dir $RAW/moe_layer_hlo --out $RAW/bench_moe_layer.jsonl" ;;
     verify) one_gpu timeout "$secs" bash -c "timeout 170 python3 -m pytest -q -rs --durations=15 -m gpu \
-                tests/kernels/test_tree_verify_attention.py tests/sharding/test_verify_attention_sharded.py; \
+                tests/sharding/test_verify_attention_sharded.py tests/kernels/test_tree_verify_attention.py; \
                 python3 -m pallas_kernels.tree_verify.bench --probe_variants=false --skip_xla \
                 --budget_s=$(( secs - 180 )) --json_out=$RAW/bench_verify_attention.jsonl" ;;
     verify_probes) one_gpu timeout "$secs" python3 -m pallas_kernels.tree_verify.bench --N=1,8,16,64 \

@@ -238,10 +238,6 @@ SMALL = [
     # in its chunk: leaders only), 64-row kernel
     (1, 1, 8, 2600, [2599], Tuning(num_splits=20, swap_ab=True, merge="kernel", merge_chunk=6)),
     (4, 5, 8, 900, [895, 0, 17, 600], Tuning(num_splits=7, merge="kernel", merge_chunk=3)),
-    # GPU: merge='kernel' at the ar shape's M = 8 (swap_ab), ragged B=4, len 0, empty splits,
-    # more splits than ring slots (the GMEM counters and the waiting CTA run only on a GPU)
-    GPU((4, 1, 8, 4100, [4099, 0, 17, 2050], Tuning(num_splits=33, swap_ab=True,
-                                                    merge="kernel"))),
 ]
 
 
@@ -424,9 +420,8 @@ class TestKernelGPU:
   reference on the CPU. One case per path (M = kernel rows; windows of min(M, 64) rows):
   - SMALL GPU(...): no shared P + f32 partials + XLA merge (M 40); L % 8 != 0 cache pad, tree
     past L, len > L (M 32); q pad N*H % 8 != 0, L < block_kv, one split (M 8); 32-key tiles, prefetch, Triton merge of 2 + 1 pieces (M 128, 2 row tiles unpadded);
-    swap_ab at M 8 (B=2 ragged, 5 splits, Triton merge) and M 16 (2 splits, XLA merge);
-    merge='kernel' at M 8 (swap_ab, B=4 ragged, len 0, 33 splits: the GMEM counters, the waiting
-    CTA and a wrapping 16-slot ring, none of which the interpreter runs).
+    swap_ab at M 8 (B=2 ragged, 5 splits, Triton merge) and M 16 (2 splits, XLA merge).
+  - TestMergeInKernelGPU (last in this file: a hang of its waiting CTA would cost only itself).
   - test_every_output_written_and_deterministic[3-True]: raw partials in NaN-filled buffers.
   - here, default tuning: 1x1x8x46000 (the ar shape: 132 splits, merge pieces 128 + 4, M 8);
     B=4 ragged with len 0 at L=4100 (32 splits, one piece, L % 8 != 0); N=15 = 8k-1 (q padded to
@@ -492,3 +487,16 @@ class TestKernelFullGridGPU:
     lengths = [l - n] if b == 1 else [l - n, 0, max(l // 3, 1), l // 2]
     q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=l + b)
     check_against_reference(q, cache, ln, mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")
+class TestMergeInKernelGPU:
+  """merge='kernel' compiled (the GMEM counters and the waiting CTA, which the interpreter does
+  not run): the ar shape's M = 8 (swap_ab), ragged B=4 with len 0 and empty splits, 33 splits
+  (more than the 16 ring slots). In the default GPU set (`pytest -m gpu`), the file's last test."""
+
+  def test_ragged_many_splits(self):
+    q, cache, ln, mask = make_inputs(4, 1, 8, 4100, [4099, 0, 17, 2050], seed=33)
+    check_against_reference(q, cache, ln, mask,
+                            Tuning(num_splits=33, swap_ab=True, merge="kernel"))
