@@ -4,6 +4,8 @@ Letters: T tokens, D hidden, E routed experts, F expert width, K experts per tok
 groups: cfg.n_group, no letter).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -159,7 +161,8 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
   if x_rows is not None:
     x_td = x_rows[:1]  # the dot reads row 0 of the rows (the same values as x)
   logits, shared = router_and_shared(p, x_td, wide=cfg.route_joint_logits
-                                     and _routing_kernel(cfg, x_td.shape[0]))
+                                     and _routing_kernel(cfg, x_td.shape[0]),
+                                     impl=cfg.dense_dot_impl)
   if _dense_glue(cfg, x_td.shape[0]) and x_td.shape[0] == 1 and _routing_kernel(cfg, 1):
     items, w = route_one_token(p, cfg, x_td, logits)  # no XLA glue up to the expert kernels
     _record(routes, items[:1])
@@ -183,20 +186,21 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
   return y.astype(x.dtype).reshape(shape)
 
 
-def router_and_shared(p, x_td, wide: bool = False):
+def router_and_shared(p, x_td, wide: bool = False, impl: str = "xla"):
   """(router logits [T, E] f32 or None: `route` computes them, the shared experts' output
   [T, D] in x's dtype or None). Packed (target/pack.py "router_gate_up_t"): ONE dot for the
   router and the shared gate | up, with the router's f32 accumulation (`_router_logits`); the
   gate and up columns are rounded to x's dtype, as their own dot would.
   wide (TargetConfig.route_joint_logits, the routing kernel's path): the logits are the dot's
   whole [T, E + 2 F] output, the router's E columns first (the kernel reads those), so no slice
-  of them is made for the kernel."""
+  of them is made for the kernel.
+  impl: the packed dots' pack.dot_t impl (TargetConfig.dense_dot_impl)."""
   if "router_gate_up_t" not in p:
-    return None, (swiglu(p["shared"], x_td) if "shared" in p else None)
+    return None, (swiglu(p["shared"], x_td, impl) if "shared" in p else None)
   e = p["bias"].shape[0]
-  y = _router_logits(x_td, p["router_gate_up_t"], dot=dot_t)
+  y = _router_logits(x_td, p["router_gate_up_t"], dot=functools.partial(dot_t, impl=impl))
   gate, up = jnp.split(y[:, e:].astype(x_td.dtype), 2, axis=-1)
-  return y if wide else y[:, :e], swiglu_down(gate, up, p["shared"])
+  return y if wide else y[:, :e], swiglu_down(gate, up, p["shared"], impl)
 
 
 def one_token_rows(cfg: TargetConfig, x_td):

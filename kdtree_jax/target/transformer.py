@@ -20,7 +20,9 @@ from kdtree_jax.target.norm import rms_norm
 
 
 def _ffn(lp, cfg: TargetConfig, x, routes):
-  return swiglu(lp["mlp"], x) if "mlp" in lp else moe(lp["moe"], cfg, x, routes)
+  if "mlp" in lp:
+    return swiglu(lp["mlp"], x, cfg.dense_dot_impl)
+  return moe(lp["moe"], cfg, x, routes)
 
 
 def _attention_input(lp, cfg: TargetConfig, x):

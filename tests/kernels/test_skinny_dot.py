@@ -149,8 +149,8 @@ def test_dot_t_pallas_matches_xla_and_falls_back():
 
 @pytest.mark.parametrize("b,n", [(1, 1), (2, 5)])
 def test_decode_with_pallas_dense_dots_matches_xla(b, n):
-  """A packed f32 model's decode step (mla's q_a | kv_a, q_b, o and the dense layer's MLP through
-  pack.dot_t) with dense_dot_impl="pallas" vs "xla": the same logits up to f32 summation order
+  """A packed f32 model's decode step (mla's q_a | kv_a, q_b, o, the dense layer's MLP and the
+  shared expert through pack.dot_t) with dense_dot_impl="pallas" vs "xla": the same logits up to f32 summation order
   (B x N rows: 1 (the multiply-sum) and 10 (tl.dot)); the kernel is in the step's program."""
   cfg = C.tiny(qk_rope_head_dim=16)  # q_a | kv_a: 32 + 32 + 16 = 80 rows, a multiple of 16
   params = pack.pack_for_decode(cfg, P.init_params(jax.random.key(5), cfg, jnp.float32, std=0.1))
@@ -165,7 +165,10 @@ def test_decode_with_pallas_dense_dots_matches_xla(b, n):
   want = jax.jit(step(cfg))(cache, tokens[:, 8 - n:])
   got = jax.jit(step(pallas_cfg))(cache, tokens[:, 8 - n:])
   jaxpr = str(jax.make_jaxpr(step(pallas_cfg))(cache, tokens[:, 8 - n:]))
-  assert jaxpr.count("pallas_call") >= 3 * cfg.num_hidden_layers  # qkv_a, q_b, o per layer
+  dense, moe_layers = cfg.first_k_dense_replace, cfg.num_hidden_layers - cfg.first_k_dense_replace
+  # qkv_a, q_b, o per layer; the dense MLP's gate | up and down; the shared expert's down (the
+  # f32 router | shared gate | up dot is HIGHEST precision: XLA's)
+  assert jaxpr.count("pallas_call") >= 3 * cfg.num_hidden_layers + 2 * dense + moe_layers
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-5
 
