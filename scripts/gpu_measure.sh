@@ -42,16 +42,14 @@
 #               BN and splits), each called in turn on >= 120 MB of distinct weights (no L2 reuse):
 #               us / % of copy / x XLA, wrong rows FAIL, a best-per-shape summary; ~43 programs,
 #               XLA's and the default's rows first (a cut box loses variants only): dots:150
-#   dots_step   the fused step (ar, ddtree 15) of bench_k26_full at full depth, target packed vs packed
-#               with mla's few-row dense dots (q_a | kv_a, q_b, o) on the skinny_dot kernel
-#               (dense_dot_impl=pallas; the MLPs' dots stay XLA's until transformer.py's and
-#               moe.py's calls pass the impl): CUPTI kernel ms each, side by side (dots_step:300)
 #   xla_options scripts/probe_xla_options.py: bench_k26_full's fused step (ar, ddtree 15) compiled
 #               per XLA option set (cuBLAS vs Triton GEMMs, ...), CUPTI kernel ms each (~200 s)
-#   target_layout  the same fused step (ar, ddtree 15), default options, target.pack's packed
-#               layout vs packed_fold (pack's fold_norms: the attention and q LoRA norms' gains
-#               folded into qkv_a_t / q_b_t, 1/rms on the dots' outputs, issue 13):
-#               CUPTI kernel ms and launches of each, side by side (target_layout:240)
+#   target_layout  the same fused step (ar, ddtree 15), default options, target packed vs the open
+#               TargetConfig A/Bs on it (probe_xla_options --layouts packed+field=value): the MoE
+#               glue's route_joint_logits and one_token_rows_first (issue 13, eighth pass), the
+#               skinny_dot kernel for every few-row dense dot (dense_dot_impl=pallas), and all
+#               three; one copy of the experts; CUPTI kernel ms and launches of each, side by
+#               side (10 programs compiled at once: target_layout:330)
 #   draft_share the same for k26_dflash_share only (bench_k26_full's draft, issue 17's must-show)
 #   draft_waves bench_draft.py on k26_dflash_share only: draft_block with the ctx kernel at 1, 2 and
 #               3 programs per SM (memory parallelism of a latency-bound read), no tests (~70 s)
@@ -129,11 +127,11 @@ run_part() {
                 --time_budget_s $(( secs - 20 )) ;;
     dots) one_gpu timeout "$secs" python3 -m pallas_kernels.skinny_dot.bench \
                 --dots_out "$RAW/bench_dots.jsonl" ;;
-    dots_step) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
-                --variants default --layouts packed,packed+dense_dot_impl=pallas ;;
     xla_options) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" ;;
     target_layout) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
-                --variants default --layouts packed,packed_fold ;;
+                --variants default --layouts "packed,packed+route_joint_logits=true,\
+packed+one_token_rows_first=true,packed+dense_dot_impl=pallas,\
+packed+route_joint_logits=true+one_token_rows_first=true+dense_dot_impl=pallas" ;;
     draft_waves) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 \
                 --drafts k26_dflash_share --out_dir "$RAW" --ctx_impls \
                 pallas:p131:64:8:3+block+packed,pallas:p263:64:8:3+block+packed,pallas:p263:64:4:3+block+packed,pallas:p395:64:4:2+block+packed,pallas:p263:128:8:2+block+packed ;;
