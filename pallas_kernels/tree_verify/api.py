@@ -62,7 +62,7 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
   """The kernel path: out [B, N, H, R] in q.dtype and natural lse [B, N, H].
 
   XLA work around the kernel: q's free reshape to rows, the tree mask's bit words (one tiny
-  fusion), and for several splits the merge. Copies only where the TMA cannot address the
+  fusion), and for several splits the merge (none with Tuning(merge="kernel")). Copies only where the TMA cannot address the
   array: q rows when N*H is not kernel_rows (q is tiny; none at N*H = 8, 16, .., 56 or 64k), the
   cache when L % 8 != 0 (never in the model, whose caches have a multiple of 64 rows)."""
   # pylint: disable-next=import-outside-toplevel

@@ -2,9 +2,9 @@
 
 Letters: B batch, S splits, M rows, R value width, K ring slots, G chunk (Tuning.merge_chunk).
 
-Every CTA (row tile, split, batch) writes its normalised partial O and base-2 LSE to GMEM (the
-kernel's partial outputs), unless it is a leader, then each compute warpgroup signals a GMEM
-counter of its (batch, row tile) (`red.release.gpu` after its TMA store has completed: the
+Every CTA (row tile, split, batch) that is not a leader writes its normalised partial O and
+base-2 LSE to GMEM (the kernel's partial outputs), then each of its compute warpgroups signals a
+GMEM counter of its (batch, row tile) (`red.release.gpu` after its TMA store has completed: the
 partial is visible before the count). One level (merge_chunk 0): the CTA of the HIGHEST split
 index is the one leader; after its own split it waits until the counter reaches 2 (S - 1), then
 its TMA warpgroup streams the other splits' partials through a K-slot SMEM ring (the union's KV
