@@ -4,24 +4,25 @@ Letters: B batch, S splits, M rows, R value width, K ring slots, G chunk (Tuning
 
 Every CTA (row tile, split, batch) that is not a leader writes its normalised partial O and
 base-2 LSE to GMEM (the kernel's partial outputs), then each of its compute warpgroups signals a
-GMEM counter of its (batch, row tile) (`red.release.gpu` after its TMA store has completed: the
-partial is visible before the count). One level (merge_chunk 0): the CTA of the HIGHEST split
-index is the one leader; after its own split it waits until the counter reaches 2 (S - 1), then
-its TMA warpgroup streams the other splits' partials through a K-slot SMEM ring (the union's KV
-space: `ring_slots`) and each compute warpgroup folds them into its own O half, online-softmax
-style (weights 2^(lse_s - max)), then writes the final output (q dtype) and the natural LSE.
-Two levels (merge_chunk G): splits [qG, (q + 1)G) form chunk q with its own counter; each chunk's
-last split merges the chunk into its own partial slot and signals a leaders' counter; the last
-split (its chunk's leader) then also folds the other chunks' results: ~G + S / G partials on the
-longest path instead of S - 1 (the merge is one SM's reads). CTAs launch roughly in grid order and
-a CTA waits only for lower splits of its (batch, row tile), which started before it and never
-wait for a higher one: no deadlock whatever the grid size.
+GMEM counter of its (batch, row tile) (after its TMA store has completed: a
+`fence.proxy.async.global`, then `red.release.gpu`; the partial is visible before the count).
+One level (merge_chunk 0): the CTA of the HIGHEST split index is the one leader; after its own
+split it waits until the counter reaches 2 (S - 1) (acquire, then a proxy fence before its TMA
+loads), then its TMA warpgroup streams the other splits' partials through a K-slot SMEM ring (the
+union's KV space: `ring_slots`) and each compute warpgroup folds them into its own O half,
+online-softmax style (weights 2^(lse_s - max)), then writes the final output (q dtype) and the
+natural LSE. Two levels (merge_chunk G): splits [qG, (q + 1)G) form chunk q with its own counter;
+each chunk's last split merges the chunk into its own partial slot and signals a leaders'
+counter; the last split (its chunk's leader) then also folds the other chunks' results: ~G + S / G
+partials on the longest path instead of S - 1 (the merge is one SM's reads). CTAs launch roughly
+in grid order and a CTA waits only for lower splits of its (batch, row tile), which started
+before it and never wait for a higher one: no deadlock whatever the grid size.
 
 The counters: `pl.get_global(SemaphoreType.REGULAR(...))`, a GMEM scratch that Pallas
 zero-fills before every call; each waiter decrements its count back to 0 (`semaphore_wait`). The
 GPU interpreter has no GMEM semaphores (get_global cannot be interpreted in jax 0.11.2) but runs
-the grid one CTA after the other in grid order, so there the signals and waits are left out: a
-leader runs after the splits it merges. The handshake itself is checked only by the CUDA
+the grid one CTA after the other in grid order, so there the signals, waits and fences are left
+out: a leader runs after the splits it merges. The handshake itself is checked only by the CUDA
 lowering and the GPU tests.
 
 Orientation: kernel.py holds a row tile as [64, R/2] (rows along axis 0, statistics as [64] row
@@ -35,6 +36,7 @@ from typing import Callable
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 MAX_RING_SLOTS = 16  # partial tiles in flight to the merging CTA (8 KB each at M = 8); 2 x 16
@@ -122,16 +124,29 @@ def _source_split(c, j):
   return jnp.where(j < members, chunk * g + j, (j - members + 1) * g - 1)
 
 
+def _proxy_fence():
+  """fence.proxy.async.global: orders the TMA's (async proxy) global accesses with the counter's
+  generic-proxy release / acquire (PTX: accesses to one location through two proxies need a
+  cross-proxy fence). Every thread of the warpgroup runs it (Lane semantics)."""
+  @plgpu.inline_mgpu()
+  def fence(_):
+    mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+  fence()
+
+
 def _signal(c, i):
   """A compute warpgroup's O half (wg0: and the LSE) is in GMEM: count it on counter i (the TMA
-  store was awaited first; the signal is a release)."""
+  store was awaited first, then a proxy fence; the signal is a release)."""
   if not c.interpret:
+    _proxy_fence()
     plgpu.semaphore_signal(_counter(c, i), 1, memory_scope="gpu")
 
 
 def _wait(c, i, count):
+  """Wait (acquire) until counter i reaches count, then a proxy fence before the TMA loads."""
   if not c.interpret:
     plgpu.semaphore_wait(_counter(c, i), count, memory_scope="gpu")
+    _proxy_fence()
 
 
 def finish(c, w, o, lse2, store, orient):

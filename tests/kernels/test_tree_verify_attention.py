@@ -379,6 +379,7 @@ class TestLowersForGpu:
     kernel follows (no Triton call)."""
     text = self.lower_text(b, n, h, 46000, tuning)
     assert "red.release.gpu" in text and "fence.acquire.gpu" in text
+    assert "fence.proxy.async.global" in text
     assert "triton" not in text.lower()
 
   @pytest.mark.parametrize("tuning", [Tuning(num_splits=4, merge="kernel", bf16_partials=False),
