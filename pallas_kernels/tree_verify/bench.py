@@ -62,19 +62,10 @@ FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64]
 # (tuning.SWAP_AB_MAX_ROWS); swap_ab=0 is the previous kernel's row. Measured slower the same
 # week and dropped: pipeline_qk (tile i + 1's QK^T under tile i's softmax; 1.4-1.5x slower at
 # N=64, removed from the kernel), shared_p=0 and the 32-key ring at N=1. At N=8, H=8 and N=1,
-# H=64 (M = 64) swap-AB does the same tensor work (a check of the swapped structure).
-# merge=kernel (merge_in_kernel.py): the last split's CTA merges the others' partials after a GMEM
-# counter, no merge launch (the default's Triton merge is one); with the packed mask it is the
-# model's per-layer call without any XLA or Triton kernel. merge_chunk=G: two levels (chunks of
-# G splits merged by their last split, then the chunks by the last split; G ~ sqrt(S)): the
-# merge's reads are one SM's, S - 1 partials in one level (1 MB at N=1, 8.4 MB at N=8, H=8).
-PROBES = {(1, 1, 8, 46000): "merge=kernel;merge=kernel,merge_chunk=12;"
-                            "merge=kernel,merge_chunk=12,mask=packed;mask=packed;"
-                            "swap_ab=0,merge=kernel;swap_ab=0;swap_ab=0,mask=packed;num_splits=66",
-          (1, 8, 8, 46000): "merge=kernel;merge=kernel,merge_chunk=12;swap_ab=1",
-          (1, 16, 8, 46000): "merge=kernel;merge=kernel,merge_chunk=8;"
-                             "merge=kernel,merge_chunk=8,mask=packed;mask=packed",
-          (1, 64, 8, 46000): "merge=kernel;merge=kernel,merge_chunk=4",
+# H=64 (M = 64) swap-AB does the same tensor work (a check of the swapped structure). At 1x1x8
+# the default's own packed row (the model's ar call) is listed: swap_ab=0's suppresses the auto one.
+PROBES = {(1, 1, 8, 46000): "mask=packed;swap_ab=0;swap_ab=0,mask=packed;num_splits=66",
+          (1, 8, 8, 46000): "swap_ab=1",
           (1, 1, 64, 46000): "swap_ab=1",
           (4, 1, 8, 46000): "swap_ab=0;num_splits=66",
           (4, 16, 8, 46000): "num_splits=32"}

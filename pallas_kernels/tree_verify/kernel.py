@@ -14,9 +14,7 @@ Tiles start at multiples of T; rows past L are zero-filled by the TMA (no copy o
 and masked. Only tiles that reach past `len` are masked: prefix end, tree mask (per-row bit words,
 `masks.py`), end of the cache. With one split the kernel writes the final output (q dtype) and
 natural LSE; with S splits it writes per-split normalised partials (bf16 or f32) and base-2 LSE,
-merged by `combine.py` / `merge_triton.py`, or (Tuning(merge="kernel")) by the kernel's last split
-after a GMEM counter says the others are written (`merge_in_kernel.py`; outputs: the final pair,
-then the partials).
+merged by `combine.py`.
 
 Row windows: every TMA copy of Q, O or LSE moves a window of `window` = min(M, 64) rows at row
 64 * m_idx, and M is either < 64 (one tile, window = M) or a multiple of 64 (api.py pads q). So a
@@ -36,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.tree_verify import masks, merge_in_kernel
+from pallas_kernels.tree_verify import masks
 from pallas_kernels.tree_verify.tuning import BLOCK_M, SMEM_BYTES, Tuning
 
 LOG2E = math.log2(math.e)
@@ -296,43 +294,28 @@ def _loop(c, w, acc):
   return carry
 
 
-def _store(c, w, o, lse2, final):
-  """Normalised O half (and wg0: LSE) -> SMEM -> TMA out. final: the output in q dtype and the
-  natural LSE; else this split's partial and base-2 LSE."""
+def _store(c, w, o, lse2):
+  """Normalised O half (and wg0: LSE) -> SMEM -> TMA out. One split: final dtype, natural LSE."""
+  final = c.t.num_splits == 1
   o_smem = c.o_smem.at[w]
   o_smem[...] = o.astype(o_smem.dtype)
   if w == 0:
     c.lse_smem[...] = lse2 * LN2 if final else lse2
   plgpu.commit_smem()
-  o_dst, lse_dst = out_destinations(c, w, final)
+  o_dst, lse_dst = out_destinations(c, w)
   plgpu.copy_smem_to_gmem(_smem_rows(o_smem, c.window), o_dst)
   if w == 0:
     plgpu.copy_smem_to_gmem(_smem_rows(c.lse_smem, c.window), lse_dst)
   plgpu.wait_smem_to_gmem(0)
 
 
-def out_destinations(c, w, final):
-  """GMEM windows of warpgroup w's O half and of the LSE: the final output or this split's
-  partials."""
+def out_destinations(c, w):
+  """GMEM windows of warpgroup w's O half and of the LSE: the final output (one split) or this
+  split's partials."""
   rows, cols = _row_window(c), pl.ds(w * (c.r // 2), c.r // 2)
-  if final:
+  if c.t.num_splits == 1:
     return c.o_ref.at[c.b, rows, cols], c.lse_ref.at[c.b, rows]
-  return c.part_o_ref.at[c.b, c.s_idx, rows, cols], c.part_lse_ref.at[c.b, c.s_idx, rows]
-
-
-def store_or_merge(c, w, o, lse2, store, orient):
-  """The end of a compute warpgroup: one split: store the final output; several: store this
-  split's partial; merge='kernel': merge_in_kernel.finish (the leaders merge, the others store
-  their partials and signal)."""
-  if merge_in_kernel.enabled(c.t):
-    merge_in_kernel.finish(c, w, o, lse2, store, orient)
-  else:
-    store(c, w, o, lse2, c.t.num_splits == 1)
-
-
-ORIENTATION = merge_in_kernel.Orientation(
-    stat_layout=_ROW, bcast=_bcast_rows,
-    load_tile=lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32))
+  return c.o_ref.at[c.b, c.s_idx, rows, cols], c.lse_ref.at[c.b, c.s_idx, rows]
 
 
 def final_stats(m, l):
@@ -343,139 +326,62 @@ def final_stats(m, l):
 
 
 def _compute_wg(c, w):
-  """Compute warpgroup w: loop over the split's tiles, then normalise and store (or merge) its O
-  half and the LSE."""
+  """Compute warpgroup w: loop over the split's tiles, then normalise and store O half and LSE."""
   plgpu.set_max_registers(232, action="increase")
   plgpu.barrier_wait(c.q_bar)
   acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, c.r // 2), jnp.float32), plgpu.Layout.WGMMA)
   acc, m, l = _loop(c, w, acc)
   inv, lse2 = final_stats(m, l)
-  merging = merge_in_kernel.enabled(c.t)
-  if w == 0 and c.t.shared_p:
+  if c.t.shared_p and w == 0:
     c.stat_smem.at[1][...] = inv
-  if w == 0 and merging:
-    c.stat_smem.at[2][...] = lse2  # wg1's rows' LSE (with shared_p only wg0 has it)
   _sync(c.wg_bar)  # both warpgroups are past their last read of Q/KV/P: the union may be reused
-  if w == 1 and c.t.shared_p:
+  if c.t.shared_p and w == 1:
     inv = plgpu.load(c.stat_smem.at[1], layout=_ROW, optimized=False)
-  if w == 1 and merging:
-    lse2 = plgpu.load(c.stat_smem.at[2], layout=_ROW, optimized=False)
-  store_or_merge(c, w, acc * _bcast_rows(inv, acc.shape), lse2, _store, ORIENTATION)
+  _store(c, w, acc * _bcast_rows(inv, acc.shape), lse2)
 
 
-def _make_body(t: Tuning, n, l, r, window, tiles, scale_log2, dtype, interpret):
+def _make_body(t: Tuning, n, l, r, window, scale_log2, dtype, interpret):
   """Kernel body for static shapes."""
 
-  def body(len_ref, q_ref, kv_ref, words_ref, *refs):
-    outs, scratch = named_refs(t, refs)
-    (q_smem, kv_smem, p_smem), (o_smem, *lse_ring) = scratch.pop("union")
+  def body(len_ref, q_ref, kv_ref, words_ref, o_ref, lse_ref, union, stat_smem, lse_smem, q_bar,
+           kv_bar, free_bar, wg_bar, p_ready, p_free):
+    (q_smem, kv_smem, p_smem), (o_smem,) = union
     m_idx, s_idx, b = lax.axis_index("m"), lax.axis_index("s"), lax.axis_index("b")
     length = jnp.clip(len_ref[b], 0, l)  # l: the cache's rows before any pad (never visible)
     end = jnp.minimum(length + n, l)
     lo, hi, full_hi = _split_range(length, end, s_idx, t)
-    c = _Ctx(t=t, interpret=interpret, r=r, window=window, tiles=tiles, scale_log2=scale_log2,
-             dtype=dtype, q_ref=q_ref, kv_ref=kv_ref, words_ref=words_ref, q_smem=q_smem,
-             kv_smem=kv_smem, p_smem=p_smem, o_smem=o_smem.at[0] if merge_in_kernel.enabled(t)
-             else o_smem, ring=o_smem, m_idx=m_idx, s_idx=s_idx, b=b, length=length, end=end,
-             lo=lo, hi=hi, full_hi=full_hi, lse_ring=lse_ring[0] if lse_ring else None,
-             sem=merge_in_kernel.counters(t, tiles, q_ref.shape[0], interpret), **outs,
-             **scratch)
-    run_warpgroups(c, _compute_wg)
+    c = _Ctx(t=t, interpret=interpret, r=r, window=window, scale_log2=scale_log2, dtype=dtype,
+             q_ref=q_ref, kv_ref=kv_ref, words_ref=words_ref, o_ref=o_ref, lse_ref=lse_ref,
+             q_smem=q_smem, kv_smem=kv_smem, p_smem=p_smem, o_smem=o_smem, stat_smem=stat_smem,
+             lse_smem=lse_smem, q_bar=q_bar, kv_bar=kv_bar, free_bar=free_bar, wg_bar=wg_bar,
+             p_ready=p_ready, p_free=p_free, m_idx=m_idx, s_idx=s_idx, b=b, length=length,
+             end=end, lo=lo, hi=hi, full_hi=full_hi)
+    wg = lax.axis_index("wg")
+    for w in range(2):
+      pl.when(wg == w)(functools.partial(_compute_wg, c, w))
+
+    @pl.when(wg == 2)
+    def _():
+      plgpu.set_max_registers(40, action="decrease")
+      _memory_wg(c)
 
   return body
 
 
-def run_warpgroups(c, compute_wg):
-  """Warpgroups 0 and 1 compute, 2 streams (and, in a merging CTA, feeds the split merge)."""
-  wg = lax.axis_index("wg")
-  for w in range(2):
-    pl.when(wg == w)(functools.partial(compute_wg, c, w))
-
-  @pl.when(wg == 2)
-  def _():
-    plgpu.set_max_registers(40, action="decrease")
-    _memory_wg(c)
-    if merge_in_kernel.enabled(c.t):
-      pl.when(merge_in_kernel.is_leader(c))(functools.partial(merge_in_kernel.memory_wg, c))
-
-
-_OUT_NAMES = {"final": ("o_ref", "lse_ref"), "partial": ("part_o_ref", "part_lse_ref"),
-              "merge": ("o_ref", "lse_ref", "part_o_ref", "part_lse_ref")}
-_SCRATCH_NAMES = ("union", "stat_smem", "lse_smem", "q_bar", "kv_bar", "free_bar", "wg_bar",
-                  "p_ready", "p_free")
-_MERGE_SCRATCH_NAMES = ("lse_bar", "half_bar", "ring_free", "merge_go")
-
-
-def output_kind(t: Tuning):
-  """'final' (one split), 'partial' (several, merged after the kernel) or 'merge' (several,
-  merged by the kernel: final outputs, then the partials it reads back)."""
-  if t.num_splits == 1:
-    return "final"
-  return "merge" if merge_in_kernel.enabled(t) else "partial"
-
-
-def named_refs(t: Tuning, refs, scratch_names=_SCRATCH_NAMES):
-  """The body's output and scratch refs by name (out_types, then _scratch's or
-  kernel_swap._scratch's `scratch_names` and the merge's)."""
-  out_names = _OUT_NAMES[output_kind(t)]
-  names = scratch_names + (_MERGE_SCRATCH_NAMES if merge_in_kernel.enabled(t) else ())
-  outs, scratch = refs[:len(out_names)], refs[len(out_names):]
-  if len(scratch) != len(names):
-    raise ValueError(f"{len(scratch)} scratch refs for {names}")
-  return dict(zip(out_names, outs)), dict(zip(names, scratch))
-
-
-def merge_scratch(t: Tuning, rows, r, space_bytes):
-  """merge='kernel': the union's second member, the ring of the other splits' partials
-  ([K, 2, rows, R/2] bf16; slot 0 is also the output staging) and their LSEs [K, rows] in
-  `space_bytes` (the first member's), and the ring's barriers (merge_in_kernel)."""
-  k = ring_slots(t, rows, r, space_bytes)
-  ring = plgpu.SMEM((k, 2, rows, r // 2), jnp.bfloat16, transforms=_BF16_TRANSFORMS)
-  return (ring, plgpu.SMEM((k, rows), jnp.float32)), [
-      plgpu.Barrier(num_barriers=k), plgpu.Barrier(num_barriers=2 * k),
-      plgpu.Barrier(num_arrivals=2, num_barriers=k), plgpu.Barrier(num_arrivals=2)]
-
-
-def ring_slots(t: Tuning, rows, r, space_bytes):
-  """The merge ring's slots: partial tiles of 2 * rows * R/2 bf16 beside their LSEs."""
-  lse_bytes = _kib(merge_in_kernel.MAX_RING_SLOTS * rows * 4)
-  return merge_in_kernel.ring_slots(t.num_splits, 2 * rows * (r // 2) * 2, space_bytes - lse_bytes)
-
-
-def merge_barrier_bytes(t: Tuning, rows, r, space_bytes):
-  """SMEM of merge_scratch's barriers (8 bytes each)."""
-  return 8 * (4 * ring_slots(t, rows, r, space_bytes) + 1)
-
-
-def _kib(x):
-  return -(-x // 1024) * 1024
-
-
-def _operand_bytes(t: Tuning, c, itemsize=2):
-  """Q + KV ring + P in SMEM (the union's first member; GPU layout)."""
-  p = BLOCK_M * t.block_kv * itemsize if t.shared_p else 0
-  return _kib(BLOCK_M * c * itemsize) + _kib(t.stages * t.block_kv * c * itemsize) + _kib(p)
-
-
 def _scratch(t: Tuning, c, r, dtype, interpret):
-  """SMEM: a union of (Q, KV ring, P) with the output staging (merge='kernel': the partials'
-  ring, slot 0 the staging), plus stats and barriers."""
+  """SMEM: a union of (Q, KV ring, P) with the output staging, plus stats and barriers."""
   operands = _OPERAND_TRANSFORMS[t.block_kv]
   q = plgpu.SMEM((BLOCK_M, c), dtype, transforms=operands)
   kv = plgpu.SMEM((t.stages, t.block_kv, c), dtype, transforms=operands)
   n_p = 2 if interpret else int(t.shared_p)
   p_shape = (n_p, BLOCK_M, t.block_kv) if interpret else (BLOCK_M, t.block_kv)
   p = plgpu.SMEM(p_shape, dtype, transforms=operands) if n_p else None
-  merging = merge_in_kernel.enabled(t)
-  if merging:
-    o, extra = merge_scratch(t, BLOCK_M, r, _operand_bytes(t, c))
-  else:
-    o_dtype = dtype if t.num_splits == 1 else t.partials_dtype
-    transforms = _F32_TRANSFORMS if o_dtype == jnp.float32 else _BF16_TRANSFORMS
-    o, extra = (plgpu.SMEM((2, BLOCK_M, r // 2), o_dtype, transforms=transforms),), []
+  o_dtype = dtype if t.num_splits == 1 else t.partials_dtype
+  transforms = _F32_TRANSFORMS if o_dtype == jnp.float32 else _BF16_TRANSFORMS
+  o = plgpu.SMEM((2, BLOCK_M, r // 2), o_dtype, transforms=transforms)
   return [
-      plgpu.RefUnion((q, kv, p), o),
-      plgpu.SMEM((3 if merging else 2, BLOCK_M), jnp.float32),
+      plgpu.RefUnion((q, kv, p), (o,)),
+      plgpu.SMEM((2, BLOCK_M), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.Barrier(num_barriers=1),
       plgpu.Barrier(num_barriers=t.stages),
@@ -483,29 +389,27 @@ def _scratch(t: Tuning, c, r, dtype, interpret):
       plgpu.Barrier(num_arrivals=2),
       plgpu.Barrier(num_arrivals=1),
       plgpu.Barrier(num_arrivals=1),
-  ] + extra
+  ]
 
 
 def smem_bytes(t: Tuning, c, r, itemsize=2):
-  """SMEM of one CTA (GPU layout): the union max(Q + KV ring + P, O staging or the merge ring),
-  each buffer rounded up to 1 KiB (swizzle alignment), plus statistics and barriers. Must be
-  <= SMEM_BYTES."""
+  """SMEM of one CTA (GPU layout): the union max(Q + KV ring + P, O staging), each buffer rounded
+  up to 1 KiB (swizzle alignment), plus statistics and barriers. Must be <= SMEM_BYTES."""
+  kib = lambda x: -(-x // 1024) * 1024
+  p = BLOCK_M * t.block_kv * itemsize if t.shared_p else 0
   o_item = itemsize if t.num_splits == 1 else jnp.dtype(t.partials_dtype).itemsize
-  union = max(_operand_bytes(t, c, itemsize), _kib(2 * BLOCK_M * (r // 2) * o_item))
-  total = union + _kib(3 * BLOCK_M * 4) + 8 * (2 * t.stages + 4)
-  if merge_in_kernel.enabled(t):  # the ring and its LSEs fit the union; a third stats row
-    total += merge_barrier_bytes(t, BLOCK_M, r, _operand_bytes(t, c, itemsize))
-  return total
+  union = max(kib(BLOCK_M * c * itemsize) + kib(t.stages * t.block_kv * c * itemsize) + kib(p),
+              kib(2 * BLOCK_M * (r // 2) * o_item))
+  return union + kib(3 * BLOCK_M * 4) + 8 * (2 * t.stages + 4)
 
 
 def out_types(b, m, r, t: Tuning, dtype):
   """One split: (out [B, M, R] dtype, natural LSE [B, M]); else partials (O [B, S, M, R] in
-  t.partials_dtype, normalised per split; base-2 LSE [B, S, M] f32); merge='kernel': the final
-  pair, then the partials (the kernel's GMEM scratch; the last split's slot is unused)."""
-  final = (jax.ShapeDtypeStruct((b, m, r), dtype), jax.ShapeDtypeStruct((b, m), jnp.float32))
-  partial = (jax.ShapeDtypeStruct((b, t.num_splits, m, r), t.partials_dtype),
-             jax.ShapeDtypeStruct((b, t.num_splits, m), jnp.float32))
-  return {"final": final, "partial": partial, "merge": final + partial}[output_kind(t)]
+  t.partials_dtype, normalised per split; base-2 LSE [B, S, M] f32)."""
+  if t.num_splits == 1:
+    return (jax.ShapeDtypeStruct((b, m, r), dtype), jax.ShapeDtypeStruct((b, m), jnp.float32))
+  return (jax.ShapeDtypeStruct((b, t.num_splits, m, r), t.partials_dtype),
+          jax.ShapeDtypeStruct((b, t.num_splits, m), jnp.float32))
 
 
 def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning, value_dim,
@@ -523,16 +427,15 @@ def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning,
     raise ValueError(f"{t.block_kv=}: a tile reads 3 mask words, enough for 64 keys only")
   if smem_bytes(t, c, r) > SMEM_BYTES:
     raise ValueError(f"{t}: {smem_bytes(t, c, r)} bytes of SMEM at C={c}, over {SMEM_BYTES}")
-  merge_in_kernel.check_supported(t, q_rows.dtype)
   tiles = -(-m // BLOCK_M)
   window = min(m, BLOCK_M)
   _check_windows(m, window, tiles, f"q rows {q_rows.shape}")
-  for i, shape in enumerate(out_types(b, m, r, t, q_rows.dtype)):  # (O, LSE) pairs
-    _check_windows(shape.shape[-2 if i % 2 == 0 else -1], window, tiles, f"output {shape}")
+  for what, shape in zip(("out", "lse"), out_types(b, m, r, t, q_rows.dtype)):
+    _check_windows(shape.shape[-2 if what == "out" else -1], window, tiles, f"{what} {shape}")
   if words.shape[2] != tiles * BLOCK_M or words.shape[1] != masks.num_words(n) + masks.EXTRA_WORDS:
     raise ValueError(f"{words.shape=} does not match {n=} and {tiles} row tiles")
   rows_l = l if cache_rows is None else cache_rows
-  body = _make_body(t, n, rows_l, r, window, tiles, scale * LOG2E, q_rows.dtype, interpret)
+  body = _make_body(t, n, rows_l, r, window, scale * LOG2E, q_rows.dtype, interpret)
   fn = plgpu.kernel(
       body, out_type=out_types(b, m, r, t, q_rows.dtype),
       scratch_types=_scratch(t, c, r, q_rows.dtype, interpret),
@@ -540,4 +443,4 @@ def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
-  return fn(lengths, q_rows, cache, words)[:2]
+  return fn(lengths, q_rows, cache, words)

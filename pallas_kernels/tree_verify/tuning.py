@@ -10,9 +10,7 @@ SMEM_BYTES = 232448  # sm90 dynamic shared memory per CTA (227 KiB)
 MIN_TILES_PER_SPLIT = 2  # a split below this pays its Q load and epilogue for too little streaming
 KERNELS = ("v2", "v1")  # v2: kernel.py (tree block in the kernel); v1: kernel_v1.py (tree in XLA)
 SWAP_AB_MAX_ROWS = 8  # default_tuning's swap-AB bound on N*H (the measured shape; see there)
-MERGES = ("xla", "triton", "kernel")  # v2's split merge: combine.py (XLA, ~3 kernels),
-                                      # merge_triton.py (1), or the kernel's last split
-                                      # (merge_in_kernel.py: no launch)
+MERGES = ("xla", "triton")  # v2's split merge: combine.py (XLA, ~3 kernels) or merge_triton.py (1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +27,6 @@ class Tuning:
   bf16_partials: bool = True  # split partials O in bf16 (half the write + merge read) or f32
   kernel: str = "v2"      # which kernel (KERNELS); v1 ignores bf16_partials and merge
   merge: str = "xla"      # v2's split merge (MERGES)
-  merge_chunk: int = 0    # merge='kernel': 0 = the last split merges all S - 1 others; G = two
-                          # levels: each G splits' last merges them, the last split the
-                          # ceil(S / G) chunks' results (~2 sqrt(S) partials on the longest path)
 
   @property
   def partials_dtype(self):
@@ -44,8 +39,8 @@ class Tuning:
       raise ValueError("shared_p needs block_kv <= 64 (SMEM budget)")
     if self.num_splits < 1 or self.stages < 2:
       raise ValueError(f"need num_splits >= 1 and stages >= 2, got {self}")
-    if self.prefetch < 0 or self.merge_chunk < 0:
-      raise ValueError(f"{self.prefetch=} and {self.merge_chunk=} must be >= 0")
+    if self.prefetch < 0:
+      raise ValueError(f"{self.prefetch=} must be >= 0")
     if self.kernel not in KERNELS or self.merge not in MERGES:
       raise ValueError(f"{self.kernel=} must be in {KERNELS}, {self.merge=} in {MERGES}")
 

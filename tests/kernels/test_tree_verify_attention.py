@@ -222,22 +222,6 @@ SMALL = [
     GPU((2, 1, 8, 3000, [2999, 1000], Tuning(num_splits=5, swap_ab=True, merge="triton"))),
     # GPU: swap_ab at M = 16 (two reduction registers), XLA merge, masked tiles
     GPU((1, 2, 8, 1000, [900], Tuning(num_splits=2, swap_ab=True))),
-    # merge='kernel' (merge_in_kernel.py: the last split merges the others through an SMEM ring):
-    # N=1, H=8 swap_ab (M = 8) and the 64-row kernel (8-row windows); swap_ab with more splits
-    # than ring slots (19 others, 16 slots); N=16 (2 row tiles, 3-slot ring wrapping); N=64 (8
-    # row tiles); ragged B=4 with len 0 and empty splits, both kernels
-    (1, 1, 8, 700, [699], Tuning(num_splits=5, swap_ab=True, merge="kernel")),
-    (1, 1, 8, 700, [699], Tuning(num_splits=5, merge="kernel")),
-    (1, 1, 8, 2600, [2599], Tuning(num_splits=20, swap_ab=True, merge="kernel")),
-    (1, 16, 8, 600, [584], Tuning(num_splits=5, merge="kernel")),
-    (1, 64, 8, 300, [236], Tuning(num_splits=2, merge="kernel")),
-    (4, 5, 8, 400, [395, 0, 17, 200], Tuning(num_splits=4, merge="kernel", shared_p=False)),
-    (4, 1, 8, 400, [399, 0, 17, 200], Tuning(num_splits=6, swap_ab=True, merge="kernel")),
-    # two levels (merge_chunk): chunks of 6 of 20 splits (the last of 2: the last split folds 1
-    # member + 3 leaders), swap_ab; chunks of 3 of 7, ragged B=4 with len 0 (the last split alone
-    # in its chunk: leaders only), 64-row kernel
-    (1, 1, 8, 2600, [2599], Tuning(num_splits=20, swap_ab=True, merge="kernel", merge_chunk=6)),
-    (4, 5, 8, 900, [895, 0, 17, 600], Tuning(num_splits=7, merge="kernel", merge_chunk=3)),
 ]
 
 
@@ -364,31 +348,6 @@ class TestLowersForGpu:
       self.lower_text(1, n, h, 4096, tuning)
     assert kernel_swap.smem_bytes(Tuning(), 64, C, R) <= SMEM_BYTES
 
-  @pytest.mark.parametrize("b,n,h,tuning", [
-      (1, 1, 8, Tuning(num_splits=132, swap_ab=True, merge="kernel")),
-      (1, 1, 8, Tuning(num_splits=132, merge="kernel")),
-      (4, 1, 8, Tuning(num_splits=33, swap_ab=True, merge="kernel")),
-      (1, 8, 8, Tuning(num_splits=132, merge="kernel")),
-      (1, 16, 8, Tuning(num_splits=66, merge="kernel")),
-      (1, 64, 8, Tuning(num_splits=16, merge="kernel")),
-      (1, 1, 8, Tuning(num_splits=132, swap_ab=True, merge="kernel", merge_chunk=12)),
-      (1, 8, 8, Tuning(num_splits=132, merge="kernel", merge_chunk=12))])
-  def test_merge_in_kernel_lowers(self, b, n, h, tuning):
-    """merge='kernel' at L = 46000: the split partials' release-signal (red.release.gpu) and the
-    merging CTA's wait (a CAS loop, then fence.acquire.gpu) are in the module, and no merge
-    kernel follows (no Triton call)."""
-    text = self.lower_text(b, n, h, 46000, tuning)
-    assert "red.release.gpu" in text and "fence.acquire.gpu" in text
-    assert "fence.proxy.async.global" in text
-    assert "triton" not in text.lower()
-
-  @pytest.mark.parametrize("tuning", [Tuning(num_splits=4, merge="kernel", bf16_partials=False),
-                                      Tuning(num_splits=4, merge="kernel", swap_ab=True,
-                                             bf16_partials=False)])
-  def test_merge_in_kernel_rejects_f32_partials(self, tuning):
-    with pytest.raises(ValueError, match="bf16"):
-      self.lower_text(1, 1, 8, 4096, tuning)
-
   def test_triton_merge_lowers(self):
     """The Pallas Triton merge needs a GPU kind to lower on a CPU host: an abstract H200."""
     for splits in (128, 132):
@@ -417,12 +376,11 @@ class TestLowersForGpu:
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")
 class TestKernelGPU:
-  """The default GPU set (`pytest -m gpu`): 15 cases, one compiled kernel program each, the f32
+  """The default GPU set (`pytest -m gpu`): 14 cases, one compiled kernel program each, the f32
   reference on the CPU. One case per path (M = kernel rows; windows of min(M, 64) rows):
   - SMALL GPU(...): no shared P + f32 partials + XLA merge (M 40); L % 8 != 0 cache pad, tree
     past L, len > L (M 32); q pad N*H % 8 != 0, L < block_kv, one split (M 8); 32-key tiles, prefetch, Triton merge of 2 + 1 pieces (M 128, 2 row tiles unpadded);
     swap_ab at M 8 (B=2 ragged, 5 splits, Triton merge) and M 16 (2 splits, XLA merge).
-  - TestMergeInKernelGPU (last in this file: a hang of its waiting CTA would cost only itself).
   - test_every_output_written_and_deterministic[3-True]: raw partials in NaN-filled buffers.
   - here, default tuning: 1x1x8x46000 (the ar shape: 132 splits, merge pieces 128 + 4, M 8);
     B=4 ragged with len 0 at L=4100 (32 splits, one piece, L % 8 != 0); N=15 = 8k-1 (q padded to
@@ -488,16 +446,3 @@ class TestKernelFullGridGPU:
     lengths = [l - n] if b == 1 else [l - n, 0, max(l // 3, 1), l // 2]
     q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=l + b)
     check_against_reference(q, cache, ln, mask)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")
-class TestMergeInKernelGPU:
-  """merge='kernel' compiled (the GMEM counters and the waiting CTA, which the interpreter does
-  not run): the ar shape's M = 8 (swap_ab), ragged B=4 with len 0 and empty splits, 33 splits
-  (more than the 16 ring slots). In the default GPU set (`pytest -m gpu`), the file's last test."""
-
-  def test_ragged_many_splits(self):
-    q, cache, ln, mask = make_inputs(4, 1, 8, 4100, [4099, 0, 17, 2050], seed=33)
-    check_against_reference(q, cache, ln, mask,
-                            Tuning(num_splits=33, swap_ab=True, merge="kernel"))
