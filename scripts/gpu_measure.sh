@@ -20,14 +20,12 @@
 #               both (rows of one T together, T=16 first; 10 programs);
 #               each variant's optimized HLO in raw/moe_layer_hlo/; first the routing kernel's
 #               fast tests compiled for the GPU (<= 90 s): moe_layer:300
-#   verify      tree-verify kernel: GPU tests (-m gpu, 15 cases incl. the in-kernel merge, one
-#               kernel compile each, the f32 reference on the CPU: < 2 min), short bench
+#   verify      tree-verify kernel: GPU tests (-m gpu: the sharded file first, then 14 cases,
+#               one kernel compile each, the f32 reference on the CPU: < 2 min), short bench
 #               (default L=46000 grid); verify:240
 #   verify_probes  tree-verify bench at L=46000, B=1, H=8 (N=1,8,16,64) then H=64 (N=64 first)
-#               with the PROBES variants (merge=kernel, the split merge inside the kernel, one
-#               level and two (merge_chunk), at N=1 (also swap_ab=0), 8, 16, 64 beside the
-#               default's Triton merge, packed-mask rows at N=1 and 16; swap_ab off at N*H = 8
-#               where it is the default, on at 1x8x8 and 1x1x64; 66 splits; packed mask; ~23
+#               with the PROBES variants (swap_ab off at N*H = 8 where it is the default, on
+#               at 1x8x8 and 1x1x64; 66 splits; packed mask, also the default's at 1x1x8; ~14
 #               variants, one compile each):
 #               verify_probes:200; ends with the best variant per shape and its % of copy
 #   verify_full tree-verify kernel: every test + the full GPU grid, per-kernel profile, the issue's
