@@ -22,7 +22,8 @@ The work list (work.py) is an operand: one MoE layer builds it once for its gate
 The grid's first axis is one CTA column per item, or `Tuning.slots` columns looping over them
 (`Tuning.items_smem`: the list is read from SMEM after one TMA). `Tuning.store_once` fences and
 waits once for every epilogue part; `Tuning.dequant_batch` dequantises several 64-column chunks
-per wgmma wait; `Tuning.int4_scale_concat` builds a chunk's scales without selects;
+per wgmma wait; `Tuning.int4_interleave_stacks` dequantises gate and up chunk by chunk
+together (one wait per chunk pair and step); `Tuning.int4_scale_concat` builds a chunk's scales without selects;
 `Tuning.int4_k_packed` reads weight stacks stored by `kpack.pack_int4_k` with 32-bit loads.
 (32-column pieces against a 64-byte-swizzled x tile, the removed `scale_halves`, passed
 interpret mode, which runs only the SMEM-operand path and ignores swizzles, and were wrong
@@ -84,30 +85,36 @@ def _load_int4(q_smem, j, wide: bool, k_packed=False, interpret=False):
   return plgpu.layout_cast(q, plgpu.Layout.WGMMA)
 
 
-def _int4_step(acc_ref, x_smem, q_smem, s_smem, w_stage, *, group, block_k, dtype, wide,
-               batch=1, scale_concat=False, k_packed=False, interpret=False):
+def _int4_step(accs, x_smem, tiles, w_stage, *, group, block_k, dtype, wide, batch=1,
+               scale_concat=False, k_packed=False, interpret=False):
   """One K step: per 64-column chunk, dequantise W^T in registers and issue wgmma.
 
-  `batch` chunks are dequantised before their wgmmas are issued (more independent loads and
-  conversions in flight per wgmma wait); a batch's wgmmas overlap the next batch's dequantise.
-  w_stage None: the registers are wgmma's A operand. Else 2 x batch swizzled SMEM buffers
-  [BN, 64] that the chunks cycle through (the A-from-SMEM variant; GPU interpret mode needs it).
+  accs: accumulators, tiles: one (q_smem, s_smem) per accumulator: one stack, or gate and up
+  interleaved (`Tuning.int4_interleave_stacks`: each chunk of both stacks dequantised before
+  the wait, two independent wgmma chains, one final wait per step instead of one per stack).
+  `batch` chunks (of every stack) are dequantised before their wgmmas are issued (more
+  independent loads and conversions in flight per wgmma wait); a batch's wgmmas overlap the
+  next batch's dequantise. w_stage None: the registers are wgmma's A operand. Else
+  2 x stacks x batch swizzled SMEM buffers [BN, 64] that the chunks cycle through (the
+  A-from-SMEM variant; GPU interpret mode needs it).
   """
   n_chunks = block_k // CHUNK
+  per_batch = len(accs) * batch
   for j0 in range(0, n_chunks, batch):
     ws = []
     for j in range(j0, min(j0 + batch, n_chunks)):
-      q = _load_int4(q_smem, j, wide, k_packed, interpret)
-      scales = _chunk_scales(s_smem, j, q.shape, group, block_k, scale_concat)
-      w = q.astype(dtype) * scales.astype(dtype)
-      if w_stage is not None:
-        buf = j % (2 * batch)
-        w_stage[buf] = w
-        w = w_stage.at[buf]
-      ws.append(w)
+      for a, (acc_ref, (q_smem, s_smem)) in enumerate(zip(accs, tiles)):
+        q = _load_int4(q_smem, j, wide, k_packed, interpret)
+        scales = _chunk_scales(s_smem, j, q.shape, group, block_k, scale_concat)
+        w = q.astype(dtype) * scales.astype(dtype)
+        if w_stage is not None:  # one stack: buffer j % (2 batch), as before interleaving
+          buf = (j // batch % 2) * per_batch + a * batch + (j - j0)
+          w_stage[buf] = w
+          w = w_stage.at[buf]
+        ws.append((acc_ref, j, w))
     if w_stage is not None:
       plgpu.commit_smem()
-    for j, w in zip(range(j0, n_chunks), ws):
+    for acc_ref, j, w in ws:
       plgpu.wgmma(acc_ref, w, x_smem.at[:, pl.ds(CHUNK * j, CHUNK)].transpose((1, 0)))
     plgpu.wgmma_wait(len(ws))  # the batch before is done: its registers / buffers are free
   plgpu.wgmma_wait(0)  # the pipeline reuses x_smem's slot after this step
@@ -185,6 +192,11 @@ def _num_values(gated: bool, t: Tuning) -> int:
   return 2 if gated and t.splits > 1 else 1
 
 
+def _staged_stacks(gated: bool, t: Tuning) -> int:
+  """Stacks whose chunks share one wgmma wait (SMEM-operand buffers are per stack)."""
+  return 2 if gated and t.int4_interleave_stacks else 1
+
+
 def _slots(t: Tuning, n_items: int) -> int:
   """CTA columns over the work items: one per item, or t.slots that loop over items."""
   return min(t.slots or n_items, n_items)
@@ -223,15 +235,18 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret:
     def run_item(grp, win, lo, size):
       def acc_scope(*acc_refs):
         def step(_, x_smem, *w_smem):
-          for acc_ref, j in zip(acc_refs, range(n_stacks)):
-            tiles = w_smem[j * per_stack:(j + 1) * per_stack]
-            if int4:
-              _int4_step(acc_ref, x_smem, *tiles, w_stage, group=group, block_k=t.block_k,
-                         dtype=dtype, wide=t.int4_wide_loads, batch=t.dequant_batch,
-                         scale_concat=t.int4_scale_concat, k_packed=t.int4_k_packed,
-                         interpret=interpret)
-            else:
-              _bf16_step(acc_ref, x_smem, *tiles)
+          tiles = [w_smem[j * per_stack:(j + 1) * per_stack] for j in range(n_stacks)]
+          if not int4:
+            for acc_ref, tile in zip(acc_refs, tiles):
+              _bf16_step(acc_ref, x_smem, *tile)
+            return
+          together = t.int4_interleave_stacks and n_stacks > 1
+          for accs, tls in ([(acc_refs, tiles)] if together else
+                            [((a,), (tl,)) for a, tl in zip(acc_refs, tiles)]):
+            _int4_step(accs, x_smem, tls, w_stage, group=group, block_k=t.block_k, dtype=dtype,
+                       wide=t.int4_wide_loads, batch=t.dequant_batch,
+                       scale_concat=t.int4_scale_concat, k_packed=t.int4_k_packed,
+                       interpret=interpret)
 
         x_spec = plgpu.BlockSpec((pl.Element(t.rows), t.block_k),
                                  lambda kk: (pl.multiple_of(win, work.ALIGN), k0 + kk),
@@ -275,7 +290,8 @@ def launch_shape(k: int, n: int, n_items: int, int4: bool, gated: bool, t: Tunin
       t.block_n * t.block_k * 2
   ring = stages * (t.rows * t.block_k * 2 + (2 if gated else 1) * w_tile)
   out = _num_values(gated, t) * (2 if t.splits > 1 else 1) * t.rows * t.block_n * 2
-  stage = 2 * t.dequant_batch * t.block_n * CHUNK * 2 if int4 and t.a_operand == "smem" else 0
+  stage = 2 * _staged_stacks(gated, t) * t.dequant_batch * t.block_n * CHUNK * 2 \
+      if int4 and t.a_operand == "smem" else 0
   smem = ring + out + stage
   return dict(ctas=_slots(t, n_items) * (n // t.block_n) * t.splits, k_steps=steps,
               smem_kb=round(smem / 1024, 1), ctas_per_sm_smem=(227 * 1024) // smem)
@@ -314,8 +330,8 @@ def grouped_matmul_mgpu(x_mk, stacks, items, *, tuning: Tuning, interpret=False)
   n_out = _num_values(gated, tuning) * (2 if split else 1)
   scratch = [plgpu.SMEM((tuning.rows, tuning.block_n), x_mk.dtype)] * n_out
   if int4 and tuning.a_operand == "smem":
-    scratch.append(plgpu.SMEM((2 * tuning.dequant_batch, tuning.block_n, CHUNK), x_mk.dtype,
-                              transforms=_SWIZZLED))
+    scratch.append(plgpu.SMEM((2 * _staged_stacks(gated, tuning) * tuning.dequant_batch,
+                               tuning.block_n, CHUNK), x_mk.dtype, transforms=_SWIZZLED))
   n_items = items.shape[1]
   if _items_in_smem(tuning, n_items):
     pad = _padded_items(n_items) - n_items

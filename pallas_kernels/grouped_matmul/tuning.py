@@ -75,6 +75,9 @@ class Tuning:
     thread's 8 values of a row and group are one 32-bit word, loaded and used as wgmma A
     registers without shuffles (4 loads per thread and chunk instead of 16 byte loads). The
     CALLER must pass packed stacks: the values are wrong on unpacked ones.
+  int4_interleave_stacks: INT4 gated calls only: each 64-column chunk of the gate and the up
+    stack dequantised together before one wgmma wait (two independent accumulator chains per
+    wait, and one drain per K step instead of one per stack); plain calls: no change.
   items_smem: each CTA copies the work list to SMEM with one TMA before its first item, so the
     slots loop reads each item's 4 fields from SMEM instead of a dependent GMEM round trip per
     item (T=1: 8 items per CTA, 1 live).
@@ -92,6 +95,7 @@ class Tuning:
   items_smem: bool = False
   int4_scale_concat: bool = False
   int4_k_packed: bool = False
+  int4_interleave_stacks: bool = False
 
   def __post_init__(self):
     if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -169,19 +173,35 @@ def scale_splits(t: Tuning, k: int, n: int, factor: int, ctas_per_sm: int = 2) -
   return dataclasses.replace(t, splits=splits, slots=slots if splits > 1 else t.slots)
 
 
+def set_splits(t: Tuning, k: int, n: int, splits: int, ctas_per_sm: int = 2) -> Tuning:
+  """t with exactly `splits` K splits (a divisor of the K steps) and the slots loop sized so
+  ~ctas_per_sm CTAs per SM run, as scale_splits: for a CTA count that fills the SMs evenly
+  (T=1 gated, 32 N tiles: 8 splits at block_k 128 = 256 CTAs, <= 2 per SM on every SM, where
+  7 splits at 256 give 224 CTAs: 92 SMs run 2, 40 run 1)."""
+  steps = k // t.block_k
+  if steps < 1 or k % t.block_k:
+    return t  # shapes the kernel does not take (the XLA path runs), as _splits
+  if splits < 1 or steps % splits:
+    raise ValueError(f"{splits=} must divide the {steps} K steps of {k=} at {t.block_k=}")
+  slots = max(1, (ctas_per_sm * NUM_SMS) // ((n // t.block_n) * splits)) if splits > 1 else 0
+  return dataclasses.replace(t, splits=splits, slots=slots if splits > 1 else t.slots)
+
+
 def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   """A named change of a [K -> N] call's tuning t (the bench's --mlp_variants; promote one by
   naming it in DEFAULT_VARIANTS): '+'-joined parts, applied in order:
   once: store_once; ismem: items_smem; wide: int4_wide_loads; cat: int4_scale_concat;
   kp: int4_k_packed (the caller packs the weights: bench.mlp_tune does; the model's calls
-  take it from the weights, api.py's k_packed);
+  take it from the weights, api.py's k_packed); il: int4_interleave_stacks;
   dqN: dequant_batch N;
   rN: rows N (both calls of one work list must share it); kBK: block_k BK; sN: stages N;
-  xN[cC]: scale_splits by N for ~C CTAs per SM (2); wN: slots for ~N CTAs per SM (a
+  nBN: block_n BN (before any x / p / w part: their slots count the N tiles);
+  xN[cC]: scale_splits by N for ~C CTAs per SM (2); pN[cC]: exactly N splits (set_splits;
+  after kBK: N must divide the K steps); wN: slots for ~N CTAs per SM (a
   persistent grid: no launched-and-exiting CTAs for dead items ahead of live ones);
   default: no change."""
   flags = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads",
-           "cat": "int4_scale_concat", "kp": "int4_k_packed"}
+           "cat": "int4_scale_concat", "kp": "int4_k_packed", "il": "int4_interleave_stacks"}
   for part in name.split("+"):
     if part == "default":
       continue
@@ -189,10 +209,13 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
       t = dataclasses.replace(t, **{flags[part]: True})
     elif m := re.fullmatch(r"x(\d+)(?:c(\d+))?", part):
       t = scale_splits(t, k, n, int(m[1]), int(m[2] or 2))
+    elif m := re.fullmatch(r"p(\d+)(?:c(\d+))?", part):
+      t = set_splits(t, k, n, int(m[1]), int(m[2] or 2))
     elif m := re.fullmatch(r"w(\d+)", part):  # the slots loop for ~N CTAs per SM, same splits
       t = dataclasses.replace(t, slots=max(1, int(m[1]) * NUM_SMS // (n // t.block_n * t.splits)))
-    elif m := re.fullmatch(r"(dq|k|s|r)(\d+)", part):
-      field = {"dq": "dequant_batch", "k": "block_k", "s": "stages", "r": "rows"}[m[1]]
+    elif m := re.fullmatch(r"(dq|k|s|r|n)(\d+)", part):
+      field = {"dq": "dequant_batch", "k": "block_k", "s": "stages", "r": "rows",
+               "n": "block_n"}[m[1]]
       t = dataclasses.replace(t, **{field: int(m[2])})
     else:
       raise ValueError(f"unknown tuning change {part!r} in {name!r}")

@@ -600,6 +600,9 @@ def _module_op_counts(m, tunings):
           for block in region:
             for op in block:
               counts[op.operation.name] += 1
+              if op.operation.name == "llvm.inline_asm":  # wgmma, its waits: by instruction
+                asm = ir.StringAttr(op.operation.attributes["asm_string"]).value.split()
+                counts["asm:" + (asm[0] if asm else "")] += 1
               stack.append(op.operation)
   return counts
 
@@ -723,3 +726,51 @@ def test_bench_marks_wrong_rows_fail_and_never_fastest(capsys):
   assert marked == ["wrong", "nan"]
   assert any("FAIL wrong" in ln for ln in lines) and any("FAIL nan" in ln for ln in lines)
   assert not any("fastest" in ln and ("wrong" in ln or "nan" in ln) for ln in lines)
+
+
+# Issue 12, small T (moe9): gate and up chunks dequantised together (int4_interleave_stacks,
+# variant il) and the split count set exactly (pN: CTAs that fill the SMs evenly), nBN.
+@pytest.mark.parametrize("batch", [1, 2])
+def test_interleaved_stacks_interpret_match_reference(batch):
+  """Tuning.int4_interleave_stacks on gated calls (fused SiLU epilogue, and split-K partials
+  through the slots loop; interpret mode's SMEM-operand buffers per stack and batch) == the
+  dequantise-first reference; on a plain call it changes nothing."""
+  sizes, m, k, n = [30, 0, 50, 3, 10], 100, 256, 128
+  x, _, q_a = _operands(m, k, n, len(sizes), 32, seed=16)
+  _, _, q_b = _operands(m, k, n, len(sizes), 32, seed=17)
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = Tuning(rows=32, block_n=64, block_k=128, stages=2, a_operand="smem", dequant_batch=batch,
+             int4_interleave_stacks=True, **LEAN)
+  want = gated_grouped_matmul(x, q_a, q_b, gs, backend="xla")
+  for tun in (t, dataclasses.replace(t, splits=2, slots=2)):
+    _check(gated_grouped_matmul(x, q_a, q_b, gs, backend="interpret", tuning=tun), want,
+           sum(sizes))
+  _check(grouped_matmul(x, q_a, gs, backend="interpret", tuning=t),
+         grouped_matmul(x, q_a, gs, backend="xla"), sum(sizes))
+
+
+def test_interleaved_stacks_wait_once_per_chunk_pair():
+  """Lowered for an H200 (gated + down modules, one K step of 4 chunks each): interleaving
+  keeps every wgmma and drops the gated call's per-stack waits (2 x (4 + 1) -> 4 + 1)."""
+  t = Tuning(rows=8, block_n=64, block_k=256, stages=2, int4_scale_concat=True)
+  base, il = (_module_op_counts(8, (dataclasses.replace(t, int4_interleave_stacks=v), t))
+              for v in (False, True))
+  commit, wait = "asm:wgmma.commit_group.sync.aligned;", "asm:wgmma.wait_group.sync.aligned"
+  assert base[commit] == il[commit] == 3 * 4  # one group per chunk: gate, up, down
+  assert base["asm:{"] == il["asm:{"]  # the wgmma (and other multi-line asm) bodies
+  assert (base[wait], il[wait]) == (2 * 5 + 5 + 3, 5 + 5 + 3)  # + 3 outside the K steps
+
+
+def test_set_splits_fills_the_sms_evenly():
+  """pN: exactly N splits (T=1 gated at block_k 128: 8 splits x 32 N tiles = 256 CTAs, slots
+  1); a count that does not divide the K steps is an error; nBN sets block_n before it."""
+  t = default_tuning(8, 48, 7168, 2048, True, gated=True, variant="default")
+  p8 = apply_variant("once+ismem+cat+kp+il+k128+p8", t, 7168, 2048)
+  assert (p8.block_k, p8.splits, p8.slots, p8.int4_interleave_stacks) == (128, 8, 1, True)
+  assert (32 * p8.splits * p8.slots) == 256
+  n128 = apply_variant("n128+k128+p8c1", t, 7168, 2048)
+  assert (n128.block_n, n128.splits, n128.slots) == (128, 8, 1)
+  assert apply_variant("p1", t, 7168, 2048).splits == 1
+  with pytest.raises(ValueError, match="must divide"):
+    apply_variant("p8", t, 7168, 2048)  # 28 K steps of 256
+  assert apply_variant("p8", t, 48, 2048) == t  # a K the kernel does not take: unchanged
