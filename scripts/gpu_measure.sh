@@ -34,20 +34,13 @@
 #   k26_core    the same with the phase tables of ar and ddtree 15, loops at 46k only (a bare
 #               machine: ~130 s of compile, ~80-110 s per table: k26_core:450)
 #   k26_ddtree  k26_core without ar's phase table (k26_ddtree:360)
-#   dots        pallas_kernels/skinny_dot/bench.py: the few-row dense dots (q_a | kv_a, o, router |
-#               shared gate | up, q_b, shared down) at M = 1, 16: XLA's pack.dot_t vs the Pallas
-#               Triton kernel (default tuning, then u1: no unroll, x2: twice the K splits, b2: twice
-#               BN and splits), each called in turn on >= 120 MB of distinct weights (no L2 reuse):
-#               us / % of copy / x XLA, wrong rows FAIL, a best-per-shape summary; ~43 programs,
-#               XLA's and the default's rows first (a cut box loses variants only): dots:150
 #   xla_options scripts/probe_xla_options.py: bench_k26_full's fused step (ar, ddtree 15) compiled
 #               per XLA option set (cuBLAS vs Triton GEMMs, ...), CUPTI kernel ms each (~200 s)
-#   target_layout  the same fused step (ar, ddtree 15), default options, target packed vs the open
-#               TargetConfig A/Bs on it (probe_xla_options --layouts packed+field=value): the MoE
-#               glue's route_joint_logits and one_token_rows_first (issue 13, eighth pass), the
-#               skinny_dot kernel for every few-row dense dot (dense_dot_impl=pallas), and all
-#               three; one copy of the experts; CUPTI kernel ms and launches of each, side by
-#               side (10 programs compiled at once: target_layout:330)
+#   target_layout  the same fused step (ar, ddtree 15), default options, target packed beside
+#               TargetConfig A/Bs on it (probe_xla_options --layouts packed+field=value; one copy
+#               of the experts; edit TARGET_LAYOUTS below for the A/B at hand; now the routing
+#               kernel vs XLA's routing at full depth): CUPTI kernel ms and launches of each, side
+#               by side (2 layouts: ~200 s on a bare machine; 5 layouts did not fit 330 s)
 #   draft_share the same for k26_dflash_share only (bench_k26_full's draft, issue 17's must-show)
 #   draft_waves bench_draft.py on k26_dflash_share only: draft_block with the ctx kernel at 1, 2 and
 #               3 programs per SM (memory parallelism of a latency-bound read), no tests (~70 s)
@@ -90,6 +83,7 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/kdtree_xla_ca
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 quiet() { grep -v "^[IW][0-9]\{4\}" ; }
 one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
+TARGET_LAYOUTS="packed,packed+router_impl=xla"  # target_layout's A/B (the first is the baseline)
 
 run_part() {
   local part=$1 secs=$2
@@ -123,13 +117,9 @@ run_part() {
     k26_ddtree) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --config.bench.phase_modes=ddtree \
                 --time_budget_s $(( secs - 20 )) ;;
-    dots) one_gpu timeout "$secs" python3 -m pallas_kernels.skinny_dot.bench \
-                --dots_out "$RAW/bench_dots.jsonl" ;;
     xla_options) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" ;;
     target_layout) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
-                --variants default --layouts "packed,packed+route_joint_logits=true,\
-packed+one_token_rows_first=true,packed+dense_dot_impl=pallas,\
-packed+route_joint_logits=true+one_token_rows_first=true+dense_dot_impl=pallas" ;;
+                --variants default --layouts "$TARGET_LAYOUTS" ;;
     draft_waves) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 \
                 --drafts k26_dflash_share --out_dir "$RAW" --ctx_impls \
                 pallas:p131:64:8:3+block+packed,pallas:p263:64:8:3+block+packed,pallas:p263:64:4:3+block+packed,pallas:p395:64:4:2+block+packed,pallas:p263:128:8:2+block+packed ;;

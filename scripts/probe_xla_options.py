@@ -6,9 +6,9 @@ M=1 dots XLA emits as reduce fusions; Triton vs cuBLAS GEMMs at 16 rows), not a 
 winner becomes a `runtime.RuntimeConfig` default only after it is measured here.
 
   python scripts/probe_xla_options.py --config configs/bench_k26_full.py --out_dir runs/xla_opts
-  (GPU: bash scripts/gpu_measure.sh $OUT xla_options:300; the target's per-layer vs packed
-  layout (target.pack) vs packed_fold (fold_norms), default options: bash
-  scripts/gpu_measure.sh $OUT target_layout:240)
+  (GPU: bash scripts/gpu_measure.sh $OUT xla_options:300; target layouts and TargetConfig
+  A/Bs on the packed layout, default options: bash scripts/gpu_measure.sh $OUT target_layout:240,
+  its TARGET_LAYOUTS)
 """
 import functools
 import json
@@ -38,9 +38,7 @@ _LAYOUTS = flags.DEFINE_list("layouts", ["per_layer"], "Target param layouts, ea
                              "every variant (all of a mode's programs compiled at once): "
                              "per_layer (load_target's), packed (target.pack: load_pair's "
                              "and bench_k26_full's), packed_s5 (the fifth session's packed "
-                             "layout: q_b, o, shared down and w_qc contracted on a major dim), "
-                             "packed_fold (packed with fold_norms: the attention and q LoRA "
-                             "norms' gains in qkv_a_t / q_b_t, 1/rms on the dots' outputs); "
+                             "layout: q_b, o, shared down and w_qc contracted on a major dim); "
                              "any of these + 'field=value...': the same params with those "
                              "TargetConfig fields set (e.g. packed+lean_glue=false).")
 runtime.define_flags()

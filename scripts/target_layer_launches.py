@@ -5,7 +5,6 @@ for target.pack's decode layout. Per layer = the program of L + 1 layers minus t
 extra layers MoE), so the embedding, head and dense layer 0 cancel.
 
   python scripts/target_layer_launches.py --model=k26_share --n=1,16 [--dump_dir=/tmp/hlo]
-      [--fold_norms]
 """
 
 import collections
@@ -27,8 +26,6 @@ _CTX = flags.DEFINE_integer("ctx", 1024, "Cache rows.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weights and cache "
                            "(XLA:CPU converts 16-bit weights to f32 before each dot: float32 "
                            "leaves those CPU-only converts out).")
-_FOLD = flags.DEFINE_bool("fold_norms", False, "The packed layout with pack's fold_norms (the "
-                          "attention / q LoRA norms' gains folded into qkv_a_t / q_b_t).")
 _DUMP = flags.DEFINE_string("dump_dir", None, "Writes each program's optimised HLO here.")
 
 
@@ -44,7 +41,7 @@ def _decode_hlo(layers, n, packed):
 
   def build():
     p = params_lib.init_params(jax.random.key(0), cfg, _DTYPE.value, int4_experts=int4)
-    return pack.pack_for_decode(cfg, p, fold_norms=_FOLD.value) if packed else p
+    return pack.pack_for_decode(cfg, p) if packed else p
 
   params = jax.eval_shape(build)
   cache = jax.eval_shape(lambda: LatentCache.zeros(cfg, 1, _CTX.value, _DTYPE.value))

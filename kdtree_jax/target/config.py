@@ -94,25 +94,12 @@ class TargetConfig:
   # s6_moe_layer.log): T=16 235.5 vs 240.1 us with the routing kernel; at one token it was 1 us
   # slower (43.8 vs 42.8), so one token keeps the plain path whatever this says.
   lean_glue: bool = True
-  # dense_dot_impl: the few-row dense dots over pack.py's out-major weights (mla's q_a | kv_a,
-  # q_b, o; mlp's gate | up and down; pack.dot_t): "xla" (XLA's dot) or "pallas" (the Pallas
-  # Triton kernel pallas_kernels/skinny_dot where it takes the dot: <= 16 rows, else XLA's).
-  # Same sums (f32 accumulation, another order). "xla" until the H200 A/B (probe_xla_options).
-  dense_dot_impl: str = "xla"
   # router_impl: the routing after the router logits (sigmoid, bias, top-k, weights): "xla" (a
   # few fused reductions), "pallas" (one Pallas kernel, `target/route_kernel.py`, where
   # n_group == 1 and T is small; elsewhere "xla" runs) or "auto": "pallas" on a GPU, else "xla"
   # (the kernel's interpret mode would only slow CPU runs). Same routing decisions either way;
   # H200 (s6_moe_layer.log): one MoE layer T=1 42.8 vs 46.8 us, T=16 240.1 vs 248.9.
   router_impl: str = "auto"
-  # route_joint_logits: the routing kernel reads the router's E columns straight out of the packed
-  # router|shared dot's [T, E + 2 F] f32 output (no slice of the logits materialised for it;
-  # moe.router_and_shared). Same values; off until the H200 A/B (probe_xla_options).
-  route_joint_logits: bool = False
-  # one_token_rows_first: at one token (the dense glue), x broadcast to the K rows the expert
-  # kernels read is made first and the router|shared dot reads its row 0 (moe.one_token_rows), so
-  # the norm before the MoE and the broadcast can be one fusion. Same values; off until the A/B.
-  one_token_rows_first: bool = False
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
   shared_intermediate_size: int | None = None
@@ -136,8 +123,6 @@ class TargetConfig:
       raise ValueError(f"{self.moe_glue=} must be 'auto', 'sorted' or 'dense'")
     if self.router_impl not in ("auto", "xla", "pallas"):
       raise ValueError(f"{self.router_impl=} must be 'auto', 'xla' or 'pallas'")
-    if self.dense_dot_impl not in ("xla", "pallas"):
-      raise ValueError(f"{self.dense_dot_impl=} must be 'xla' or 'pallas'")
 
   # ---- derived shapes -------------------------------------------------------------------
   @property

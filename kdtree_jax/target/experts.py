@@ -180,7 +180,7 @@ class Weighting:
 
 
 def expert_ffn_dense(x_td, rank_te, scores_te, gate_edf, up_edf, down_efd, weighting: Weighting,
-                     impl="auto", lean=False, rows=None):
+                     impl="auto", lean=False):
   """`expert_ffn` from a dense routing: rank_te [T, E] int32, each expert's place in token t's
   choice (chosen: rank < k; `moe.compare_rank`), scores_te [T, E] f32 the router's scores, whose
   chosen ones `weighting` turns into the routing weights; experts [0, E_l) are held here.
@@ -193,14 +193,13 @@ def expert_ffn_dense(x_td, rank_te, scores_te, gate_edf, up_edf, down_efd, weigh
   One token (T = 1) has its own shorter path (`_one_token_ffn`; no lean form: the H200 measured
   the live-rows pass 1 us slower there, results/h200/2026-12-01/s6_moe_layer.log).
   lean (T > 1): the pass over the gated call's split partials reads the live rows only.
-  rows (T = 1): x's k rows [k, D] for the kernels when the caller made them (`moe.one_token_rows`).
   """
   t = x_td.shape[0]
   e_l = gate_edf.shape[0]
   k = weighting.k
   if t == 1:
-    return _one_token_ffn(x_td if rows is None else rows, rank_te[0], scores_te[0], gate_edf,
-                          up_edf, down_efd, weighting, impl)
+    return _one_token_ffn(x_td, rank_te[0], scores_te[0], gate_edf, up_edf, down_efd, weighting,
+                          impl)
   sel = rank_te[:, :e_l] < k
   w_te = weighting.dense(rank_te, scores_te)
   pos, nth, ends = _slot_rows(sel)
@@ -222,7 +221,7 @@ def expert_ffn_dense(x_td, rank_te, scores_te, gate_edf, up_edf, down_efd, weigh
 def _one_token_ffn(x_1d, rank_e, scores_e, gate_edf, up_edf, down_efd, weighting, impl):
   """One token from its dense routing: the work list is one reduction over the experts of the
   choice rank and also names every choice's expert, so the weights are element-wise (no
-  normalising reduction); then `one_token_ffn` (x_1d: [1, D] or its k rows, as there)."""
+  normalising reduction); then `one_token_ffn`."""
   items = one_token_work_list(rank_e, weighting.k, gate_edf.shape[0])
   w_j = weighting.of_choices(scores_e[items[0]])  # dead rows are undefined: masked in the combine
   return one_token_ffn(x_1d, items, w_j, gate_edf, up_edf, down_efd, impl,
@@ -235,7 +234,6 @@ def one_token_ffn(x_1d, items, w_j, gate_edf, up_edf, down_efd, impl, sizes=None
   order, not expert order: each row is its own work item, so the kernel needs no order; the XLA
   path sorts them); the rows are x broadcast; the combine sums row j x its weight over the local
   choices (element-wise terms, as `combine_pairs`, not a reduction over [S, k, D]).
-  x_1d: [1, D], or its k rows [k, D] already made (`moe.one_token_rows`).
   sizes: rows per local expert, counted from the items if None (the XLA path's; the kernel
   reads the items only)."""
   k, e_l = items.shape[1], gate_edf.shape[0]

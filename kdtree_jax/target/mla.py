@@ -4,9 +4,7 @@ Letters: B batch, S/N tokens, H heads, D hidden, R kv_lora_rank (latent), P rope
 Dn qk_nope dim, Dv value dim, C = R + P latent cache width, L cache rows.
 Weights: q_a [D, Rq], q_b [Rq, H, Dn+P] (or q [D, H, Dn+P]), kv_a [D, R+P], kv_b [R, H, Dn+Dv],
 o [H, Dv, D]; packed (target/pack.py, out-major): qkv_a_t [Rq+R+P, D], q_b_t [H*(Dn+P), Rq],
-w_qc_t [H, R+P, Dn+P], w_uv [H, Dv, R], o_t [D, H*Dv] in place of q_a (or q), kv_a, q_b, kv_b, o;
-with fold_norms qkv_a_gt and q_b_gt (the attention / q LoRA norms' gains folded in) in place of
-qkv_a_t and q_b_t (and of the two gains).
+w_qc_t [H, R+P, Dn+P], w_uv [H, Dv, R], o_t [D, H*Dv] in place of q_a (or q), kv_a, q_b, kv_b, o.
 """
 
 import functools
@@ -20,7 +18,7 @@ import numpy as np
 import pallas_kernels
 from kdtree_jax import sharding
 from kdtree_jax.target.config import TargetConfig
-from kdtree_jax.target.norm import normed_dot_t, rms_norm
+from kdtree_jax.target.norm import rms_norm
 from kdtree_jax.target.pack import dot_t
 from kdtree_jax.target import rope
 from kdtree_jax.target.rope import apply_rope, cos_sin
@@ -31,12 +29,9 @@ def input_dots(p, cfg: TargetConfig, x_bsd):
   """(q_in, kv_a_out, mean squares): x @ q_a [B, S, Rq] (or the queries [B, S, H, Dn + P]
   without the q LoRA) and x @ kv_a [B, S, R + P]; one dot over p["qkv_a_t"] ((q_a | kv_a)^T,
   target/pack.py) when packed, else two. Mean squares: (of c_q, of c_kv) [B, S, 1] f32 from one
-  reduction where packed (lora_mean_squares), else (None, None): each norm reduces its own.
-  x_bsd: the layer's normed input, or its raw input where pack's fold_norms folded the
-  attention norm's gain into "qkv_a_gt" (norm.normed_dot_t: the 1/rms on the dot's output)."""
-  if "qkv_a_t" in p or "qkv_a_gt" in p:
-    y = (normed_dot_t(x_bsd, p["qkv_a_gt"], cfg.rms_norm_eps) if "qkv_a_gt" in p
-         else dot_t(x_bsd, p["qkv_a_t"], impl=cfg.dense_dot_impl))
+  reduction where packed (lora_mean_squares), else (None, None): each norm reduces its own."""
+  if "qkv_a_t" in p:
+    y = dot_t(x_bsd, p["qkv_a_t"])
     q_in, a = y[..., :-cfg.cache_dim], y[..., -cfg.cache_dim:]
     if cfg.q_lora_rank is None:
       q_in = q_in.reshape(*q_in.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
@@ -70,12 +65,9 @@ def project_q(p, cfg: TargetConfig, q_in, mean_square=None):
   mean_square: input_dots' for c_q, or None."""
   if cfg.q_lora_rank is None:
     return q_in
-  if "q_b_gt" in p:  # the q LoRA norm's gain folded in (pack's fold_norms): no c_q is made
-    q = normed_dot_t(q_in, p["q_b_gt"], cfg.lora_norm_eps, mean_square)
-    return q.reshape(*q.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
   c_q = rms_norm(q_in, p["q_a_norm"], cfg.lora_norm_eps, mean_square)
   if "q_b_t" in p:  # out-major [H * (Dn + P), Rq]: contracts its minor dim
-    q = dot_t(c_q, p["q_b_t"], impl=cfg.dense_dot_impl)
+    q = dot_t(c_q, p["q_b_t"])
     return q.reshape(*q.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
   return jnp.einsum("bsr,rhk->bshk", c_q, p["q_b"])
 
@@ -130,7 +122,7 @@ def prefill_attention(p, cfg: TargetConfig, x_bsd, positions_bs):
   s = jnp.where(causal, s, -jnp.inf)
   probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
   o = jnp.einsum("bhqs,bshv->bqhv", probs, v)
-  return out_proj(p, o, cfg.dense_dot_impl), rows
+  return out_proj(p, o), rows
 
 
 def absorbed_attention(p, cfg: TargetConfig, x_bnd, positions_bn, layer_cache_blc, lengths_b,
@@ -148,15 +140,14 @@ def absorbed_attention(p, cfg: TargetConfig, x_bnd, positions_bn, layer_cache_bl
   layer_cache_blc = write_rows(layer_cache_blc, rows, lengths_b)
   u = verify_attention(cfg, q, layer_cache_blc, lengths_b, tree_mask_bnn, backend)
   o = unabsorb_u(p, cfg, u.astype(x_bnd.dtype))
-  return out_proj(p, o, cfg.dense_dot_impl), layer_cache_blc
+  return out_proj(p, o), layer_cache_blc
 
 
-def out_proj(p, o_bnhv, impl: str = "xla"):
+def out_proj(p, o_bnhv):
   """The heads' values [B, N, H, Dv] through o -> [B, N, D]: over p["o_t"] [D, H * Dv] (packed,
-  out-major: the heads flattened, contracting the weight's minor dim; impl: pack.dot_t's,
-  TargetConfig.dense_dot_impl), else o [H, Dv, D]."""
+  out-major: the heads flattened, contracting the weight's minor dim), else o [H, Dv, D]."""
   if "o_t" in p:
-    return dot_t(o_bnhv.reshape(*o_bnhv.shape[:-2], -1), p["o_t"], impl=impl)
+    return dot_t(o_bnhv.reshape(*o_bnhv.shape[:-2], -1), p["o_t"])
   return jnp.einsum("bnhv,hvd->bnd", o_bnhv, p["o"])
 
 

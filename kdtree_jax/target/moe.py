@@ -4,8 +4,6 @@ Letters: T tokens, D hidden, E routed experts, F expert width, K experts per tok
 groups: cfg.n_group, no letter).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -157,17 +155,11 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
     idx, w = route_local(lambda rp, x: route(rp, cfg, x), p, x_td, mesh)
     _record(routes, idx)
     return experts_ep(p, x_td, idx, w, mesh, impl=cfg.expert_backend).reshape(shape)
-  x_rows = one_token_rows(cfg, x_td)  # None, or x's K rows of the one-token expert kernels
-  if x_rows is not None:
-    x_td = x_rows[:1]  # the dot reads row 0 of the rows (the same values as x)
-  logits, shared = router_and_shared(p, x_td, wide=cfg.route_joint_logits
-                                     and _routing_kernel(cfg, x_td.shape[0]),
-                                     impl=cfg.dense_dot_impl)
+  logits, shared = router_and_shared(p, x_td, wide=_routing_kernel(cfg, x_td.shape[0]))
   if _dense_glue(cfg, x_td.shape[0]) and x_td.shape[0] == 1 and _routing_kernel(cfg, 1):
     items, w = route_one_token(p, cfg, x_td, logits)  # no XLA glue up to the expert kernels
     _record(routes, items[:1])
-    y = one_token_ffn(x_td if x_rows is None else x_rows, items, w, p["gate"], p["up"],
-                      p["down"], impl=cfg.expert_backend)
+    y = one_token_ffn(x_td, items, w, p["gate"], p["up"], p["down"], impl=cfg.expert_backend)
   elif _dense_glue(cfg, x_td.shape[0]):  # (router_impl "pallas" above one token: XLA's rank)
     rank, scores = route_dense(p, cfg, x_td, logits)
     if routes is not None:  # the ids in top-k order (the same logits and rank, shared by XLA)
@@ -175,8 +167,7 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
     y = expert_ffn_dense(x_td, rank, scores, p["gate"], p["up"], p["down"],
                          Weighting(cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                    cfg.routed_scaling_factor),
-                         impl=cfg.expert_backend, lean=cfg.lean_glue and x_td.shape[0] > 1,
-                         rows=x_rows)
+                         impl=cfg.expert_backend, lean=cfg.lean_glue and x_td.shape[0] > 1)
   else:
     idx, w = route(p, cfg, x_td, logits)
     _record(routes, idx)
@@ -186,34 +177,21 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
   return y.astype(x.dtype).reshape(shape)
 
 
-def router_and_shared(p, x_td, wide: bool = False, impl: str = "xla"):
+def router_and_shared(p, x_td, wide: bool = False):
   """(router logits [T, E] f32 or None: `route` computes them, the shared experts' output
   [T, D] in x's dtype or None). Packed (target/pack.py "router_gate_up_t"): ONE dot for the
   router and the shared gate | up, with the router's f32 accumulation (`_router_logits`); the
   gate and up columns are rounded to x's dtype, as their own dot would.
-  wide (TargetConfig.route_joint_logits, the routing kernel's path): the logits are the dot's
-  whole [T, E + 2 F] output, the router's E columns first (the kernel reads those), so no slice
-  of them is made for the kernel.
-  impl: the packed dots' pack.dot_t impl (TargetConfig.dense_dot_impl)."""
+  wide (the routing kernel's path): the logits are the dot's whole [T, E + 2 F] output, the
+  router's E columns first (the kernel reads those), so no slice of them is made for the kernel
+  (H200, full depth, s7: -60 launches and -55 us per ar step, -34 us per DDTree 15 step, where
+  the split-K sum is then made once for both consumers: results/h200/2026-12-01/s7_target_ab.log)."""
   if "router_gate_up_t" not in p:
-    return None, (swiglu(p["shared"], x_td, impl) if "shared" in p else None)
+    return None, (swiglu(p["shared"], x_td) if "shared" in p else None)
   e = p["bias"].shape[0]
-  y = _router_logits(x_td, p["router_gate_up_t"], dot=functools.partial(dot_t, impl=impl))
+  y = _router_logits(x_td, p["router_gate_up_t"], dot=dot_t)
   gate, up = jnp.split(y[:, e:].astype(x_td.dtype), 2, axis=-1)
-  return y if wide else y[:, :e], swiglu_down(gate, up, p["shared"], impl)
-
-
-def one_token_rows(cfg: TargetConfig, x_td):
-  """TargetConfig.one_token_rows_first at one token on the dense glue: x [1, D] broadcast to the
-  K rows [K, D] the one-token expert kernels read (they read x and write y at the same row),
-  made BEFORE the router|shared dot, which reads row 0 of them; else None (x is broadcast in
-  `experts.one_token_ffn`). The optimization barrier keeps XLA from simplifying the row-0 slice
-  of the broadcast back to x, so the rows are the normed x's only consumer: the norm before the
-  MoE and the broadcast become one loop fusion, and the slice fuses into the dot's fusion."""
-  if not (cfg.one_token_rows_first and x_td.shape[0] == 1 and _dense_glue(cfg, 1)):
-    return None
-  rows = jnp.broadcast_to(x_td, (cfg.num_experts_per_tok, x_td.shape[1]))
-  return jax.lax.optimization_barrier(rows)
+  return y if wide else y[:, :e], swiglu_down(gate, up, p["shared"])
 
 
 def _dense_glue(cfg: TargetConfig, t: int) -> bool:

@@ -41,45 +41,36 @@ mesh. Per layer (the forward reads either layout; see mla.input_dots, mlp.swiglu
     H200 mlp_tune, sixth session: 1.02-1.08x faster at T = 1, 9, 16, 65), bf16 stacks as stored.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from kdtree_jax.checkpoint import int4
 from kdtree_jax.target.config import TargetConfig
-from pallas_kernels import skinny_dot
 
 
-def pack_for_decode(cfg: TargetConfig, params, out_major: bool = True, fold_norms: bool = False,
+def pack_for_decode(cfg: TargetConfig, params, out_major: bool = True,
                     donate_experts: bool = False):
   """params with every layer in the packed layout (a new pytree; the input is not changed,
   unless donate_experts).
   out_major=False: the fifth session's layout (q_b, o and the shared down as stored per layer,
   "w_qc" [H, Dn + P, R + P]), kept for the GPU A/B (probe_xla_options --layouts packed_s5).
-  fold_norms (needs out_major): `fold_layer_norms` (probe_xla_options --layouts packed_fold).
   donate_experts: each INT4 routed stack's buffer is donated to its K-packed copy (the input's
   stacks are deleted), so packing a loaded model needs one stack's room, not a second copy of
   every expert (without it, K2.6's one-GPU share, ~63 GB of experts, did not fit the H200
   while it loaded: sixth session). The loader passes it; tests keep both layouts."""
-  if fold_norms and not out_major:
-    raise ValueError("fold_norms folds gains into the out-major qkv_a_t / q_b_t: out_major=True")
   layers = [pack_layer(cfg, lp, out_major, donate_experts) for lp in params["layers"]]
-  if fold_norms:
-    layers = [fold_layer_norms(lp) for lp in layers]
   return params | {"layers": layers}
 
 
-LAYOUTS = ("per_layer", "packed_s5", "packed", "packed_fold")
+LAYOUTS = ("per_layer", "packed_s5", "packed")
 
 
 def layout_params(cfg: TargetConfig, params, names):
   """{name: params} of the loaded per-layer `params` in each named layout (the GPU layout A/B,
   scripts/probe_xla_options.py --layouts): per_layer (as loaded), packed_s5 (out_major=False),
-  packed, packed_fold (packed with `fold_layer_norms`). K2.6's one-GPU share fits ONE copy of
-  its routed experts (~63 GB of 126.9 usable on an H200), so packed donates the loaded stacks
-  to its K-packed copy unless per_layer or packed_s5 (which keep reading them) is named too,
-  and packed_fold shares packed's arrays (it copies the two folded dots' weights only)."""
+  packed. K2.6's one-GPU share fits ONE copy of its routed experts (~63 GB of 126.9 usable on an
+  H200), so packed donates the loaded stacks to its K-packed copy unless per_layer or packed_s5
+  (which keep reading them) is named too."""
   names = set(names)
   if names - set(LAYOUTS):
     raise ValueError(f"unknown layouts {sorted(names - set(LAYOUTS))}; known: {LAYOUTS}")
@@ -88,51 +79,14 @@ def layout_params(cfg: TargetConfig, params, names):
     out["per_layer"] = params
   if "packed_s5" in names:
     out["packed_s5"] = pack_for_decode(cfg, params, out_major=False)
-  if names & {"packed", "packed_fold"}:
+  if "packed" in names:
     keep = bool(names & {"per_layer", "packed_s5"})
-    packed = pack_for_decode(cfg, params, donate_experts=not keep)
-    if "packed" in names:
-      out["packed"] = packed
-    if "packed_fold" in names:
-      out["packed_fold"] = packed | {"layers": [fold_layer_norms(lp) for lp in packed["layers"]]}
+    out["packed"] = pack_for_decode(cfg, params, donate_experts=not keep)
   return out
 
 
-def fold_layer_norms(lp):
-  """A packed layer with the attention norm's gain folded into qkv_a_t ("qkv_a_gt" = qkv_a_t *
-  attn_norm, replacing both) and the q LoRA norm's into q_b_t ("q_b_gt" = q_b_t * q_a_norm):
-  each norm's only consumer is that dot, and dot(x, w g) / rms(x) = dot(g x / rms(x), w) in
-  exact arithmetic, so the forward applies 1 / rms to the dot's output (norm.normed_dot_t) and
-  the normed input is never made (at one token, one elementwise kernel fewer per norm). The
-  products are rounded to the weights' dtype once, here. Layers whose qkv_a_t was not packed
-  (mixed dtypes) are returned as they are; the MLP / MoE norm stays (the routed experts read
-  the normed input too)."""
-  attn = dict(lp["attn"])
-  if "qkv_a_t" not in attn:
-    return lp
-  attn["qkv_a_gt"] = _fold_gain(attn.pop("qkv_a_t"), lp["attn_norm"])
-  if "q_b_t" in attn:
-    attn["q_b_gt"] = _fold_gain(attn.pop("q_b_t"), attn.pop("q_a_norm"))
-  return {k: w for k, w in lp.items() if k != "attn_norm"} | {"attn": attn}
-
-
-def _fold_gain(w_t, gain):
-  """Out-major w_t [N, D] times the gain [D] of the norm before it, in f32, rounded once."""
-  return (w_t.astype(jnp.float32) * gain.astype(jnp.float32)).astype(w_t.dtype)
-
-
-def dot_t(x, w_t, impl: str = "xla", **kw):
-  """x [..., D] @ w_t[N, D]^T -> [..., N] (kw: dot_general's precision, preferred_element_type).
-  impl (TargetConfig.dense_dot_impl): "xla" (dot_general), or "pallas": the few-row Pallas
-  Triton kernel (pallas_kernels/skinny_dot) where it takes the dot (<= 16 rows, one dtype, no
-  precision asked), else dot_general."""
-  if impl == "pallas" and set(kw) <= {"preferred_element_type"}:
-    m = math.prod(x.shape[:-1])
-    if skinny_dot.supports(m, w_t.shape[0], w_t.shape[1], x.dtype, w_t.dtype):
-      y = skinny_dot.skinny_dot(x.reshape(m, x.shape[-1]), w_t, **kw)
-      return y.reshape(*x.shape[:-1], w_t.shape[0])
-  elif impl not in ("xla", "pallas"):
-    raise ValueError(f"dot_t: {impl=} must be 'xla' or 'pallas'")
+def dot_t(x, w_t, **kw):
+  """x [..., D] @ w_t[N, D]^T -> [..., N] (kw: dot_general's precision, preferred_element_type)."""
   return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())), **kw)
 
 

@@ -44,7 +44,7 @@ def route_pallas(logits_te, bias_e, k: int, norm: bool, scale: float):
   """(ids [T, K] int32 in lax.top_k order of sigmoid(logits) + bias, ties to the lower index;
   weights [T, K] f32: the chosen sigmoid scores, normalised to sum 1 if `norm`, times scale).
   logits_te: [T, E] or wider: the kernel reads the first E = len(bias) columns (the packed
-  router|shared dot's output, TargetConfig.route_joint_logits: no slice made for the kernel)."""
+  router|shared dot's output, `moe.router_and_shared(wide=True)`: no slice made for the kernel)."""
   ids, w = _call(logits_te, bias_e, k, norm, scale, None)
   return ids, w
 

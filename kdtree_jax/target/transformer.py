@@ -20,17 +20,7 @@ from kdtree_jax.target.norm import rms_norm
 
 
 def _ffn(lp, cfg: TargetConfig, x, routes):
-  if "mlp" in lp:
-    return swiglu(lp["mlp"], x, cfg.dense_dot_impl)
-  return moe(lp["moe"], cfg, x, routes)
-
-
-def _attention_input(lp, cfg: TargetConfig, x):
-  """The attention's input: x normed, or x itself where target.pack's fold_norms folded the
-  norm's gain into the attention's first weight ("qkv_a_gt": mla.input_dots applies 1/rms)."""
-  if "qkv_a_gt" in lp["attn"]:
-    return x
-  return rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+  return swiglu(lp["mlp"], x) if "mlp" in lp else moe(lp["moe"], cfg, x, routes)
 
 
 def _head(params, cfg: TargetConfig, x):
@@ -59,7 +49,8 @@ def prefill(cfg: TargetConfig, params, cache: LatentCache | None, tokens_bs,
   taps = {}
   latent = None if cache is None else list(cache.latent)
   for i, lp in enumerate(params["layers"]):
-    h, rows = mla.prefill_attention(lp["attn"], cfg, _attention_input(lp, cfg, x), positions)
+    h, rows = mla.prefill_attention(lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps),
+                                    positions)
     x = x + h
     x = x + _ffn(lp, cfg, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), routes)
     if latent is not None:
@@ -86,7 +77,7 @@ def decode(cfg: TargetConfig, params, cache: LatentCache, tokens_bn, positions_b
   latent = list(cache.latent)
   for i, lp in enumerate(params["layers"]):
     h, latent[i] = mla.absorbed_attention(
-        lp["attn"], cfg, _attention_input(lp, cfg, x), positions_bn, latent[i],
+        lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions_bn, latent[i],
         cache.lengths, tree_mask_bnn, backend=attn_backend)
     x = x + h
     y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)

@@ -140,15 +140,15 @@ def test_lora_mean_squares_from_one_reduction(rq, r):
   assert mla.lora_mean_squares(C.tiny(q_lora_rank=17, kv_lora_rank=16), y) == (None, None)
 
 
-@pytest.mark.parametrize("out_major,fold_norms", [(True, False), (False, False), (True, True)])
-def test_packed_decode_matches_per_layer_at_k2_lora_ratio(out_major, fold_norms):
-  """Rq = 3 R as in K2 (1536 | 512): packed prefill and 1- / 5-token decode vs per-layer (f32);
-  the fifth session's layout too (out_major=False, the GPU A/B's packed_s5) and the norms'
-  gains folded (fold_norms, packed_fold)."""
+@pytest.mark.parametrize("out_major", [True, False])
+def test_packed_decode_matches_per_layer_at_k2_lora_ratio(out_major):
+  """Rq = 3 R as in K2 (1536 | 512): packed prefill and 1- / 5-token decode vs per-layer (f32),
+  with random norm gains; the fifth session's layout too (out_major=False, the GPU A/B's
+  packed_s5)."""
   cfg = C.tiny(q_lora_rank=96, kv_lora_rank=32)
   params = P.init_params(jax.random.key(5), cfg, jnp.float32, std=0.1)
   params["layers"] = [_random_gains(lp, i) for i, lp in enumerate(params["layers"])]
-  packed = pack.pack_for_decode(cfg, params, out_major, fold_norms)
+  packed = pack.pack_for_decode(cfg, params, out_major)
   tokens = np.asarray(jax.random.randint(jax.random.key(6), (2, 12), 0, cfg.vocab_size))
   for n in (1, 5):
     mask = np.tril(np.ones((n, n), bool))
@@ -159,47 +159,13 @@ def test_packed_decode_matches_per_layer_at_k2_lora_ratio(out_major, fold_norms)
 
 def _random_gains(lp, seed):
   """The layer with its attention and q LoRA norm gains drawn around 1 (init_params' are ones:
-  folding ones into a weight would change nothing)."""
+  a layout that dropped a gain would still pass)."""
   k = jax.random.split(jax.random.key(100 + seed), 2)
   g = lambda key, w: (1 + 0.3 * jax.random.normal(key, w.shape)).astype(w.dtype)
   attn = dict(lp["attn"])
   if "q_a_norm" in attn:
     attn["q_a_norm"] = g(k[1], attn["q_a_norm"])
   return dict(lp, attn_norm=g(k[0], lp["attn_norm"]), attn=attn)
-
-
-def test_fold_norms_layout():
-  """fold_norms: qkv_a_gt = qkv_a_t * attn_norm and q_b_gt = q_b_t * q_a_norm (gain along the
-  minor, contracted dim) replace the four; the MoE norm stays; refused without out_major."""
-  cfg = C.tiny()
-  params = P.init_params(jax.random.key(0), cfg, jnp.float32)
-  params["layers"] = [_random_gains(lp, i) for i, lp in enumerate(params["layers"])]
-  plain = pack.pack_for_decode(cfg, params)["layers"][1]
-  folded = pack.pack_for_decode(cfg, params, fold_norms=True)["layers"][1]
-  assert "attn_norm" not in folded and "mlp_norm" in folded
-  assert not {"qkv_a_t", "q_b_t", "q_a_norm"} & set(folded["attn"])
-  np.testing.assert_array_equal(folded["attn"]["qkv_a_gt"],
-                                plain["attn"]["qkv_a_t"] * plain["attn_norm"][None, :])
-  np.testing.assert_array_equal(folded["attn"]["q_b_gt"],
-                                plain["attn"]["q_b_t"] * plain["attn"]["q_a_norm"][None, :])
-  with pytest.raises(ValueError, match="out_major"):
-    pack.pack_for_decode(cfg, params, out_major=False, fold_norms=True)
-
-
-def test_folded_norms_match_per_layer_and_hf(fixture_model):
-  """fold_norms on every HF fixture (f32): prefill, 1- and 5-token decode vs the per-layer
-  weights at SAME_REL (the fold rounds w * g once: f32 rounding) and HF's logits at HF_REL."""
-  name, cfg, params, _, tokens, hf_logits = fixture_model
-  folded = pack.pack_for_decode(cfg, params, fold_norms=True)
-  got = kdtree_jax.forward(cfg, folded, tokens)
-  assert rel(got, kdtree_jax.forward(cfg, params, tokens)) <= SAME_REL, name
-  assert rel(got, hf_logits) < HF_REL, name
-  for n in (1, 5):
-    mask = np.tril(np.ones((n, n), bool))
-    split = tokens.shape[1] - n
-    want = _decode(cfg, params, tokens, split, mask)
-    for g, w in zip(_decode(cfg, folded, tokens, split, mask), want):
-      assert rel(g, w) <= SAME_REL, (name, n)
 
 
 def test_packed_bf16_decode_matches_per_layer():
@@ -218,27 +184,6 @@ def test_packed_bf16_decode_matches_per_layer():
       assert rel(g, w) < 1e-2, n
     for g, w in zip(got[2], want[2]):
       np.testing.assert_array_equal(np.sort(g, -1), np.sort(w, -1))
-
-
-def test_folded_norms_bf16_as_near_f32_as_per_layer():
-  """bf16 with fold_norms (w * g rounded to bf16 once; 1 / rms on the dot's f32 output instead of
-  the normed input rounded to bf16): logits as near the f32 model's as the per-layer bf16
-  weights' (within 1.5x + bf16's 1e-2). All layers dense: on the tiny random MoE a bf16
-  rounding difference flips expert choices (per-layer bf16 vs f32: rel 0.51 at one token,
-  fold_norms 0.15 in the prefill), which says nothing of the fold."""
-  cfg = C.tiny(first_k_dense_replace=C.tiny().num_hidden_layers)
-  params = P.init_params(jax.random.key(3), cfg, jnp.bfloat16, std=0.1)
-  params["layers"] = [_random_gains(lp, i) for i, lp in enumerate(params["layers"])]
-  p32 = jax.tree.map(lambda w: w.astype(jnp.float32), params)
-  tokens = np.asarray(jax.random.randint(jax.random.key(4), (2, 12), 0, cfg.vocab_size))
-  folded = pack.pack_for_decode(cfg, params, fold_norms=True)
-  for n in (1, 5):
-    mask = np.tril(np.ones((n, n), bool))
-    ref = _decode(cfg, p32, tokens, 12 - n, mask)
-    base = _decode(cfg, params, tokens, 12 - n, mask, jnp.bfloat16)
-    got = _decode(cfg, folded, tokens, 12 - n, mask, jnp.bfloat16)
-    for g, b, r in zip(got, base, ref):
-      assert rel(g, r) <= 1.5 * rel(b, r) + 1e-2, n
 
 
 def _weight_contractions(hlo_text, leaf):
@@ -293,8 +238,8 @@ def test_one_token_dots_contract_the_packed_weights_minor_dim():
 
 @pytest.mark.slow
 def test_speculative_decoding_on_packed_params_is_lossless():
-  """ar / chain / ddtree on the packed target (loader.load_pair's layout, and with fold_norms)
-  emit the greedy tokens of ar on the per-layer params."""
+  """ar / chain / ddtree on the packed target (loader.load_pair's layout) emit the greedy tokens
+  of ar on the per-layer params."""
   tcfg = C.tiny(eos_token_id=None, bos_token_id=None, pad_token_id=None)
   tp = P.init_params(jax.random.key(4), tcfg, jnp.float32, std=0.15)
   dcfg = DraftConfig.tiny(hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,
@@ -305,11 +250,9 @@ def test_speculative_decoding_on_packed_params_is_lossless():
   packed = pair.replace(tparams=pack.pack_for_decode(tcfg, tp))
   prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
   spec = lambda m: SpecConfig(mode=m, budget=5, max_new_tokens=16, block_size=6)
-  folded = pair.replace(tparams=pack.pack_for_decode(tcfg, tp, fold_norms=True))
   want = loop.generate(pair, spec("ar"), prompts, max_len=48).tokens
   for mode in ("ar", "chain", "ddtree"):
     assert loop.generate(packed, spec(mode), prompts, max_len=48).tokens == want, mode
-    assert loop.generate(folded, spec(mode), prompts, max_len=48).tokens == want, mode
 
 
 def test_packed_params_are_refused_under_a_mesh():
@@ -387,23 +330,18 @@ def test_donated_expert_packing_frees_the_input_stacks():
 
 
 def test_layout_params_hold_one_copy_of_the_experts():
-  """pack.layout_params (probe_xla_options --layouts): packed and packed_fold share packed's
-  K-packed stacks (one copy of the experts: the loaded ones donated unless per_layer is asked
-  for too), packed_fold is `fold_layer_norms` of packed, unknown names are refused."""
+  """pack.layout_params (probe_xla_options --layouts): packed K-packs the experts, donating the
+  loaded stacks unless per_layer (which reads them) is asked for too; unknown names are refused."""
   cfg = C.tiny(hidden_size=128, moe_intermediate_size=64, n_routed_experts=8,
                num_experts_per_tok=3, n_group=1, topk_group=1)
   layer = cfg.first_k_dense_replace
   params = P.init_params(jax.random.key(3), cfg, jnp.bfloat16, int4_experts=True)
   both = pack.layout_params(cfg, params, ["per_layer", "packed"])
   assert both["per_layer"] is params and not params["layers"][layer]["moe"]["gate"].packed.is_deleted()
-  got = pack.layout_params(cfg, params, {"packed", "packed_fold"})
+  assert both["packed"]["layers"][layer]["moe"]["gate"].k_packed
+  got = pack.layout_params(cfg, params, {"packed"})
   assert params["layers"][layer]["moe"]["gate"].packed.is_deleted()
   for name in ("gate", "up", "down"):
-    assert got["packed_fold"]["layers"][layer]["moe"][name] is got["packed"]["layers"][layer]["moe"][name]
     assert got["packed"]["layers"][layer]["moe"][name].k_packed
-  fold = got["packed_fold"]["layers"][layer]
-  want = pack.fold_layer_norms(got["packed"]["layers"][layer])
-  np.testing.assert_array_equal(fold["attn"]["qkv_a_gt"], want["attn"]["qkv_a_gt"])
-  assert "attn_norm" not in fold and "attn_norm" in got["packed"]["layers"][layer]
   with pytest.raises(ValueError, match="unknown layouts"):
     pack.layout_params(cfg, params, ["packed", "packd"])
