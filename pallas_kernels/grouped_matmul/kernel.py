@@ -23,7 +23,8 @@ The grid's first axis is one CTA column per item, or `Tuning.slots` columns loop
 (`Tuning.items_smem`: the list is read from SMEM after one TMA). `Tuning.store_once` fences and
 waits once for every epilogue part; `Tuning.dequant_batch` dequantises several 64-column chunks
 per wgmma wait; `Tuning.int4_interleave_stacks` dequantises gate and up chunk by chunk
-together (one wait per chunk pair and step); `Tuning.int4_scale_concat` builds a chunk's scales without selects;
+together (one wait per chunk pair and step); `Tuning.int4_acc_chains` alternates a stack's
+chunks over independent accumulators; `Tuning.int4_scale_concat` builds a chunk's scales without selects;
 `Tuning.int4_k_packed` reads weight stacks stored by `kpack.pack_int4_k` with 32-bit loads.
 (32-column pieces against a 64-byte-swizzled x tile, the removed `scale_halves`, passed
 interpret mode, which runs only the SMEM-operand path and ignores swizzles, and were wrong
@@ -86,37 +87,38 @@ def _load_int4(q_smem, j, wide: bool, k_packed=False, interpret=False):
 
 
 def _int4_step(accs, x_smem, tiles, w_stage, *, group, block_k, dtype, wide, batch=1,
-               scale_concat=False, k_packed=False, interpret=False):
+               scale_concat=False, k_packed=False, interpret=False, chains=1):
   """One K step: per 64-column chunk, dequantise W^T in registers and issue wgmma.
 
-  accs: accumulators, tiles: one (q_smem, s_smem) per accumulator: one stack, or gate and up
-  interleaved (`Tuning.int4_interleave_stacks`: each chunk of both stacks dequantised before
-  the wait, two independent wgmma chains, one final wait per step instead of one per stack).
-  `batch` chunks (of every stack) are dequantised before their wgmmas are issued (more
-  independent loads and conversions in flight per wgmma wait); a batch's wgmmas overlap the
-  next batch's dequantise. w_stage None: the registers are wgmma's A operand. Else
-  2 x stacks x batch swizzled SMEM buffers [BN, 64] that the chunks cycle through (the
-  A-from-SMEM variant; GPU interpret mode needs it).
+  tiles: one (q_smem, s_smem) per stack: one stack, or gate and up interleaved
+  (`Tuning.int4_interleave_stacks`: each chunk of both stacks dequantised before the wait, and
+  one final wait per step instead of one per stack). accs: `chains` accumulators per stack
+  (stack a's chunk j into accs[a * chains + j % chains]; `Tuning.int4_acc_chains`: independent
+  wgmma chains, summed by the caller). A round of `batch` x chains chunks of every stack is
+  dequantised before its wgmmas are issued (more independent loads and conversions in flight
+  per wgmma wait); a round's wgmmas overlap the next round's dequantise. w_stage None: the
+  registers are wgmma's A operand. Else 2 x (chunks per round) swizzled SMEM buffers [BN, 64]
+  that the chunks cycle through (the A-from-SMEM variant; GPU interpret mode needs it).
   """
   n_chunks = block_k // CHUNK
-  per_batch = len(accs) * batch
-  for j0 in range(0, n_chunks, batch):
+  per_round = batch * chains
+  for r, j0 in enumerate(range(0, n_chunks, per_round)):
     ws = []
-    for j in range(j0, min(j0 + batch, n_chunks)):
-      for a, (acc_ref, (q_smem, s_smem)) in enumerate(zip(accs, tiles)):
+    for j in range(j0, min(j0 + per_round, n_chunks)):
+      for a, (q_smem, s_smem) in enumerate(tiles):
         q = _load_int4(q_smem, j, wide, k_packed, interpret)
         scales = _chunk_scales(s_smem, j, q.shape, group, block_k, scale_concat)
         w = q.astype(dtype) * scales.astype(dtype)
-        if w_stage is not None:  # one stack: buffer j % (2 batch), as before interleaving
-          buf = (j // batch % 2) * per_batch + a * batch + (j - j0)
+        if w_stage is not None:  # one stack, one chain: buffer j % (2 batch), as always
+          buf = (r % 2) * per_round * len(tiles) + len(ws)
           w_stage[buf] = w
           w = w_stage.at[buf]
-        ws.append((acc_ref, j, w))
+        ws.append((accs[a * chains + j % chains], j, w))
     if w_stage is not None:
       plgpu.commit_smem()
     for acc_ref, j, w in ws:
       plgpu.wgmma(acc_ref, w, x_smem.at[:, pl.ds(CHUNK * j, CHUNK)].transpose((1, 0)))
-    plgpu.wgmma_wait(len(ws))  # the batch before is done: its registers / buffers are free
+    plgpu.wgmma_wait(len(ws))  # the round before is done: its registers / buffers are free
   plgpu.wgmma_wait(0)  # the pipeline reuses x_smem's slot after this step
 
 
@@ -193,8 +195,8 @@ def _num_values(gated: bool, t: Tuning) -> int:
 
 
 def _staged_stacks(gated: bool, t: Tuning) -> int:
-  """Stacks whose chunks share one wgmma wait (SMEM-operand buffers are per stack)."""
-  return 2 if gated and t.int4_interleave_stacks else 1
+  """Stacks x chains whose chunks share one wgmma wait (SMEM-operand buffers are per chunk)."""
+  return (2 if gated and t.int4_interleave_stacks else 1) * t.int4_acc_chains
 
 
 def _slots(t: Tuning, n_items: int) -> int:
@@ -215,6 +217,7 @@ def _padded_items(n_items: int) -> int:
 def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret: bool):
   per_stack = 2 if int4 else 1
   n_stacks = 2 if gated else 1
+  n_acc = n_stacks * (t.int4_acc_chains if int4 else 1)
   k_steps = k // t.block_k // t.splits
   n_out = _num_values(gated, t) * (2 if t.splits > 1 else 1)
   slots = _slots(t, n_items)
@@ -240,13 +243,14 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret:
             for acc_ref, tile in zip(acc_refs, tiles):
               _bf16_step(acc_ref, x_smem, *tile)
             return
+          c = t.int4_acc_chains
           together = t.int4_interleave_stacks and n_stacks > 1
           for accs, tls in ([(acc_refs, tiles)] if together else
-                            [((a,), (tl,)) for a, tl in zip(acc_refs, tiles)]):
+                            [(acc_refs[i * c:(i + 1) * c], (tl,)) for i, tl in enumerate(tiles)]):
             _int4_step(accs, x_smem, tls, w_stage, group=group, block_k=t.block_k, dtype=dtype,
                        wide=t.int4_wide_loads, batch=t.dequant_batch,
                        scale_concat=t.int4_scale_concat, k_packed=t.int4_k_packed,
-                       interpret=interpret)
+                       interpret=interpret, chains=c)
 
         x_spec = plgpu.BlockSpec((pl.Element(t.rows), t.block_k),
                                  lambda kk: (pl.multiple_of(win, work.ALIGN), k0 + kk),
@@ -259,7 +263,10 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret:
                                 x_ref, *(r.at[grp] for st in stacks for r in st))
         return tuple(a[...] for a in acc_refs)
 
-      accs = pl.run_scoped(acc_scope, *[plgpu.ACC((t.block_n, t.rows), jnp.float32)] * n_stacks)
+      accs = pl.run_scoped(acc_scope, *[plgpu.ACC((t.block_n, t.rows), jnp.float32)] * n_acc)
+      if n_acc > n_stacks:  # int4_acc_chains: each stack's chains summed
+        c = n_acc // n_stacks
+        accs = tuple(functools.reduce(jnp.add, accs[i * c:(i + 1) * c]) for i in range(n_stacks))
       vals = (_silu_mul(*accs),) if gated and t.splits == 1 else accs
       n_parts = 2 if t.splits > 1 else 1
       parts = [p for v in vals for p in _bf16_parts(v, n_parts, o_smems[0].dtype)]

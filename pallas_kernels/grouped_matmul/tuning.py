@@ -78,6 +78,9 @@ class Tuning:
   int4_interleave_stacks: INT4 gated calls only: each 64-column chunk of the gate and the up
     stack dequantised together before one wgmma wait (two independent accumulator chains per
     wait, and one drain per K step instead of one per stack); plain calls: no change.
+  int4_acc_chains: INT4 only: 1 or 2 accumulators per stack, chunk j into accumulator j % 2,
+    summed in the epilogue: independent wgmma chains (a one-warpgroup CTA's m64n8k16s on one
+    accumulator run one after another) at the cost of f32 adds in the epilogue.
   items_smem: each CTA copies the work list to SMEM with one TMA before its first item, so the
     slots loop reads each item's 4 fields from SMEM instead of a dependent GMEM round trip per
     item (T=1: 8 items per CTA, 1 live).
@@ -96,6 +99,7 @@ class Tuning:
   int4_scale_concat: bool = False
   int4_k_packed: bool = False
   int4_interleave_stacks: bool = False
+  int4_acc_chains: int = 1
 
   def __post_init__(self):
     if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -112,6 +116,8 @@ class Tuning:
       raise ValueError(f"{self.slots=} must be >= 0")
     if self.dequant_batch not in (1, 2, 4) or self.block_k % (64 * self.dequant_batch):
       raise ValueError(f"{self.dequant_batch=} must be 1, 2 or 4 and divide block_k / 64")
+    if self.int4_acc_chains not in (1, 2) or self.block_k < 64 * self.int4_acc_chains:
+      raise ValueError(f"{self.int4_acc_chains=} must be 1 or 2 (2: block_k >= 128)")
     if self.a_operand not in ("registers", "smem"):
       raise ValueError(f"{self.a_operand=} must be 'registers' or 'smem'")
 
@@ -193,7 +199,7 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   once: store_once; ismem: items_smem; wide: int4_wide_loads; cat: int4_scale_concat;
   kp: int4_k_packed (the caller packs the weights: bench.mlp_tune does; the model's calls
   take it from the weights, api.py's k_packed); il: int4_interleave_stacks;
-  dqN: dequant_batch N;
+  dqN: dequant_batch N; aN: int4_acc_chains N;
   rN: rows N (both calls of one work list must share it); kBK: block_k BK; sN: stages N;
   nBN: block_n BN (before any x / p / w part: their slots count the N tiles);
   xN[cC]: scale_splits by N for ~C CTAs per SM (2); pN[cC]: exactly N splits (set_splits;
@@ -213,9 +219,9 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
       t = set_splits(t, k, n, int(m[1]), int(m[2] or 2))
     elif m := re.fullmatch(r"w(\d+)", part):  # the slots loop for ~N CTAs per SM, same splits
       t = dataclasses.replace(t, slots=max(1, int(m[1]) * NUM_SMS // (n // t.block_n * t.splits)))
-    elif m := re.fullmatch(r"(dq|k|s|r|n)(\d+)", part):
+    elif m := re.fullmatch(r"(dq|k|s|r|n|a)(\d+)", part):
       field = {"dq": "dequant_batch", "k": "block_k", "s": "stages", "r": "rows",
-               "n": "block_n"}[m[1]]
+               "n": "block_n", "a": "int4_acc_chains"}[m[1]]
       t = dataclasses.replace(t, **{field: int(m[2])})
     else:
       raise ValueError(f"unknown tuning change {part!r} in {name!r}")

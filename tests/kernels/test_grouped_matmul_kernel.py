@@ -749,6 +749,34 @@ def test_interleaved_stacks_interpret_match_reference(batch):
          grouped_matmul(x, q_a, gs, backend="xla"), sum(sizes))
 
 
+@pytest.mark.parametrize("opts", [dict(int4_acc_chains=2), dict(int4_acc_chains=2, dequant_batch=2),
+                                  dict(int4_acc_chains=2, int4_interleave_stacks=True)])
+def test_acc_chains_interpret_match_reference(opts):
+  """Tuning.int4_acc_chains = 2 (chunks alternating over two accumulators per stack, summed in
+  the epilogue; alone, with 2-chunk batches, with interleaved stacks): plain, gated fused and
+  gated split-K through the slots loop == the dequantise-first reference."""
+  sizes, m, k, n = [30, 0, 50, 3, 10], 100, 512, 128
+  x, _, q_a = _operands(m, k, n, len(sizes), 32, seed=18)
+  _, _, q_b = _operands(m, k, n, len(sizes), 32, seed=19)
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = Tuning(rows=32, block_n=64, block_k=256, stages=2, a_operand="smem", **LEAN, **opts)
+  _check(grouped_matmul(x, q_a, gs, backend="interpret", tuning=t),
+         grouped_matmul(x, q_a, gs, backend="xla"), sum(sizes))
+  want = gated_grouped_matmul(x, q_a, q_b, gs, backend="xla")
+  for tun in (t, dataclasses.replace(t, splits=2, slots=2)):
+    _check(gated_grouped_matmul(x, q_a, q_b, gs, backend="interpret", tuning=tun), want,
+           sum(sizes))
+
+
+def test_acc_chains_need_two_chunks_per_step():
+  with pytest.raises(ValueError, match="acc_chains"):
+    Tuning(block_k=64, int4_acc_chains=2)
+  with pytest.raises(ValueError, match="acc_chains"):
+    Tuning(int4_acc_chains=3)
+  t = default_tuning(8, 48, 2048, 7168, True, variant="default")
+  assert apply_variant("a2+il", t, 2048, 7168).int4_acc_chains == 2
+
+
 def test_interleaved_stacks_wait_once_per_chunk_pair():
   """Lowered for an H200 (gated + down modules, one K step of 4 chunks each): interleaving
   keeps every wgmma and drops the gated call's per-stack waits (2 x (4 + 1) -> 4 + 1)."""
@@ -758,7 +786,12 @@ def test_interleaved_stacks_wait_once_per_chunk_pair():
   commit, wait = "asm:wgmma.commit_group.sync.aligned;", "asm:wgmma.wait_group.sync.aligned"
   assert base[commit] == il[commit] == 3 * 4  # one group per chunk: gate, up, down
   assert base["asm:{"] == il["asm:{"]  # the wgmma (and other multi-line asm) bodies
-  assert (base[wait], il[wait]) == (2 * 5 + 5 + 3, 5 + 5 + 3)  # + 3 outside the K steps
+  # + one per accumulator outside the K steps (3: gate, up, down)
+  assert (base[wait], il[wait]) == (2 * 5 + 5 + 3, 5 + 5 + 3)
+  # int4_acc_chains 2 on both calls: 2 rounds of 2 chunks + the drain per stack and step
+  a2 = _module_op_counts(8, (dataclasses.replace(t, int4_acc_chains=2),) * 2)
+  assert a2[commit] == base[commit] and a2["asm:{"] == base["asm:{"]
+  assert a2[wait] == 2 * 3 + 3 + 6
 
 
 def test_set_splits_fills_the_sms_evenly():
