@@ -62,19 +62,6 @@ def _tiny(router, glue="auto"):
                 num_local_experts=10, expert_backend="xla", router_impl=router, moe_glue=glue)
 
 
-def _packed_layer(cfg, dtype, seed=1):
-  params = P.init_params(jax.random.key(seed), cfg, dtype)
-  layer = cfg.first_k_dense_replace
-  packed = pack.pack_for_decode(cfg, params)["layers"][layer]["moe"]
-  assert "router_gate_up_t" in packed  # the joint router|shared dot runs
-  return params["layers"][layer]["moe"], packed
-
-
-def _tiny(router, glue="auto"):
-  return C.tiny(n_routed_experts=16, num_experts_per_tok=4, n_group=1, topk_group=1,
-                num_local_experts=10, expert_backend="xla", router_impl=router, moe_glue=glue)
-
-
 @pytest.mark.parametrize("t,router", [(1, "pallas"), (1, "xla"), (6, "pallas")])
 def test_moe_layer_on_the_joint_logits_equals_numpy_f32(t, router, monkeypatch):
   """f32 packed layer vs a numpy per-token loop over the routed experts (on the per-layer params)
