@@ -18,8 +18,10 @@ is marked FAIL in the table and never reported as the fastest. One JSON line per
   python -m pallas_kernels.grouped_matmul.bench --out runs/bench_moe.jsonl
 """
 
+import contextlib
 import dataclasses
 import json
+import os
 import time
 
 from absl import app, flags
@@ -57,27 +59,43 @@ _MLP_CASES = flags.DEFINE_list(
     "(ar: 1:1; T=9: ~8 of 48; a ddtree 15 verify touched ~3.5 on bench_k26_full; T=65: ~36).")
 # mlp_tune's rows per case T: 'promoted' (default_tuning's choice by M, tuning.DEFAULT_VARIANTS:
 # the baseline every other row is compared with) and tuning.apply_variant names applied to the
-# base tuning (variant 'default'). This round (sixth session): at every T the promoted row
-# + cat (int4_scale_concat: a 64-column chunk's two scale rows joined along K instead of 16
-# selects per thread and chunk) and + cat + kp (int4_k_packed: weights K-packed once by
-# kpack.pack_int4_k, so the tile is read with 4 32-bit loads per thread and chunk instead of 16
-# byte loads, relabelled as wgmma registers without shuffles): K-packed weights are packed once
-# at load, so kp is promotable only if no row class gets slower (the fifth session measured T=9
-# and T=65 only); the earlier rounds' rows (dq2, s3, k512, x2, R 16) are in WORKSPACE.md.
-# 12 programs.
-MLP_VARIANTS = {  # the promoted rows beside the select-free scales (cat) on top of them
-    1: ("promoted", "once+ismem+cat", "once+ismem+cat+kp"),
-    9: ("promoted", "once+ismem+x4c4+s2+r8+cat", "once+ismem+x4c4+s2+r8+cat+kp"),
-    16: ("promoted", "once+ismem+x4c4+s2+cat", "once+ismem+x4c4+s2+cat+kp"),
-    65: ("promoted", "once+ismem+r8+s2+w16+cat", "once+ismem+r8+s2+w16+cat+kp"),
+# base tuning (variant 'default'). This round (moe9, issue 12's small T; the model behind it in
+# WORKSPACE.md): a one-expert INT4 call is bound by the dequantise -> wgmma chain of the SMs
+# that run 2 CTAs, not by bytes, so the rows test what shortens that chain. At T=1 and 16 the
+# model's own configuration (promoted + kp: the decode layout packs K) and on top of it
+#   il: gate and up chunks dequantised together, one wgmma wait per pair (two accumulator
+#       chains per warpgroup in the gated call, one drain per K step instead of two);
+#   a2: each stack's chunks alternate over two accumulators (both calls: two chains per stack);
+#   il+a2: four chains in the gated call, two in down;
+#   T=1 gated k128+p8: 8 splits of 7 K steps of 128 = 256 CTAs (<= 2 on every SM; 7 splits
+#       give 224: 92 SMs run 2, 40 run 1: 64 chunks on the busiest SM -> 56);
+#   T=16 gated k128: 34 KB per CTA (6 per SM by SMEM): the 512 CTAs in one wave instead of
+#       3 per SM (60 KB) and a second wave of 116.
+# T=9 and 65 keep their promoted rows (controls). The earlier rounds' rows are in WORKSPACE.md.
+# 14 programs.
+_B1 = "once+ismem+cat+kp"
+_B16 = "once+ismem+x4c4+s2+cat+kp"
+MLP_VARIANTS = {
+    1: ("promoted", _B1, f"{_B1}+il", f"{_B1}+a2", f"{_B1}+il+a2",
+        f"{_B1}+il+a2+k128+p8|{_B1}+a2"),
+    9: ("promoted",),
+    16: ("promoted", _B16, f"{_B16}+il", f"{_B16}+a2", f"{_B16}+il+a2",
+         f"{_B16}+k128+il+a2|{_B16}+a2"),
+    65: ("promoted",),
 }
 _MLP_VARIANTS = flags.DEFINE_list(
     "mlp_variants", [],
     "mlp_tune: rows for every case: 'promoted' (default_tuning's choice) or tuning.apply_variant "
-    "names ('+'-joined changes to both calls' base tunings: once, ismem, dqN, rN, kBK, sN, "
-    "xN[cC], wN, wide; 'default': none; 'GATED|DOWN': one per call, same rN); empty: "
-    "MLP_VARIANTS[T] per case (8 programs): "
+    "names ('+'-joined changes to both calls' base tunings: once, ismem, cat, kp, il, dqN, aN, "
+    "rN, kBK, sN, nBN, xN[cC], pN[cC], wN, wide; 'default': none; 'GATED|DOWN': one per call, "
+    "same rN); empty: MLP_VARIANTS[T] per case (14 programs): "
     f"{MLP_VARIANTS}.")
+_PTXAS_ROWS = flags.DEFINE_list(
+    "mlp_ptxas_rows", [f"1:{_B1}", f"16:{_B16}"],
+    "mlp_tune rows (T:variant) whose kernels' compile prints ptxas' log (registers per thread, "
+    "spills: with 128 threads per CTA, more than 128 registers leave room for 3 CTAs per SM, "
+    "more than 168 for 2, whatever the SMEM allows): Mosaic GPU's own dump switch "
+    "(MOSAIC_GPU_DUMP_PTXAS) is set around that row's first call only.")
 # A row whose output is further than this from the f32 XLA reference (relative L2 error) is
 # wrong, not slow: bf16 inputs and one bf16 rounding of each product give ~2e-3 here.
 REL_TOL = 1e-2
@@ -261,6 +279,21 @@ def _packed_for(tg, td, gate, up, down):
   return pack(gate, tg), pack(up, tg), pack(down, td)
 
 
+@contextlib.contextmanager
+def _ptxas_log(on: bool):
+  """While on: Mosaic GPU prints ptxas' log of each kernel it compiles (a diagnostic of the
+  compiled code; nothing the kernels compute depends on it)."""
+  if not on:
+    yield
+    return
+  print("ptxas log of the next row's kernels:", flush=True)
+  os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+  try:
+    yield
+  finally:
+    del os.environ["MOSAIC_GPU_DUMP_PTXAS"]
+
+
 def part_mlp_tune(ceil, sink, rows):
   """The INT4 expert FFN's gated and down calls per --mlp_cases x --mlp_variants vs XLA."""
   gate, up, down = [(w.packed, w.scale) for w in _weights("int4")]
@@ -287,7 +320,8 @@ def part_mlp_tune(ceil, sink, rows):
         fn = jax.jit(lambda x, ws, s, tg=tg, td=td: expert_mlp(
             x, *ws, s, backend=backend, tunings=(tg, td)).sum(axis=0))
         args = (x, _packed_for(tg, td, gate, up, down), sizes)
-        row["rel_err"] = _rel(fn(*args)[:t], ref[:t])
+        with _ptxas_log(f"{t}:{name}" in _PTXAS_ROWS.value):
+          row["rel_err"] = _rel(fn(*args)[:t], ref[:t])
         row["us"] = _time_us(fn, *args)
         kernels = timing.kernel_breakdown(fn, args)
         row.update({f"{n_.split('_mosaic')[0]}_us": round(us, 2) for n_, _, us in kernels
@@ -388,7 +422,6 @@ def _write_hlo(fn, args, stem):
   """The compiled (optimized) HLO of fn(*args) into --hlo_dir, if set."""
   if not _HLO_DIR.value:
     return
-  import os  # pylint: disable=import-outside-toplevel
   os.makedirs(_HLO_DIR.value, exist_ok=True)
   with open(os.path.join(_HLO_DIR.value, f"{stem}.hlo.txt"), "w") as f:
     f.write(fn.lower(*args).compile().as_text())
@@ -461,7 +494,6 @@ def _note(r):
 
 
 def main(_):
-  import os  # pylint: disable=import-outside-toplevel
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
   t0 = time.time()
   ceil = roofline.measure_ceilings(small=jax.default_backend() != "gpu")
