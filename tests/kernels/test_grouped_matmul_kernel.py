@@ -641,11 +641,14 @@ def test_bench_mlp_variants_lower_for_h200():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", [dict(LEAN, dequant_batch=4),
-                                  dict(LEAN, int4_scale_concat=True, int4_k_packed=True)])
+                                  dict(LEAN, int4_scale_concat=True, int4_k_packed=True),
+                                  dict(LEAN, int4_scale_concat=True, int4_k_packed=True,
+                                       int4_interleave_stacks=True, int4_acc_chains=2)])
 def test_gated_kernel_gpu_lean_options_match_reference(opts):
   """store_once + items_smem + dequant_batch 4 (or the select-free scales, or those + K-packed
   weights through 32-bit loads relabelled as registers: the register operand, which interpret
-  mode cannot run) on the GPU: gated split-K with the slots loop."""
+  mode cannot run; or those + gate and up interleaved over two accumulators each) on the GPU:
+  gated split-K with the slots loop."""
   sizes, m, k, n = RAGGED
   x, _, q_a = _operands(m, k, n, len(sizes), 32, seed=3)
   _, _, q_b = _operands(m, k, n, len(sizes), 32, seed=4)
