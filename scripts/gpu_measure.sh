@@ -11,9 +11,11 @@
 #   moe_bench   pallas_kernels/grouped_matmul/bench.py: routed FFN per T, tuning sweep, whole MoE layer
 #   moe_tune    pallas_kernels/grouped_matmul/bench.py --parts mlp_tune: the INT4 expert FFN's gated
 #               and down calls at T=16 (4 experts), 1 (1), 9 (8), 65 (36): the promoted default
-#               tuning (tuning.DEFAULT_VARIANTS, by rows) beside, at T=1, 9, 16 and 65, the same
-#               + cat (select-free INT4 scales) and + cat + kp (K-packed weights, one ldmatrix
-#               per chunk), per-call Mosaic us, wrong rows marked FAIL; 12 programs: moe_tune:170
+#               tuning (tuning.DEFAULT_VARIANTS, by rows) beside, at T=1 and 16, the model's kp
+#               configuration and it + il (gate and up chunks per wgmma wait), + a2 (two
+#               accumulator chains per stack), + il+a2, + a balanced gated grid (T=1 k128+p8,
+#               T=16 k128); T=9 / 65 promoted only; ptxas' register log of the T=1 / 16 kp rows;
+#               per-call Mosaic us, wrong rows marked FAIL; 14 programs: moe_tune:170
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 16, 1: one MoE layer
 #               of bench_k26_full per kernel, sorted vs auto (dense at T=1, else sorted) with
 #               the one-kernel routing (router_impl=pallas), the lean glue (lean_glue=true) and
