@@ -14,8 +14,9 @@
 #               tuning (tuning.DEFAULT_VARIANTS, by rows) beside, at T=1 and 16, the model's kp
 #               configuration and it + il (gate and up chunks per wgmma wait), + a2 (two
 #               accumulator chains per stack), + il+a2, + a balanced gated grid (T=1 k128+p8,
-#               T=16 k128); T=9 / 65 promoted only; ptxas' register log of the T=1 / 16 kp rows;
-#               per-call Mosaic us, wrong rows marked FAIL; 14 programs: moe_tune:170
+#               T=16 k128), T=16 down unsplit (s2+w4: one live item per CTA); T=9 / 65
+#               promoted only; ptxas' register log of the T=1 / 16 kp rows; per-call Mosaic us,
+#               wrong rows marked FAIL; 15 programs: moe_tune:170
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 16, 1: one MoE layer
 #               of bench_k26_full per kernel, sorted vs auto (dense at T=1, else sorted) with
 #               the one-kernel routing (router_impl=pallas), the lean glue (lean_glue=true) and
@@ -40,8 +41,9 @@
 #               per XLA option set (cuBLAS vs Triton GEMMs, ...), CUPTI kernel ms each (~200 s)
 #   target_layout  the same fused step (ar, ddtree 15), default options, target packed beside
 #               TargetConfig A/Bs on it (probe_xla_options --layouts packed+field=value; one copy
-#               of the experts; edit TARGET_LAYOUTS below for the A/B at hand; now the routing
-#               kernel vs XLA's routing at full depth): CUPTI kernel ms and launches of each, side
+#               of the experts; edit TARGET_LAYOUTS below for the A/B at hand; now
+#               route_work_list: the routing kernel's pair-layout launch vs the lean glue's 3 XLA
+#               index reductions at full depth): CUPTI kernel ms and launches of each, side
 #               by side (2 layouts: ~200 s on a bare machine; 5 layouts did not fit 330 s)
 #   draft_share the same for k26_dflash_share only (bench_k26_full's draft, issue 17's must-show)
 #   draft_waves bench_draft.py on k26_dflash_share only: draft_block with the ctx kernel at 1, 2 and
@@ -85,7 +87,7 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/kdtree_xla_ca
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 quiet() { grep -v "^[IW][0-9]\{4\}" ; }
 one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
-TARGET_LAYOUTS="packed,packed+router_impl=xla"  # target_layout's A/B (the first is the baseline)
+TARGET_LAYOUTS="packed,packed+route_work_list=true"  # target_layout's A/B (the first is the baseline)
 
 run_part() {
   local part=$1 secs=$2

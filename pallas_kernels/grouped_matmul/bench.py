@@ -70,9 +70,11 @@ _MLP_CASES = flags.DEFINE_list(
 #   T=1 gated k128+p8: 8 splits of 7 K steps of 128 = 256 CTAs (<= 2 on every SM; 7 splits
 #       give 224: 92 SMs run 2, 40 run 1: 64 chunks on the busiest SM -> 56);
 #   T=16 gated k128: 34 KB per CTA (6 per SM by SMEM): the 512 CTAs in one wave instead of
-#       3 per SM (60 KB) and a second wave of 116.
+#       3 per SM (60 KB) and a second wave of 116;
+#   T=16 down s2+w4 (no split, 4 slot columns): each of the 448 CTAs runs its one live item's 8
+#       K steps behind one pipeline fill, where x4c4 runs all 4 live items' 2 steps, 4 fills.
 # T=9 and 65 keep their promoted rows (controls). The earlier rounds' rows are in WORKSPACE.md.
-# 14 programs.
+# 15 programs.
 _B1 = "once+ismem+cat+kp"
 _B16 = "once+ismem+x4c4+s2+cat+kp"
 MLP_VARIANTS = {
@@ -80,7 +82,7 @@ MLP_VARIANTS = {
         f"{_B1}+il+a2+k128+p8|{_B1}+a2"),
     9: ("promoted",),
     16: ("promoted", _B16, f"{_B16}+il", f"{_B16}+a2", f"{_B16}+il+a2",
-         f"{_B16}+k128+il+a2|{_B16}+a2"),
+         f"{_B16}+k128+il+a2|{_B16}+a2", f"{_B16}+il+a2|once+ismem+cat+kp+s2+w4+a2"),
     65: ("promoted",),
 }
 _MLP_VARIANTS = flags.DEFINE_list(
@@ -88,7 +90,7 @@ _MLP_VARIANTS = flags.DEFINE_list(
     "mlp_tune: rows for every case: 'promoted' (default_tuning's choice) or tuning.apply_variant "
     "names ('+'-joined changes to both calls' base tunings: once, ismem, cat, kp, il, dqN, aN, "
     "rN, kBK, sN, nBN, xN[cC], pN[cC], wN, wide; 'default': none; 'GATED|DOWN': one per call, "
-    "same rN); empty: MLP_VARIANTS[T] per case (14 programs): "
+    "same rN); empty: MLP_VARIANTS[T] per case (15 programs): "
     f"{MLP_VARIANTS}.")
 _PTXAS_ROWS = flags.DEFINE_list(
     "mlp_ptxas_rows", [f"1:{_B1}", f"16:{_B16}"],
