@@ -15,7 +15,7 @@
 #               configuration and it + il (gate and up chunks per wgmma wait), + a2 (two
 #               accumulator chains per stack), + il+a2, + a balanced gated grid (T=1 k128+p8,
 #               T=16 k128), T=16 down unsplit (s2+w4: one live item per CTA); T=9 / 65
-#               promoted only; ptxas' register log of the T=1 / 16 kp rows; per-call Mosaic us,
+#               promoted only; ptxas' register log of the T=1 kp row; per-call Mosaic us,
 #               wrong rows marked FAIL; 15 programs: moe_tune:170
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 16, 1: one MoE layer
 #               of bench_k26_full per kernel, sorted vs auto (dense at T=1, else sorted) with

@@ -93,7 +93,7 @@ _MLP_VARIANTS = flags.DEFINE_list(
     "same rN); empty: MLP_VARIANTS[T] per case (15 programs): "
     f"{MLP_VARIANTS}.")
 _PTXAS_ROWS = flags.DEFINE_list(
-    "mlp_ptxas_rows", [f"1:{_B1}", f"16:{_B16}"],
+    "mlp_ptxas_rows", [f"1:{_B1}"],
     "mlp_tune rows (T:variant) whose kernels' compile prints ptxas' log (registers per thread, "
     "spills: with 128 threads per CTA, more than 128 registers leave room for 3 CTAs per SM, "
     "more than 168 for 2, whatever the SMEM allows): Mosaic GPU's own dump switch "
