@@ -17,6 +17,9 @@
 #               T=16 k128), T=16 down unsplit (s2+w4: one live item per CTA); T=9 / 65
 #               promoted only; ptxas' register log of the T=1 kp row; per-call Mosaic us,
 #               wrong rows marked FAIL; 15 programs: moe_tune:170
+#   route_tests the routing kernel's and its pair-layout kernel's fast tests compiled for the GPU
+#               (route_kernel.py's two Triton kernels vs numpy / the XLA glue, bitwise; ~34 small
+#               compiles: route_tests:90)
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 16, 1: one MoE layer
 #               of bench_k26_full per kernel, sorted vs auto (dense at T=1, else sorted) with
 #               the one-kernel routing (router_impl=pallas), the lean glue (lean_glue=true) and
@@ -98,6 +101,8 @@ run_part() {
                  --out "$RAW/bench_moe.jsonl" ;;
     moe_tune) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench --parts mlp_tune \
                  --out "$RAW/bench_moe_tune.jsonl" ;;
+    route_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m 'not slow' \
+                 tests/target/test_route_kernel.py tests/target/test_route_layout.py ;;
     moe_layer) one_gpu timeout "$secs" bash -c "timeout 90 python3 -m pytest -q -rs -m 'not slow' \
                  tests/target/test_route_kernel.py; \
                  python3 -m pallas_kernels.grouped_matmul.bench --parts layer \
