@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdtree_jax import bench_models
 from kdtree_jax.target import config as C
-from kdtree_jax.target import experts, moe, pack, route_kernel
+from kdtree_jax.target import experts, moe, route_kernel
 from kdtree_jax.target import params as P
+from test_joint_logits import lower_k26_layer  # neighbours' helpers (pytest imports by folder)
 
 
 def _routing(t, k, e, seed, lo=0):
@@ -115,22 +115,6 @@ def test_moe_layer_bitwise_equals_lean_on_the_kernel_interpret(t, monkeypatch):
   assert float(jnp.max(jnp.abs(want.astype(jnp.float32)))) > 0
 
 
-def _lower_k26_layer(t, route_work_list):
-  """StableHLO of one packed K2.6-share MoE layer (routing kernel, INT4 Mosaic experts) for an
-  abstract H200."""
-  cfg = dataclasses.replace(bench_models.k26_share(layers=2), router_impl="pallas",
-                            expert_backend="pallas", route_work_list=route_work_list)
-  build = lambda: pack.pack_for_decode(cfg, P.init_params(jax.random.key(0), cfg, jnp.bfloat16,
-                                                          int4_experts=True))
-  p = jax.eval_shape(build)["layers"][1]["moe"]
-  x = jax.ShapeDtypeStruct((t, cfg.hidden_size), jnp.bfloat16)
-  h200 = jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
-                                                                abstract_device=h200)):
-    return jax.jit(lambda p, x: moe.moe(p, cfg, x)).trace(p, x).lower(
-        lowering_platforms=("cuda",)).as_text()
-
-
 def _triton_results(text):
   calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line]
   return [line.rsplit("->", 1)[1].strip() for line in calls]
@@ -140,8 +124,8 @@ def test_k26_share_lowers_for_cuda_with_the_layout_launch():
   """T=16 (ddtree 15): the routing call, then one layout call taking its [128] ids and giving
   order, rank [128], sizes, ends [48] and the work list [4, 56]; without the field, the
   routing call alone."""
-  off = _triton_results(_lower_k26_layer(16, False))
-  on = _triton_results(_lower_k26_layer(16, True))
+  off = _triton_results(lower_k26_layer(16, route_work_list=False))
+  on = _triton_results(lower_k26_layer(16, route_work_list=True))
   assert len(off) == 1 and len(on) == 2, (off, on)
   assert on[0] == off[0]
   shapes = re.findall(r"tensor<([\dx]+)xi32>", on[1])
