@@ -15,7 +15,9 @@
 #               configuration and it + il (gate and up chunks per wgmma wait), + a2 (two
 #               accumulator chains per stack), + il+a2, + a balanced gated grid (T=1 k128+p8,
 #               T=16 k128), T=16 down unsplit (s2+w4: one live item per CTA); T=9 / 65
-#               promoted only; ptxas' register log of the T=1 kp row; per-call Mosaic us,
+#               promoted only; ptxas' register log of every kernel (MOSAIC_GPU_DUMP_PTXAS, Mosaic's
+#               own dump switch, set for this part's process; each row's first call is
+#               printed before its logs); per-call Mosaic us,
 #               wrong rows marked FAIL; 15 programs: moe_tune:170
 #   route_tests the routing kernel's and its pair-layout kernel's fast tests compiled for the GPU
 #               (route_kernel.py's two Triton kernels vs numpy / the XLA glue, bitwise; ~34 small
@@ -99,7 +101,8 @@ run_part() {
                  tests/kernels/test_grouped_matmul_kernel.py ;;
     moe_bench) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench \
                  --out "$RAW/bench_moe.jsonl" ;;
-    moe_tune) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench --parts mlp_tune \
+    moe_tune) MOSAIC_GPU_DUMP_PTXAS=1 one_gpu timeout "$secs" \
+                 python3 -m pallas_kernels.grouped_matmul.bench --parts mlp_tune \
                  --out "$RAW/bench_moe_tune.jsonl" ;;
     route_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m 'not slow' \
                  tests/target/test_route_kernel.py tests/target/test_route_layout.py ;;

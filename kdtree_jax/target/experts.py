@@ -83,7 +83,8 @@ def _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl):
     ~the live rows of the down partials instead of all T*K rows of each split."""
   rows = lean_work_rows(idx_tk.shape, x_td, gate_edf, up_edf, down_efd, impl)
   layout = lean_pair_layout(idx_tk, gate_edf.shape[0], e0, rows)
-  return lean_ffn_on_layout(x_td, idx_tk, w_tk, layout, gate_edf, up_edf, down_efd, e0, impl)
+  return lean_ffn_on_layout(x_td, idx_tk, w_tk, layout, rows, gate_edf, up_edf, down_efd, e0,
+                            impl)
 
 
 def lean_work_rows(shape_tk, x_td, gate_edf, up_edf, down_efd, impl) -> int | None:
@@ -106,13 +107,12 @@ def lean_pair_layout(idx_tk, e_l, e0, rows):
   return order, rank, sizes, ends, items
 
 
-def lean_ffn_on_layout(x_td, idx_tk, w_tk, layout, gate_edf, up_edf, down_efd, e0, impl):
-  """The lean path from its index arrays (`lean_pair_layout`'s tuple): x gather, the two
-  kernel calls on the work list, the combine."""
+def lean_ffn_on_layout(x_td, idx_tk, w_tk, layout, rows, gate_edf, up_edf, down_efd, e0, impl):
+  """The lean path from its index arrays (`lean_pair_layout`'s tuple, built for R = rows,
+  `lean_work_rows`): x gather, the two kernel calls on the work list, the combine."""
   order, rank, sizes, ends, items = layout
   t, k = idx_tk.shape
   m = t * k
-  rows = lean_work_rows(idx_tk.shape, x_td, gate_edf, up_edf, down_efd, impl)
   _, mine = _pair_keys(idx_tk, gate_edf.shape[0], e0)
   row = jnp.arange(m, dtype=jnp.int32)
   y = expert_mlp(x_td[order // k], gate_edf, up_edf, down_efd, sizes, impl, group_ends=ends,

@@ -194,7 +194,7 @@ def _experts_on_route_layout(p, cfg: TargetConfig, x_td, idx, w):
   gate, up, down = p["gate"], p["up"], p["down"]
   rows = lean_work_rows(idx.shape, x_td, gate, up, down, cfg.expert_backend)
   layout = route_kernel.pair_layout(idx, gate.shape[0], rows)
-  return lean_ffn_on_layout(x_td, idx, w, layout, gate, up, down, 0, cfg.expert_backend)
+  return lean_ffn_on_layout(x_td, idx, w, layout, rows, gate, up, down, 0, cfg.expert_backend)
 
 
 def router_and_shared(p, x_td, wide: bool = False):

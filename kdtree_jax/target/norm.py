@@ -8,14 +8,7 @@ def rms_norm(x, weight, eps, mean_square=None):
   """weight * x / rms(x), statistics in f32. mean_square: mean(x * x) [..., 1] f32 when already
   computed (mla.input_dots: two norms' statistics from one reduction), else computed here."""
   xf = x.astype(jnp.float32)
-  y = xf * rms_factor(x, eps, mean_square)
-  return (weight.astype(jnp.float32) * y).astype(x.dtype)
-
-
-def rms_factor(x, eps, mean_square=None):
-  """1 / rms(x) = rsqrt(mean(x * x) + eps) [..., 1] f32 (mean_square: as in rms_norm)."""
   if mean_square is None:
-    xf = x.astype(jnp.float32)
     mean_square = jnp.mean(xf * xf, axis=-1, keepdims=True)
-  return jax.lax.rsqrt(mean_square + eps)
-
+  y = xf * jax.lax.rsqrt(mean_square + eps)
+  return (weight.astype(jnp.float32) * y).astype(x.dtype)
