@@ -72,24 +72,27 @@ _MLP_CASES = flags.DEFINE_list(
 #       3 per SM (60 KB) and a second wave of 116;
 #   T=16 down s2+w4 (no split, 4 slot columns): each of the 448 CTAs runs its one live item's 8
 #       K steps behind one pipeline fill, where x4c4 runs all 4 live items' 2 steps, 4 fills.
-# T=9 and 65 keep their promoted rows (controls). The earlier rounds' rows are in WORKSPACE.md.
-# 15 programs.
+# s8 promoted T=1's il+a2+k128+p8|a2 and T=16's il+a2|s2+w4+a2 (WORKSPACE.md). This round
+# (moe10): the same knobs at T=9 and 65 (each case's first row: promoted + kp, the decode layout's: the control), T=1 down
+# with more splits (p4: 448 CTAs of 2 K steps), T=16 gated without split (w4 slots).
+# 12 programs.
 _B1 = "once+ismem+cat+kp"
-_B16 = "once+ismem+x4c4+s2+cat+kp"
+_B9 = "once+ismem+x4c4+s2+r8+cat+kp"
+_B65 = "once+ismem+r8+s2+w16+cat+kp"
 MLP_VARIANTS = {
-    1: ("promoted", _B1, f"{_B1}+il", f"{_B1}+a2", f"{_B1}+il+a2",
-        f"{_B1}+il+a2+k128+p8|{_B1}+a2"),
-    9: ("promoted",),
-    16: ("promoted", _B16, f"{_B16}+il", f"{_B16}+a2", f"{_B16}+il+a2",
-         f"{_B16}+k128+il+a2|{_B16}+a2", f"{_B16}+il+a2|once+ismem+cat+kp+s2+w4+a2"),
-    65: ("promoted",),
+    1: (f"{_B1}+il+a2+k128+p8|{_B1}+a2", f"{_B1}+il+a2+k128+p8|{_B1}+a2+p4",
+        f"{_B1}+il+a2+k128+p8|{_B1}+a2+k128+p4"),
+    9: (_B9, f"{_B9}+il+a2", f"{_B9}+il+a2|once+ismem+cat+kp+s2+r8+w4+a2"),
+    16: ("once+ismem+x4c4+s2+cat+kp+il+a2|once+ismem+cat+kp+s2+w4+a2",
+         "once+ismem+cat+kp+s2+w4+il+a2|once+ismem+cat+kp+s2+w4+a2"),
+    65: (_B65, f"{_B65}+il+a2", f"{_B65}+il+a2|{_B65}+a2", f"{_B65}+a2"),
 }
 _MLP_VARIANTS = flags.DEFINE_list(
     "mlp_variants", [],
     "mlp_tune: rows for every case: 'promoted' (default_tuning's choice) or tuning.apply_variant "
     "names ('+'-joined changes to both calls' base tunings: once, ismem, cat, kp, il, dqN, aN, "
     "rN, kBK, sN, nBN, xN[cC], pN[cC], wN, wide; 'default': none; 'GATED|DOWN': one per call, "
-    "same rN); empty: MLP_VARIANTS[T] per case (15 programs): "
+    "same rN); empty: MLP_VARIANTS[T] per case (12 programs): "
     f"{MLP_VARIANTS}.")
 # A row whose output is further than this from the f32 XLA reference (relative L2 error) is
 # wrong, not slow: bf16 inputs and one bf16 rounding of each product give ~2e-3 here.

@@ -18,12 +18,14 @@ NUM_SMS = 132  # H200 SXM
 # row + cat + kp 1.02-1.08x faster than the row (cat alone: noise), so every row has + cat.
 DEFAULT_VARIANTS = (
     # max_rows, variant, measured
-    (8, "once+ismem+cat", "s6 T=1 (1 expert): + kp 24.3 us vs 26.2 (s5: once+ismem 26.6 vs "
-     "27.3 base)"),
+    (8, "once+ismem+cat+il+a2+k128+p8|once+ismem+cat+a2", "s8 T=1 (1 expert): + kp 22.9 us vs "
+     "24.4 once+ismem+cat+kp (gated 9.3 vs 10.8, down 6.4 vs 6.6; s6: 24.3 vs 26.2, s5: "
+     "once+ismem 26.6 vs 27.3 base)"),
     (12 * 8, "once+ismem+x4c4+s2+r8+cat", "s6 T=9 (8 experts): + kp 98.6 us vs 106.9 (s5 run 2: "
      "107.9 vs 123.8 with R 16, the T=16 class's); T=2..12: up to the midpoint to T=16"),
-    (33 * 8 - 1, "once+ismem+x4c4+s2+cat", "s6 T=16 (4 experts): + kp 72.5 us vs 74.1 (s5: 78.0 vs "
-     "87.3 base; +dq2, +s3 within noise); T=13..32 unmeasured"),
+    (33 * 8 - 1, "once+ismem+x4c4+s2+cat+il+a2|once+ismem+cat+s2+w4+a2", "s8 T=16 (4 experts): "
+     "+ kp 58.2 us vs 72.8 once+ismem+x4c4+s2+cat+kp (gated 31.3 vs 37.0, down 16.5 vs 22.4; s6: "
+     "72.5 vs 74.1, s5: 78.0 vs 87.3 base); T=13..32 unmeasured"),
     (65 * 8, "once+ismem+r8+s2+w16+cat", "s6 T=65 (36 experts): + kp 318.5 us (67.0% of copy) vs "
      "324.9 (s5 run 2: 325.2 vs 336.5 r8+s2 vs 555.9 base); R = 8 fits ~2 local rows per expert, "
      "not prefill's hundreds; w16: a persistent grid over the live items"),
@@ -199,7 +201,8 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   once: store_once; ismem: items_smem; wide: int4_wide_loads; cat: int4_scale_concat;
   kp: int4_k_packed (the caller packs the weights: bench.mlp_tune does; the model's calls
   take it from the weights, api.py's k_packed); il: int4_interleave_stacks;
-  dqN: dequant_batch N; aN: int4_acc_chains N;
+  dqN: dequant_batch N; aN: int4_acc_chains N (applied after every other part, at most
+  block_k / 64: a one-chunk K step, e.g. the small models' K < 128, keeps one chain);
   rN: rows N (both calls of one work list must share it); kBK: block_k BK; sN: stages N;
   nBN: block_n BN (before any x / p / w part: their slots count the N tiles);
   xN[cC]: scale_splits by N for ~C CTAs per SM (2); pN[cC]: exactly N splits (set_splits;
@@ -208,6 +211,7 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   default: no change."""
   flags = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads",
            "cat": "int4_scale_concat", "kp": "int4_k_packed", "il": "int4_interleave_stacks"}
+  chains = None
   for part in name.split("+"):
     if part == "default":
       continue
@@ -219,10 +223,14 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
       t = set_splits(t, k, n, int(m[1]), int(m[2] or 2))
     elif m := re.fullmatch(r"w(\d+)", part):  # the slots loop for ~N CTAs per SM, same splits
       t = dataclasses.replace(t, slots=max(1, int(m[1]) * NUM_SMS // (n // t.block_n * t.splits)))
-    elif m := re.fullmatch(r"(dq|k|s|r|n|a)(\d+)", part):
+    elif m := re.fullmatch(r"a(\d+)", part):
+      chains = int(m[1])
+    elif m := re.fullmatch(r"(dq|k|s|r|n)(\d+)", part):
       field = {"dq": "dequant_batch", "k": "block_k", "s": "stages", "r": "rows",
-               "n": "block_n", "a": "int4_acc_chains"}[m[1]]
+               "n": "block_n"}[m[1]]
       t = dataclasses.replace(t, **{field: int(m[2])})
     else:
       raise ValueError(f"unknown tuning change {part!r} in {name!r}")
+  if chains is not None:
+    t = dataclasses.replace(t, int4_acc_chains=max(1, min(chains, t.block_k // 64)))
   return t

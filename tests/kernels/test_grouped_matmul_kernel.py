@@ -422,27 +422,36 @@ def test_apply_variant_parses_every_change():
 
 
 def test_default_variants_promote_per_row_count():
-  """default_tuning gives INT4 calls DEFAULT_VARIANTS' entry for their M: T=1 (M 8) fixed-cost
-  options only, T=9 and 16 (M 72, 128) 4x the K splits on 2 stages (T <= 12 with R = 8),
-  T=33..65 (M 264..520) R = 8 on 2 stages in a persistent grid, larger M (prefill) the base; bf16 calls and variant='default' the base."""
+  """default_tuning gives INT4 calls DEFAULT_VARIANTS' entry for their M, the gated and the down
+  call their own half of a 'GATED|DOWN' name: T=1 (M 8) fixed-cost options, gate|up in 8 splits
+  of K 128 with interleaved stacks and two accumulator chains, T=9 (M 72..96, R = 8) 4x the K
+  splits on 2 stages, T=13..32 (M 97..263) gate|up the same with il+a2, down unsplit in 4 slot
+  columns, T=33..65 (M 264..520) R = 8 on 2 stages in a persistent grid, larger M (prefill) the
+  base; bf16 calls and variant='default' the base."""
   d, f = 7168, 2048
   base = lambda m, k, n, **kw: default_tuning(m, 48, k, n, True, variant="default", **kw)
-  want = {8: "once+ismem+cat", 72: "once+ismem+x4c4+s2+r8+cat", 96: "once+ismem+x4c4+s2+r8+cat",
-          97: "once+ismem+x4c4+s2+cat", 128: "once+ismem+x4c4+s2+cat",
-          263: "once+ismem+x4c4+s2+cat", 264: "once+ismem+r8+s2+w16+cat",
-          520: "once+ismem+r8+s2+w16+cat", 521: "default", 4096: "default"}
-  for m, name in want.items():
-    assert tuning_module.promoted_variant(m) == name, m
-    assert tuning_module.promoted_variant(m, gated=True) == name, m
+  t1 = ("once+ismem+cat+il+a2+k128+p8", "once+ismem+cat+a2")
+  t9 = ("once+ismem+x4c4+s2+r8+cat",) * 2
+  t16 = ("once+ismem+x4c4+s2+cat+il+a2", "once+ismem+cat+s2+w4+a2")
+  t65 = ("once+ismem+r8+s2+w16+cat",) * 2
+  want = {8: t1, 72: t9, 96: t9, 97: t16, 128: t16, 263: t16, 264: t65, 520: t65,
+          521: ("default",) * 2, 4096: ("default",) * 2}
+  for m, (gated_name, down_name) in want.items():
+    assert tuning_module.promoted_variant(m, gated=True) == gated_name, m
+    assert tuning_module.promoted_variant(m) == down_name, m
     assert default_tuning(m, 48, d, f, True, gated=True) == \
-        apply_variant(name, base(m, d, f, gated=True), d, f), m
-    assert default_tuning(m, 48, f, d, True) == apply_variant(name, base(m, f, d), f, d), m
-  t1, t16, t65 = (default_tuning(m, 48, d, f, True, gated=True) for m in (8, 128, 520))
-  assert (t1.store_once, t1.items_smem, t1.splits, t1.stages) == (True, True, 7, 4)
-  assert t1.int4_scale_concat and not t1.int4_k_packed  # kp follows the weights (api k_packed)
-  assert (t16.splits, t16.slots, t16.stages, t16.rows) == (4, 4, 2, 16)
-  assert (t65.rows, t65.stages, t65.splits, t65.items_smem) == (8, 2, 1, True)
-  for m in (8, 128, 520):  # gated and down calls of one work list share R
+        apply_variant(gated_name, base(m, d, f, gated=True), d, f), m
+    assert default_tuning(m, 48, f, d, True) == apply_variant(down_name, base(m, f, d), f, d), m
+  g1, d1 = default_tuning(8, 48, d, f, True, gated=True), default_tuning(8, 48, f, d, True)
+  assert (g1.store_once, g1.items_smem, g1.splits, g1.stages, g1.block_k) == (True, True, 8, 4, 128)
+  assert g1.int4_interleave_stacks and g1.int4_acc_chains == 2 and d1.int4_acc_chains == 2
+  assert g1.int4_scale_concat and not g1.int4_k_packed  # kp follows the weights (api k_packed)
+  g16, d16 = default_tuning(128, 48, d, f, True, gated=True), default_tuning(128, 48, f, d, True)
+  assert (g16.splits, g16.slots, g16.stages, g16.rows) == (4, 4, 2, 16)
+  assert (d16.splits, d16.slots, d16.stages, d16.rows) == (1, 4, 2, 16)
+  g65 = default_tuning(520, 48, d, f, True, gated=True)
+  assert (g65.rows, g65.stages, g65.splits, g65.items_smem) == (8, 2, 1, True)
+  for m in (8, 72, 128, 520):  # gated and down calls of one work list share R
     assert default_tuning(m, 48, d, f, True, gated=True).rows == default_tuning(m, 48, f, d,
                                                                                True).rows
     assert default_tuning(m, 48, d, f, False) == default_tuning(m, 48, d, f, False,
