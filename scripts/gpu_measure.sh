@@ -18,7 +18,7 @@
 #               promoted only; ptxas' register log of every kernel (MOSAIC_GPU_DUMP_PTXAS, Mosaic's
 #               own dump switch, set for this part's process; each row's first call is
 #               printed before its logs); per-call Mosaic us,
-#               wrong rows marked FAIL; 12 programs: moe_tune:170
+#               wrong rows marked FAIL; 13 programs: moe_tune:170
 #   route_tests the routing kernel's and its pair-layout kernel's fast tests compiled for the GPU
 #               (route_kernel.py's two Triton kernels vs numpy / the XLA glue, bitwise; ~34 small
 #               compiles: route_tests:90)

@@ -18,17 +18,21 @@ NUM_SMS = 132  # H200 SXM
 # row + cat + kp 1.02-1.08x faster than the row (cat alone: noise), so every row has + cat.
 DEFAULT_VARIANTS = (
     # max_rows, variant, measured
-    (8, "once+ismem+cat+il+a2+k128+p8|once+ismem+cat+a2", "s8 T=1 (1 expert): + kp 22.9 us vs "
-     "24.4 once+ismem+cat+kp (gated 9.3 vs 10.8, down 6.4 vs 6.6; s6: 24.3 vs 26.2, s5: "
-     "once+ismem 26.6 vs 27.3 base)"),
-    (12 * 8, "once+ismem+x4c4+s2+r8+cat", "s6 T=9 (8 experts): + kp 98.6 us vs 106.9 (s5 run 2: "
-     "107.9 vs 123.8 with R 16, the T=16 class's); T=2..12: up to the midpoint to T=16"),
+    (8, "once+ismem+cat+il+a2+k128+p8|once+ismem+cat+a2+p4", "s8 T=1 (1 expert): + kp 22.8 us "
+     "vs 24.4 once+ismem+cat+kp (gated 9.3 vs 10.8, down 6.1 vs 6.6; down a2 without p4 6.4; "
+     "s6: 24.3 vs 26.2, s5: once+ismem 26.6 vs 27.3 base)"),
+    (12 * 8, "once+ismem+x4c4+s2+r8+cat|once+ismem+cat+s2+r8+w4+a2", "s8 T=9 (8 experts): + kp "
+     "88.3 us vs 98.2 (down 27.9 vs 36.6; gate|up il+a2 51.0 vs 50.6: not taken; s6: + kp 98.6 "
+     "vs 106.9; s5 run 2: 107.9 vs 123.8 with R 16, the T=16 class's); T=2..12: up to the "
+     "midpoint to T=16"),
     (33 * 8 - 1, "once+ismem+x4c4+s2+cat+il+a2|once+ismem+cat+s2+w4+a2", "s8 T=16 (4 experts): "
      "+ kp 58.2 us vs 72.8 once+ismem+x4c4+s2+cat+kp (gated 31.3 vs 37.0, down 16.5 vs 22.4; s6: "
      "72.5 vs 74.1, s5: 78.0 vs 87.3 base); T=13..32 unmeasured"),
-    (65 * 8, "once+ismem+r8+s2+w16+cat", "s6 T=65 (36 experts): + kp 318.5 us (67.0% of copy) vs "
-     "324.9 (s5 run 2: 325.2 vs 336.5 r8+s2 vs 555.9 base); R = 8 fits ~2 local rows per expert, "
-     "not prefill's hundreds; w16: a persistent grid over the live items"),
+    (65 * 8, "once+ismem+r8+s2+w16+cat|once+ismem+r8+s2+w16+cat+a2", "s8 T=65 (36 experts): + kp "
+     "303.2 us (71.4% of copy) with gate|up il+a2 (196.8; without: 195.6, a2 194.5: noise) vs "
+     "308.3 (down 94.7 vs 99.4; s6: 318.5 vs 324.9; s5 run 2: 325.2 vs 336.5 r8+s2 vs 555.9 "
+     "base); R = 8 fits ~2 local rows per expert, not prefill's hundreds; w16: a persistent "
+     "grid over the live items"),
     (None, "default", "unmeasured (prefill chunks): the base tuning, R from the rows per expert"),
 )
 
