@@ -18,10 +18,7 @@
 #               promoted only; ptxas' register log of every kernel (MOSAIC_GPU_DUMP_PTXAS, Mosaic's
 #               own dump switch, set for this part's process; each row's first call is
 #               printed before its logs); per-call Mosaic us,
-#               wrong rows marked FAIL; 13 programs: moe_tune:170
-#   route_tests the routing kernel's and its pair-layout kernel's fast tests compiled for the GPU
-#               (route_kernel.py's two Triton kernels vs numpy / the XLA glue, bitwise; ~34 small
-#               compiles: route_tests:90)
+#               wrong rows marked FAIL; 15 programs: moe_tune:170
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 16, 1: one MoE layer
 #               of bench_k26_full per kernel, sorted vs auto (dense at T=1, else sorted) with
 #               the one-kernel routing (router_impl=pallas), the lean glue (lean_glue=true) and
@@ -46,10 +43,9 @@
 #               per XLA option set (cuBLAS vs Triton GEMMs, ...), CUPTI kernel ms each (~200 s)
 #   target_layout  the same fused step (ar, ddtree 15), default options, target packed beside
 #               TargetConfig A/Bs on it (probe_xla_options --layouts packed+field=value; one copy
-#               of the experts; edit TARGET_LAYOUTS below for the A/B at hand; now
-#               route_work_list: the routing kernel's pair-layout launch vs the lean glue's 3 XLA
-#               index reductions at full depth): CUPTI kernel ms and launches of each, side
-#               by side (2 layouts: ~200 s on a bare machine; 5 layouts did not fit 330 s)
+#               of the experts; edit TARGET_LAYOUTS below for the A/B at hand; none open now):
+#               CUPTI kernel ms and launches of each, side by side (2 layouts: ~200 s on a bare
+#               machine; 5 layouts did not fit 330 s)
 #   draft_share the same for k26_dflash_share only (bench_k26_full's draft, issue 17's must-show)
 #   draft_waves bench_draft.py on k26_dflash_share only: draft_block with the ctx kernel at 1, 2 and
 #               3 programs per SM (memory parallelism of a latency-bound read), no tests (~70 s)
@@ -92,7 +88,9 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/kdtree_xla_ca
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 quiet() { grep -v "^[IW][0-9]\{4\}" ; }
 one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
-TARGET_LAYOUTS="packed,packed+route_work_list=true"  # target_layout's A/B (the first is the baseline)
+# target_layout's layouts, the first the baseline: the next TargetConfig A/B goes here as
+# packed,packed+FIELD=VALUE (none open; the last, the pair-layout launch, lost: notes/moe.md)
+TARGET_LAYOUTS="packed"
 
 run_part() {
   local part=$1 secs=$2
@@ -104,8 +102,6 @@ run_part() {
     moe_tune) MOSAIC_GPU_DUMP_PTXAS=1 one_gpu timeout "$secs" \
                  python3 -m pallas_kernels.grouped_matmul.bench --parts mlp_tune \
                  --out "$RAW/bench_moe_tune.jsonl" ;;
-    route_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m 'not slow' \
-                 tests/target/test_route_kernel.py tests/target/test_route_layout.py ;;
     moe_layer) one_gpu timeout "$secs" bash -c "timeout 90 python3 -m pytest -q -rs -m 'not slow' \
                  tests/target/test_route_kernel.py; \
                  python3 -m pallas_kernels.grouped_matmul.bench --parts layer \
