@@ -48,6 +48,10 @@ VARIANTS = {  # name -> XLA DebugOptions fields for compiler_options
     "no_triton_gemm": {"xla_gpu_enable_triton_gemm": False},    # cuBLAS for every GEMM
     "triton_gemm_any": {"xla_gpu_triton_gemm_any": True},       # Triton even where slower
     "all_triton": {"xla_gpu_experimental_all_fusions_with_triton": True},
+    # Triton block-level fusions for reduce + broadcast patterns (the norms: a one-row RMSNorm
+    # is a reduce fusion and an elementwise fusion, two launches, under the default)
+    "block_level": {"xla_gpu_experimental_enable_fusion_block_level_rewriter": True},
+    "heroless": {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
 }
 TOP = 8
 
