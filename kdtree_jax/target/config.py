@@ -100,11 +100,6 @@ class TargetConfig:
   # (the kernel's interpret mode would only slow CPU runs). Same routing decisions either way;
   # H200 (s6_moe_layer.log): one MoE layer T=1 42.8 vs 46.8 us, T=16 240.1 vs 248.9.
   router_impl: str = "auto"
-  # route_work_list: where the routing kernel runs and the lean glue follows (T > 1, the sorted
-  # glue), one more Triton launch after it (`route_kernel.pair_layout`) emits the pairs' order,
-  # rank, sizes, ends and the work list, in place of the lean glue's 3 XLA index reductions
-  # (same values, bitwise). False: the XLA reductions (A/B pending on the H200).
-  route_work_list: bool = False
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
   shared_intermediate_size: int | None = None

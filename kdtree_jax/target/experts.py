@@ -81,39 +81,14 @@ def _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl):
     the live count take row 0: the down call computes them but stores none);
   - the combine's gathers of non-local pairs read row 0 (masked to 0 as before), so it reads
     ~the live rows of the down partials instead of all T*K rows of each split."""
-  rows = lean_work_rows(idx_tk.shape, x_td, gate_edf, up_edf, down_efd, impl)
-  layout = lean_pair_layout(idx_tk, gate_edf.shape[0], e0, rows)
-  return lean_ffn_on_layout(x_td, idx_tk, w_tk, layout, rows, gate_edf, up_edf, down_efd, e0,
-                            impl)
-
-
-def lean_work_rows(shape_tk, x_td, gate_edf, up_edf, down_efd, impl) -> int | None:
-  """R of the lean path's work list for T x K pairs (None where XLA runs the experts)."""
-  m, e_l = shape_tk[0] * shape_tk[1], gate_edf.shape[0]
-  x_rows = jax.ShapeDtypeStruct((m, x_td.shape[1]), x_td.dtype)
-  return work_rows(x_rows, gate_edf, up_edf, down_efd, jax.ShapeDtypeStruct((e_l,), jnp.int32),
-                   impl)
-
-
-def lean_pair_layout(idx_tk, e_l, e0, rows):
-  """The lean glue's index arrays before the kernels (XLA: 3 dependent index reductions):
-  (order [M], rank [M], sizes [E_l], ends [E_l], the work list [4, I] for R = rows or None);
-  `route_kernel.pair_layout` emits the same (e0 = 0) in one Triton launch."""
-  key, _ = _pair_keys(idx_tk, e_l, e0)
-  rank, sizes, ends = _pair_counts(key, e_l)
-  order, upto = _order_and_item_ends(rank, sizes, ends, rows)
-  items = None if rows is None else work.work_list(sizes, key.shape[0], rows, ends,
-                                                   items_upto=upto)
-  return order, rank, sizes, ends, items
-
-
-def lean_ffn_on_layout(x_td, idx_tk, w_tk, layout, rows, gate_edf, up_edf, down_efd, e0, impl):
-  """The lean path from its index arrays (`lean_pair_layout`'s tuple, built for R = rows,
-  `lean_work_rows`): x gather, the two kernel calls on the work list, the combine."""
-  order, rank, sizes, ends, items = layout
   t, k = idx_tk.shape
-  m = t * k
-  _, mine = _pair_keys(idx_tk, gate_edf.shape[0], e0)
+  m, e_l = t * k, gate_edf.shape[0]
+  key, mine = _pair_keys(idx_tk, e_l, e0)
+  rank, sizes, ends = _pair_counts(key, e_l)
+  x_rows = jax.ShapeDtypeStruct((m, x_td.shape[1]), x_td.dtype)
+  rows = work_rows(x_rows, gate_edf, up_edf, down_efd, sizes, impl)
+  order, upto = _order_and_item_ends(rank, sizes, ends, rows)
+  items = None if rows is None else work.work_list(sizes, m, rows, ends, items_upto=upto)
   row = jnp.arange(m, dtype=jnp.int32)
   y = expert_mlp(x_td[order // k], gate_edf, up_edf, down_efd, sizes, impl, group_ends=ends,
                  items=None if items is None else lambda r: _same_rows(items, r, rows),

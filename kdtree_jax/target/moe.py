@@ -10,9 +10,8 @@ import jax.numpy as jnp
 from kdtree_jax import sharding
 from kdtree_jax.target.config import TargetConfig
 from kdtree_jax.target import route_kernel
-from kdtree_jax.target.experts import (COMPARE_SORT_MAX_PAIRS, Weighting, dense_glue_fits,
-                                       expert_ffn, expert_ffn_dense, lean_ffn_on_layout,
-                                       lean_work_rows, one_token_ffn)
+from kdtree_jax.target.experts import (Weighting, dense_glue_fits, expert_ffn, expert_ffn_dense,
+                                       one_token_ffn)
 from kdtree_jax.target.mlp import swiglu, swiglu_down
 from kdtree_jax.target.pack import dot_t
 from kdtree_jax.target.moe_parallel import experts_ep, route_local
@@ -172,29 +171,10 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
   else:
     idx, w = route(p, cfg, x_td, logits)
     _record(routes, idx)
-    if _route_work_list(cfg, x_td.shape[0]):
-      y = _experts_on_route_layout(p, cfg, x_td, idx, w)
-    else:
-      y = routed_experts(p, cfg, x_td, idx, w)
+    y = routed_experts(p, cfg, x_td, idx, w)
   if shared is not None:
     y = y + shared.astype(jnp.float32)
   return y.astype(x.dtype).reshape(shape)
-
-
-def _route_work_list(cfg: TargetConfig, t: int) -> bool:
-  """Whether the lean glue's index arrays come from the routing kernel's second launch
-  (cfg.route_work_list, where the routing kernel runs and the lean glue follows)."""
-  return (cfg.route_work_list and cfg.lean_glue and _routing_kernel(cfg, t)
-          and t * cfg.num_experts_per_tok <= COMPARE_SORT_MAX_PAIRS)
-
-
-def _experts_on_route_layout(p, cfg: TargetConfig, x_td, idx, w):
-  """`routed_experts` (lean) with its pair layout and work list from `route_kernel.pair_layout`
-  (one Triton launch) instead of XLA's index reductions."""
-  gate, up, down = p["gate"], p["up"], p["down"]
-  rows = lean_work_rows(idx.shape, x_td, gate, up, down, cfg.expert_backend)
-  layout = route_kernel.pair_layout(idx, gate.shape[0], rows)
-  return lean_ffn_on_layout(x_td, idx, w, layout, rows, gate, up, down, 0, cfg.expert_backend)
 
 
 def router_and_shared(p, x_td, wide: bool = False):

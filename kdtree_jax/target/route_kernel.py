@@ -16,9 +16,7 @@ elsewhere it runs in Pallas interpret mode (`jax.lax.platform_dependent`: one co
 Two output forms: (ids [T, K] int32, weights [T, K] f32) as `moe.route`; for one token also the
 one-token work list [4, K] int32 (`experts.one_token_work_list`'s rows: expert, 8-aligned row,
 offset, 1 if the expert is held here), so `_one_token_ffn` needs no XLA glue between this launch
-and the expert kernels. Above one token (TargetConfig.route_work_list), a second launch of one
-program (`pair_layout`) turns the ids into the lean glue's pair order, ranks, sizes, ends and
-work list (`experts.lean_pair_layout`'s values), in place of 3 dependent XLA index reductions.
+and the expert kernels.
 """
 
 import functools
@@ -130,106 +128,3 @@ def _weights(scores_k, real_k, norm, scale):
     return scores_k * scale
   total = jnp.sum(jnp.where(real_k, scores_k, 0.0))
   return scores_k / (total + 1e-20) * scale
-
-
-# The pair layout kernel compares the pairs in chunks of this many (its [M, CHUNK] terms stay in
-# registers at M = 64 tokens x 8).
-LAYOUT_CHUNK = 32
-LAYOUT_WARPS = 4
-
-
-def pair_layout(ids_tk, e_l: int, rows: int | None):
-  """The lean expert glue's index arrays from the routing's ids (`experts.lean_pair_layout`'s
-  values, bitwise) as ONE Triton launch after the routing kernel: (order [M]: the pair at each
-  row sorted by local expert (stable, the others last), rank [M]: each pair's sorted row, sizes
-  [E_l], ends [E_l] (their inclusive cumsum), the work list [4, I] int32 for R = rows as
-  `work.work_list(..., items_upto=...)`, or None where rows is None), M = T*K, experts
-  [0, e_l) held here. One program: each chunk of pairs is compared with all M pairs (its ranks,
-  their contribution to the order, sizes and ends), then the work list over the experts."""
-  t, k = ids_tk.shape
-  m = t * k
-  if not 1 <= t <= MAX_TOKENS or e_l < 1:
-    raise ValueError(f"pair_layout: {ids_tk.shape=} {e_l=}")
-  call = functools.partial(_pallas_layout, e_l=e_l, rows=rows)
-  ids = ids_tk.reshape(m)
-  out = jax.lax.platform_dependent(ids, cuda=call, default=functools.partial(call, interpret=True))
-  return (*out, None) if rows is None else tuple(out)
-
-
-def _pallas_layout(ids_m, *, e_l, rows, interpret=False):
-  m = ids_m.shape[0]
-  out = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(ids_m).mat)
-  shapes = [out((m,), jnp.int32), out((m,), jnp.int32), out((e_l,), jnp.int32),
-            out((e_l,), jnp.int32)]
-  if rows is not None:
-    shapes.append(out((4, work.num_items(m, e_l, rows)), jnp.int32))
-  return pl.pallas_call(
-      functools.partial(_layout_kernel, e_l=e_l, rows=rows),
-      grid=(1,),
-      out_shape=shapes,
-      compiler_params=plt.CompilerParams(num_warps=LAYOUT_WARPS, num_stages=1),
-      interpret=interpret,
-  )(ids_m)
-
-
-def _pair_keys(ids_ref, start, size, m, e_l):
-  """Pairs [start, start + size): (their index, key: local expert, e_l for the others, e_l + 1
-  past M (sorted last, counted nowhere))."""
-  pair = start + jnp.arange(size, dtype=jnp.int32)
-  real = pair < m
-  ids = plt.load(ids_ref.at[pl.ds(start, size)], mask=real, other=0)
-  local = (ids >= 0) & (ids < e_l)
-  return pair, jnp.where(real, jnp.where(local, ids, e_l), e_l + 1)
-
-
-def _layout_kernel(ids_ref, order_ref, rank_ref, sizes_ref, ends_ref, *items_ref, e_l, rows):
-  m = ids_ref.shape[0]
-  mp, gp = pl.next_power_of_2(m), pl.next_power_of_2(e_l)
-  chunk = min(LAYOUT_CHUNK, mp)
-  pair, key = _pair_keys(ids_ref, 0, mp, m, e_l)
-  code = key * mp + pair  # distinct; ascending = stable order by key
-  group = jnp.arange(gp, dtype=jnp.int32)
-
-  def one_chunk(c, acc):
-    order, sizes, ends = acc
-    start = pl.multiple_of(c * chunk, chunk)
-    pair_c, key_c = _pair_keys(ids_ref, start, chunk, m, e_l)
-    code_c = key_c * mp + pair_c
-    rank_c = jnp.sum((code[None, :] < code_c[:, None]).astype(jnp.int32), axis=1)
-    plt.store(rank_ref.at[pl.ds(start, chunk)], rank_c, mask=pair_c < m)
-    at = (rank_c[None, :] == pair[:, None]) & (pair_c < m)[None, :]  # [M, chunk]
-    order += jnp.sum(jnp.where(at, pair_c[None, :], 0), axis=1)
-    sizes += jnp.sum((key_c[None, :] == group[:, None]).astype(jnp.int32), axis=1)
-    ends += jnp.sum((key_c[None, :] <= group[:, None]).astype(jnp.int32), axis=1)
-    return order, sizes, ends
-
-  zeros = lambda n: jnp.zeros((n,), jnp.int32)
-  order, sizes, ends = jax.lax.fori_loop(0, mp // chunk, one_chunk, (zeros(mp), zeros(gp),
-                                                                        zeros(gp)))
-  real_g = group < e_l
-  sizes, ends = jnp.where(real_g, sizes, 0), jnp.where(real_g, ends, 0)
-  plt.store(order_ref.at[pl.ds(0, mp)], order, mask=pair < m)
-  plt.store(sizes_ref.at[pl.ds(0, gp)], sizes, mask=real_g)
-  plt.store(ends_ref.at[pl.ds(0, gp)], ends, mask=real_g)
-  if rows is not None:
-    _store_work_list(items_ref[0], sizes, ends, group, rows)
-
-
-def _store_work_list(items_ref, sizes, ends, group, rows):
-  """`work.work_list(sizes, M, rows, ends, items_upto)` over padded experts (size 0: no item)."""
-  n_items = items_ref.shape[1]
-  starts = ends - sizes
-  base = starts - starts % work.ALIGN
-  chunks = jnp.where(sizes > 0, (ends - base + rows - 1) // rows, 0)  # ends - base >= 0
-  upto = jnp.sum(jnp.where(group[None, :] <= group[:, None], chunks[None, :], 0), axis=1)
-  first = upto - chunks
-  item = jnp.arange(pl.next_power_of_2(n_items), dtype=jnp.int32)
-  it = item[:, None]
-  hit = (first[None, :] <= it) & (it < upto[None, :])  # [I, G]: at most one expert per item
-  win = base[None, :] + (it - first[None, :]) * rows
-  lo = jnp.maximum(starts[None, :], win)
-  size = jnp.maximum(jnp.minimum(ends[None, :], win + rows) - lo, 0)
-  live = item < n_items
-  for f, field in enumerate((jnp.broadcast_to(group[None, :], hit.shape), win, lo - win, size)):
-    plt.store(items_ref.at[jnp.int32(f), pl.ds(0, item.shape[0])],
-              jnp.sum(jnp.where(hit, field, 0), axis=1), mask=live)

@@ -83,11 +83,11 @@ def test_moe_layer_on_the_joint_logits_equals_numpy_f32(t, router, monkeypatch):
   assert widths == ([p["router_gate_up_t"].shape[0]] if router == "pallas" else [])
 
 
-def lower_k26_layer(t, **fields):
+def _lower_k26_layer(t):
   """StableHLO of one packed K2.6-share MoE layer (INT4 experts on the Mosaic kernels, the
-  routing kernel; fields: TargetConfig fields set on top) lowered for an abstract H200."""
+  routing kernel) lowered for an abstract H200."""
   cfg = dataclasses.replace(bench_models.k26_share(layers=2), router_impl="pallas",
-                            expert_backend="pallas", **fields)
+                            expert_backend="pallas")
   build = lambda: pack.pack_for_decode(cfg, P.init_params(jax.random.key(0), cfg, jnp.bfloat16,
                                                           int4_experts=True))
   p = jax.eval_shape(build)["layers"][1]["moe"]
@@ -108,4 +108,4 @@ def _triton_operands(text):
 def test_k26_lowering_hands_the_kernel_the_joint_dot_output(t):
   """K2.6 share (384 experts, shared F 256): the Triton routing call's logits operand is the
   [T, 896] dot output, not a [T, 384] slice of it."""
-  assert _triton_operands(lower_k26_layer(t)) == [f"tensor<{t}x896xf32>"]
+  assert _triton_operands(_lower_k26_layer(t)) == [f"tensor<{t}x896xf32>"]
