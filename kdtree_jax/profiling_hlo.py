@@ -10,13 +10,17 @@ a GEMM (cuBLAS).
 
 import collections
 import dataclasses
+import os
 import re
+import shutil
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _OPERAND = re.compile(r"%([\w.\-]+)")
+_BACKEND_KIND = re.compile(r'"fusion_backend_config":\{.*?"kind":"([^"]+)"')
+_CUSTOM_FUSION_NAME = re.compile(r'"custom_fusion_config":\{.*?"name":"([^"]+)"')
 
 
 @dataclasses.dataclass
@@ -114,7 +118,10 @@ def _kind(instr: Instr) -> str:
     target = _TARGET.search(instr.attrs)
     return f"custom-call {target.group(1) if target else '?'}"
   kind = re.search(r"kind=(\w+)", instr.attrs)
-  return f"fusion {kind.group(1) if kind else '?'}"
+  backend = _BACKEND_KIND.search(instr.attrs)  # kCustom: __triton_gemm, __custom_fusion, ...
+  name = _CUSTOM_FUSION_NAME.search(instr.attrs)  # dynamic_address_computation, cutlass_gemm
+  return " ".join([f"fusion {kind.group(1) if kind else '?'}"]
+                  + [m.group(1) for m in (backend, name) if m])
 
 
 def format_structure(s: dict, layers: int, title: str) -> str:
@@ -190,10 +197,18 @@ def command_buffer_report(hlo_text: str) -> dict:
   return dict(command_buffers=len(graphs), whiles=whiles)
 
 
+HLO_BLIND = ("jax 0.11.2's XLA forms command buffers from the thunk sequence, after the HLO "
+             "(CommandBufferConversionPass in GpuExecutable::Create): no command_buffer "
+             "computation in the HLO says nothing about graphs; the thunk report does")
+
+
 def format_command_buffers(report: dict, title: str) -> str:
-  lines = [f"{title}: {report['command_buffers']} command-buffer computations"]
+  lines = [f"{title}: {report['command_buffers']} command-buffer computations in the HLO"]
+  if not report["command_buffers"]:
+    lines[0] += f" ({HLO_BLIND})"
   for w in report["whiles"]:
-    where = "inside a command buffer" if w["in_command_buffer"] else "host-driven"
+    where = ("inside a command buffer" if w["in_command_buffer"] else
+             "host-driven" if report["command_buffers"] else "graphs not visible in the HLO")
     top = ", ".join(f"{k} {n}" for k, n in list(w["outside"].items())[:8]) or "none"
     lines.append(f"  while {w['name']} ({where}): per iteration {w['graph_calls']} graph "
                  f"launches; launch-like ops outside graphs: {top}")
@@ -309,4 +324,144 @@ def format_listing(rows, title: str) -> str:
            "[fused HLO ops] @ source"]
   for us, n, names, example, key in rows:
     lines.append(f"  {us:9.1f} {n:6.1f} ({names:3d}) {example[:40]}: {key}")
+  return "\n".join(lines)
+
+
+# ---- XLA's thunk sequence after its command-buffer conversion (the dump of a GPU compile) ----
+# `xla_dump_to` makes XLA:GPU write module_*.thunk_sequence_after_thunk_passes.txt: one line
+# per thunk, '<indent>[NNN: ]kKind<TAB>details', nested thunks indented deeper, a while's
+# 'condition:' / 'body:' sections (SequentialThunk / WhileThunk / CommandBufferThunk::ToString).
+THUNK_DUMP_SUFFIX = "thunk_sequence_after_thunk_passes.txt"
+_THUNK_LINE = re.compile(r"^( *)(?:\d+: +)?(k[A-Z]\w*)\b(.*)$")
+_NO_OP_THUNKS = {"kSequential", "kAsyncDone"}
+
+
+@dataclasses.dataclass
+class Thunk:
+  kind: str
+  indent: int
+  details: str = ""
+  sections: dict = dataclasses.field(default_factory=dict)  # "" | condition | body: [Thunk]
+  section: str = ""
+
+  def walk(self):
+    for children in self.sections.values():
+      for c in children:
+        yield c
+        yield from c.walk()
+
+
+def thunk_dumps(folder: str) -> list:
+  """The thunk-sequence dumps (after the conversion) XLA wrote into `folder`, largest first (a
+  compile's own module before any small ones, e.g. autotuning's)."""
+  if not folder or not os.path.isdir(folder):
+    return []
+  paths = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(THUNK_DUMP_SUFFIX)]
+  return sorted(paths, key=os.path.getsize, reverse=True)
+
+
+def collect_thunk_dump(folder: str, out_dir: str, label: str) -> dict | None:
+  """`thunk_report` of the largest thunk dump in `folder` (dump = its file name), the files of
+  that module's thunks (before and after the conversion, metadata) copied into `out_dir` as
+  thunks_<label>.<what>; None when XLA wrote no thunk dump there."""
+  paths = thunk_dumps(folder)
+  if not paths:
+    return None
+  with open(paths[0]) as f:
+    report = thunk_report(f.read())
+  module = os.path.basename(paths[0]).removesuffix(THUNK_DUMP_SUFFIX)
+  for name in os.listdir(folder):
+    if name.startswith(module) and "thunk" in name:
+      shutil.copy(os.path.join(folder, name),
+                  os.path.join(out_dir, f"thunks_{label}.{name.removeprefix(module)}"))
+  return dict(report, dump=os.path.basename(paths[0]))
+
+
+def parse_thunks(text: str) -> Thunk:
+  """The thunk tree of XLA's thunk-sequence dump (a root kSequential holding the top level)."""
+  root = Thunk("kSequential", -1)
+  stack = [root]
+  for line in text.splitlines():
+    indent, word = len(line) - len(line.lstrip(" ")), line.strip()
+    if word in ("condition:", "body:"):
+      while word == "body:" and len(stack) > 1 and stack[-1].indent >= indent:
+        stack.pop()
+      stack[-1].section = word[:-1]
+      continue
+    m = _THUNK_LINE.match(line)
+    if not m:
+      continue
+    while len(stack) > 1 and stack[-1].indent >= indent:
+      stack.pop()
+    node = Thunk(m.group(2), indent, m.group(3).strip())
+    stack[-1].sections.setdefault(stack[-1].section, []).append(node)
+    stack.append(node)
+  return root
+
+
+def _flat(thunks):
+  """The thunks of a sequence with kSequential wrappers inlined."""
+  for t in thunks:
+    if t.kind == "kSequential":
+      yield from _flat(t.sections.get("", []))
+    else:
+      yield t
+
+
+def _section_report(thunks) -> dict:
+  graphs = [t for t in _flat(thunks) if t.kind == "kCommandBuffer"]
+  outside = collections.Counter(t.kind for t in _flat(thunks)
+                                if t.kind != "kCommandBuffer" and t.kind not in _NO_OP_THUNKS)
+  in_graphs = sum(1 for g in graphs for t in g.walk() if t.kind not in _NO_OP_THUNKS)
+  return dict(graphs=len(graphs), thunks_in_graphs=in_graphs,
+              outside=dict(outside.most_common()))
+
+
+def thunk_report(text: str) -> dict:
+  """From XLA's thunk dump after the command-buffer conversion: the top level (graphs and what
+  runs outside them) and per while loop whether it runs inside a command buffer (on the device:
+  one graph launch per call) or host-driven, and then per iteration the graphs its body
+  launches and the thunks the host launches outside them (the ones that kept the loop out of a
+  graph, and where one graph ends and the next begins), by thunk kind.
+  {thunks, command_buffers, top: {graphs, thunks_in_graphs, outside}, whiles: [{depth,
+  in_command_buffer, body: {...}, condition: {...}}]}."""
+  root = parse_thunks(text)
+  whiles = []
+
+  def visit(node, in_graph, depth):
+    for section, children in node.sections.items():
+      for c in children:
+        if c.kind == "kWhile":
+          whiles.append(dict(depth=depth, in_command_buffer=in_graph,
+                             body=_section_report(c.sections.get("body", [])),
+                             condition=_section_report(c.sections.get("condition", []))))
+        visit(c, in_graph or c.kind == "kCommandBuffer", depth + (c.kind == "kWhile"))
+
+  visit(root, False, 0)
+  every = list(root.walk())
+  return dict(thunks=sum(t.kind not in _NO_OP_THUNKS for t in every),
+              command_buffers=sum(t.kind == "kCommandBuffer" for t in every),
+              top=_section_report(root.sections.get("", [])), whiles=whiles)
+
+
+def _counts(d: dict) -> str:
+  return ", ".join(f"{k} {n}" for k, n in list(d.items())[:8]) or "none"
+
+
+def format_thunk_report(report: dict, title: str) -> str:
+  top = report["top"]
+  lines = [f"{title}: {report['thunks']} thunks, {report['command_buffers']} command buffers "
+           f"(XLA's thunks after its command-buffer conversion); top level: {top['graphs']} "
+           f"graphs of {top['thunks_in_graphs']} thunks, outside graphs: {_counts(top['outside'])}"]
+  for w in report["whiles"]:
+    b, head = w["body"], f"  while (nesting {w['depth']}"
+    if w["in_command_buffer"]:
+      lines.append(f"{head}, INSIDE a command buffer): the loop runs on the device (a CUDA "
+                   f"graph conditional node), {sum(b['outside'].values())} thunks per "
+                   f"iteration, no host launch per iteration")
+      continue
+    lines.append(f"{head}, host-driven): per iteration {b['graphs']} graph launches of "
+                 f"{b['thunks_in_graphs']} thunks; host-launched outside graphs: "
+                 f"{_counts(b['outside'])}; condition outside graphs: "
+                 f"{_counts(w['condition']['outside'])}")
   return "\n".join(lines)

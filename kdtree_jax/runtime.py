@@ -4,14 +4,16 @@
   (jax_compilation_cache_dir), else `DEFAULT_CACHE_DIR` (~/.cache/kdtree_jax/xla). A program
   compiled once (e.g. the 61-layer decode loop) is read back from disk by the next process with
   the same program, jax/jaxlib and device. `compile_cache_dir=""` turns it off.
-* XLA GPU command buffers (CUDA graphs) for fusions, cuBLAS, custom calls (Pallas / Mosaic
-  kernels) and while / conditional: OFF by default (`command_buffers=False` sets
-  --xla_gpu_enable_command_buffer= empty, so XLA's own default set is off too). Measured on an
-  H200 (61-layer K2.6 share, 46k context, 2026-12-01, s5_k26_core_run1): the ddtree-15 decode
-  loop ran 13.02 ms per step without them and 14.47 ms with them (both host-driven `while`s:
-  the loop never became one graph), and the fused step's kernel time was within 1% either way.
+* XLA GPU command buffers (CUDA graphs) for fusions, cuBLAS, cuDNN, FFI custom calls (Mosaic
+  kernels), dynamic-slice fusions and while / conditional: OFF by default
+  (`command_buffers=False` sets --xla_gpu_enable_command_buffer= empty, so XLA's own default
+  set is off too). Measured on an H200 (61-layer K2.6 share, 46k context, 2026-12-01,
+  s5_k26_core_run1): the ddtree-15 decode loop ran 13.02 ms per step without them and 14.47 ms
+  with them, and the fused step's kernel time was within 1% either way. Whether that loop ever
+  became one graph is unknown: the HLO report that said no cannot see graphs (notes/runtime.md).
   `command_buffers=True` turns them on (`COMMAND_BUFFER_OPTIONS` compiles one program with
-  them, for an A/B). CPU runs ignore the flag.
+  them, for an A/B; `command_buffer_options` also dumps XLA's thunks, which show which parts of
+  a program became graphs). CPU runs ignore the flag.
 
 XLA reads its flags once, when the backend initialises: `setup` must run before anything creates
 an array or asks for a device. Scripts call `define_flags()` at import; absl then runs `setup`
@@ -26,10 +28,23 @@ from jax._src import xla_bridge
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "kdtree_jax", "xla")
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer"
-COMMAND_BUFFER_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
+# XLA's own default set (jax 0.11.2: FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN,
+# DYNAMIC_SLICE_FUSION) plus WHILE and CONDITIONAL: a thunk of a type left out cannot join a
+# graph, and one such thunk in a loop's body keeps the whole loop out of one (notes/runtime.md).
+COMMAND_BUFFER_TYPES = ("FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,"
+                        "CONDITIONAL")
 # compiler_options of one program compiled WITH command buffers whatever the process runs with
 # (`lowered.compile(compiler_options=...)`; XLA splits the repeated field's value at commas).
 COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_TYPES}
+
+
+def command_buffer_options(dump_dir: str | None = None) -> dict:
+  """COMMAND_BUFFER_OPTIONS, and with `dump_dir` XLA's dump of the compile into that folder:
+  among its files the thunk sequence after the command-buffer conversion (profiling_hlo.
+  thunk_report reads it), the only place that shows which thunks joined graphs: XLA forms
+  command buffers from thunks, after the optimised HLO. A cache hit compiles nothing, so dumps
+  nothing (the dump folder is not part of JAX's cache key)."""
+  return dict(COMMAND_BUFFER_OPTIONS, **({"xla_dump_to": dump_dir} if dump_dir else {}))
 
 
 @dataclasses.dataclass(frozen=True)

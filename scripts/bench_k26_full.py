@@ -32,7 +32,9 @@ The config's `bench` section chooses the sizes (configs/bench_tiny.py runs it on
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 
 from absl import app, flags
@@ -55,6 +57,11 @@ _OUT = flags.DEFINE_string("out_dir", None, "Output folder (bench_k26_full.jsonl
 _BUDGET_S = flags.DEFINE_float("time_budget_s", 530.0, "Wall-clock budget of the whole run.")
 _COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Part 1 only, on abstract weights "
                                   "(nothing allocated: any machine can time the compile).")
+_AB_LOOP_MODES = flags.DEFINE_string(
+    "ab_loop_modes", None, "Comma-separated modes (e.g. 'ddtree') whose device loop is compiled "
+    "again with the other command-buffer setting and timed beside the default (`_cmdbuf` / "
+    "`_nograph` rows); the `_cmdbuf` compile also dumps XLA's thunks and prints which of them "
+    "kept the loop out of a graph. Default: the config's bench.ab_loop_modes.")
 runtime.define_flags()
 
 
@@ -115,6 +122,8 @@ def ab_variant():
 
 
 def _ab_modes(c):
+  if _AB_LOOP_MODES.value is not None:
+    return {m for m in _AB_LOOP_MODES.value.split(",") if m}
   return set(c.bench.get("ab_loop_modes", ()))
 
 
@@ -137,8 +146,15 @@ def compile_modes(m, c, specs, deadline, rec):
       lowered["loop" + ab_variant()[0]] = lowered["loop"]
     jobs += [(spec, part, low, max_len, (t0 - deadline.left()) / 2) for part, low in lowered.items()]
   suffix, options = ab_variant()
-  outs = deadline.box_all([lambda j=j: _compile(j[2], options if j[1].endswith(suffix) else None)
-                           for j in jobs], c.bench.compile_box_s)
+  dumps = {}  # the `_cmdbuf` loops' XLA dump folders (their thunks: `thunk_graph_report`)
+  for spec, part, *_ in jobs:
+    if part.endswith(suffix) and suffix == "_cmdbuf":
+      dumps[spec.mode] = tempfile.mkdtemp(prefix=f"xla_dump_{spec.mode}_cmdbuf_")
+  opts = [None if not j[1].endswith(suffix) else
+          runtime.command_buffer_options(dumps[j[0].mode]) if j[0].mode in dumps else options
+          for j in jobs]
+  outs = deadline.box_all([lambda j=j, o=o: _compile(j[2], o) for j, o in zip(jobs, opts)],
+                          c.bench.compile_box_s)
   for (spec, part, _, max_len, lower_s), (out, secs, status) in zip(jobs, outs):
     exe, counts = out if out else (None, {})
     rec.add("compile", mode=spec.mode, budget=_budget(spec), part=part, seconds=lower_s + secs,
@@ -148,7 +164,25 @@ def compile_modes(m, c, specs, deadline, rec):
           f"({status}, {len(jobs)} at once) {counts}", flush=True)
     if part.startswith("loop"):
       loops[spec.mode + part.removeprefix("loop")] = exe
+  for mode, folder in dumps.items():
+    if loops.get(mode + suffix) is not None:
+      thunk_graph_report(mode + suffix, folder, rec)
   return loops
+
+
+NO_THUNK_DUMP = "no thunk dump (no command buffer formed, a compile-cache hit, or not a GPU)"
+
+
+def thunk_graph_report(label, folder, rec):
+  """Which parts of the `_cmdbuf` loop became CUDA graphs, from XLA's thunk dump of its compile
+  (the optimised HLO cannot show it): is the while loop inside a graph, else per iteration its
+  graph launches and the thunks launched outside graphs, by kind. The dump's thunk files are
+  kept in out_dir (thunks_<label>.*); the rest of the dump (HLO, PTX) is deleted."""
+  rep = profiling_hlo.collect_thunk_dump(folder, _OUT.value, label)
+  shutil.rmtree(folder, ignore_errors=True)
+  rec.add("thunks", label=label, found=rep is not None, **(rep or {}))
+  print(profiling_hlo.format_thunk_report(rep, f"{label} loop") if rep
+        else f"thunk report {label}: {NO_THUNK_DUMP}", flush=True)
 
 
 def graph_report(mode, exe, rec):
@@ -293,6 +327,9 @@ def summary(rows) -> str:
                f"{r['status']}")
   for r in (r for r in rows if r["kind"] == "command_buffers"):
     out.append(profiling_hlo.format_command_buffers(r, f"{r['mode']} loop"))
+  for r in (r for r in rows if r["kind"] == "thunks"):
+    out.append(profiling_hlo.format_thunk_report(r, f"{r['label']} loop") if r["found"]
+               else f"thunk report {r['label']}: {NO_THUNK_DUMP}")
   return "\n".join(out)
 
 

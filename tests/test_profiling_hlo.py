@@ -2,6 +2,7 @@
 q_a / kv_a pattern); a matmul of another input is not in it."""
 
 import inspect
+import os
 
 import jax
 import jax.numpy as jnp
@@ -140,3 +141,87 @@ def test_kernel_listing_groups_the_layers_copies_of_one_op():
   name = next(n for n, i in index.instr.items() if i.opcode in ("dot", "fusion"))
   rows = profiling_hlo.kernel_listing(text, [(name, 1.0, 2.0), (name, 1.0, 3.0)])
   assert [r[:3] for r in rows] == [(5.0, 2.0, 2)]
+
+
+# ---- thunk_report: XLA's thunk dump, printed here by the rules of XLA's ToString methods ----
+def _seq(thunks, indent, ids=True):
+  """SequentialThunk::ToString: '<indent>NNN: kKind<pad>\\t<thunk's ToString(indent + 1)>\\n'
+  (ThunkSequence's older form has no 'NNN: ' ids)."""
+  width = max(len(t[0]) for t in thunks)
+  out = ""
+  for i, t in enumerate(thunks):
+    out += "  " * indent + (f"{i:03d}: " if ids else "") + t[0].ljust(width) + "\t"
+    out += _thunk(t, indent + 1, ids) + "\n"
+  return out
+
+
+def _thunk(t, indent, ids):
+  kind = t[0]
+  if kind == "kCommandBuffer":  # CommandBufferThunk::ToString: "\n" + thunks->ToString(+1)
+    return "\n" + _seq(t[1], indent + 1, ids)
+  if kind == "kWhile":  # WhileThunk::ToString
+    pad = "  " * indent
+    return (pad + "\ncondition:\n" + _seq(t[1], indent + 1, ids) + pad + "body:\n"
+            + _seq(t[2], indent + 1, ids))
+  if kind == "kKernel":
+    return "kernel=loop_fusion_1, launch dimensions=blocks: {1, 1, 1}, cluster_dim=nullopt"
+  return ""
+
+
+K, CC = ("kKernel",), ("kCustomCall",)
+
+
+def test_thunk_report_host_driven_loop_split_by_unconvertible_thunks():
+  """The body's graphs end at a custom call and a memset; the loop itself stays on the host."""
+  loop = ("kWhile", [K], [("kCommandBuffer", [K] * 5), CC,
+                          ("kCommandBuffer", [K, K, ("kCopy",)]), ("kMemzero",), K])
+  for ids in (True, False):
+    text = _seq([("kCommandBuffer", [K] * 3), loop], 0, ids)
+    rep = profiling_hlo.thunk_report(text)
+    assert rep["command_buffers"] == 3 and rep["thunks"] == 19, rep  # 3 graphs, 1 while, 15 ops
+    assert rep["top"] == dict(graphs=1, thunks_in_graphs=3, outside={"kWhile": 1})
+    (w,) = rep["whiles"]
+    assert not w["in_command_buffer"] and w["depth"] == 0
+    assert w["body"] == dict(graphs=2, thunks_in_graphs=8,
+                             outside={"kCustomCall": 1, "kMemzero": 1, "kKernel": 1})
+    assert w["condition"]["outside"] == {"kKernel": 1}
+    text = profiling_hlo.format_thunk_report(rep, "ddtree_cmdbuf loop")
+    assert "host-driven): per iteration 2 graph launches of 8 thunks" in text, text
+    assert "kCustomCall 1, kMemzero 1, kKernel 1" in text, text
+
+
+def test_thunk_report_loop_inside_one_graph():
+  """XLA's WHILE command: the whole loop under one kCommandBuffer, nothing per iteration."""
+  loop = ("kWhile", [K], [K, CC, ("kWhile", [K], [K])])
+  rep = profiling_hlo.thunk_report(_seq([("kCommandBuffer", [K, loop])], 0))
+  assert rep["command_buffers"] == 1 and rep["top"]["outside"] == {}
+  assert [(w["depth"], w["in_command_buffer"]) for w in rep["whiles"]] == [(0, True), (1, True)]
+  assert "INSIDE a command buffer" in profiling_hlo.format_thunk_report(rep, "loop")
+
+
+def test_hlo_without_command_buffers_says_it_cannot_tell():
+  """An optimised HLO with no command_buffer computation (all jax 0.11.2 gives): no verdict."""
+  rep = profiling_hlo.command_buffer_report(_LOOP_HLO.replace("%command_buffer", "%cb"))
+  assert rep["command_buffers"] == 0
+  text = profiling_hlo.format_command_buffers(rep, "loop")
+  assert "host-driven" not in text and "not visible in the HLO" in text, text
+
+
+def test_collect_thunk_dump_reads_the_loop_module_and_keeps_its_files(tmp_path):
+  """The largest after-conversion dump is the compile's own module (autotuning's are small);
+  its thunk files are copied out under the label, other modules' and other dumps are not."""
+  dump, out = tmp_path / "dump", tmp_path / "out"
+  dump.mkdir()
+  out.mkdir()
+  loop = ("kWhile", [K], [("kCommandBuffer", [K] * 5), CC, K])
+  big = _seq([("kCommandBuffer", [K] * 3), loop], 0)
+  (dump / f"module_0042.jit_steps.{profiling_hlo.THUNK_DUMP_SUFFIX}").write_text(big)
+  (dump / "module_0042.jit_steps.thunk_sequence.txt").write_text("before")
+  (dump / "module_0042.jit_steps.after_optimizations.txt").write_text("HLO")
+  (dump / f"module_0007.jit_small.{profiling_hlo.THUNK_DUMP_SUFFIX}").write_text(_seq([K], 0))
+  rep = profiling_hlo.collect_thunk_dump(str(dump), str(out), "ddtree_cmdbuf")
+  assert rep["dump"].startswith("module_0042") and rep["whiles"][0]["body"]["graphs"] == 1
+  assert sorted(os.listdir(out)) == [
+      "thunks_ddtree_cmdbuf.thunk_sequence.txt",
+      f"thunks_ddtree_cmdbuf.{profiling_hlo.THUNK_DUMP_SUFFIX}"]
+  assert profiling_hlo.collect_thunk_dump(str(out / "none"), str(out), "x") is None

@@ -43,3 +43,18 @@ def test_command_buffer_options_compile():
   lowered = jax.jit(lambda x: 2 * x).lower(jnp.ones(3))
   exe = lowered.compile(compiler_options=runtime.COMMAND_BUFFER_OPTIONS)
   assert float(exe(jnp.ones(3))[0]) == 2.0
+
+
+def test_command_buffer_options_with_a_dump_folder(tmp_path):
+  """The A/B option set with XLA's dump: the same command-buffer types, and XLA writes the
+  compile's files into the folder (on a GPU among them the thunk sequence after the
+  command-buffer conversion; a CPU compile has no thunk dump, and reading one finds none)."""
+  from kdtree_jax import profiling_hlo  # pylint: disable=import-outside-toplevel
+  opts = runtime.command_buffer_options(str(tmp_path))
+  assert opts == dict(runtime.COMMAND_BUFFER_OPTIONS, xla_dump_to=str(tmp_path))
+  assert runtime.command_buffer_options() == runtime.COMMAND_BUFFER_OPTIONS
+  lowered = jax.jit(lambda x: 3 * x).lower(jnp.ones(3))
+  exe = lowered.compile(compiler_options=opts)
+  assert float(exe(jnp.ones(3))[0]) == 3.0
+  assert any(f.endswith("after_optimizations.txt") for f in os.listdir(tmp_path))
+  assert profiling_hlo.thunk_dumps(str(tmp_path)) == []

@@ -68,3 +68,17 @@ def test_compile_only_needs_no_weights(tmp_path):
   assert [r["kind"] for r in rows] == ["setup"] + ["compile"] * 6
   assert all(r["status"] == "ok" and r["xla_compiles"] >= 1 for r in rows[1:])
   assert "==== summary" in stdout
+
+
+@pytest.mark.slow
+def test_ab_loop_modes_flag_compiles_the_loop_with_command_buffers(tmp_path):
+  """--ab_loop_modes=ar: ar's loop compiled again with command buffers and XLA's dump; a CPU
+  compile writes no thunk dump, so the thunk row says none was found (the GPU's says which
+  thunks stayed outside graphs) and the dump folder is gone."""
+  stdout, rows = _run(tmp_path, "--compile_only", "--ab_loop_modes=ar")
+  parts = [(r["mode"], r["part"]) for r in rows if r["kind"] == "compile"]
+  assert ("ar", "loop_cmdbuf") in parts and ("ddtree", "loop_cmdbuf") not in parts
+  assert all(r["status"] == "ok" for r in rows if r["kind"] == "compile")
+  (thunks,) = [r for r in rows if r["kind"] == "thunks"]
+  assert thunks["label"] == "ar_cmdbuf" and not thunks["found"]
+  assert "thunk report ar_cmdbuf: no thunk dump" in stdout
