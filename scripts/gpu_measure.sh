@@ -39,6 +39,9 @@
 #   k26_core    the same with the phase tables of ar and ddtree 15, loops at 46k only (a bare
 #               machine: ~130 s of compile, ~80-110 s per table: k26_core:450)
 #   k26_ddtree  k26_core without ar's phase table (k26_ddtree:360)
+#   k26_cmdbuf  k26_core plus the ddtree loop compiled again WITH command buffers (one more
+#               loop compile): its ms/step beside the default's (ddtree_cmdbuf row) and XLA's
+#               thunks of it (which parts became CUDA graphs: notes/runtime.md; k26_cmdbuf:480)
 #   xla_options scripts/probe_xla_options.py: bench_k26_full's fused step (ar, ddtree 15) compiled
 #               per XLA option set (cuBLAS vs Triton GEMMs, ...), CUPTI kernel ms each (~200 s)
 #   target_layout  the same fused step (ar, ddtree 15), default options, target packed beside
@@ -122,6 +125,9 @@ run_part() {
                 --time_budget_s $(( secs - 20 )) ;;
     k26_core) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --time_budget_s $(( secs - 20 )) ;;
+    k26_cmdbuf) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+                --config configs/bench_k26_core.py --ab_loop_modes=ddtree \
+                --time_budget_s $(( secs - 20 )) ;;
     k26_ddtree) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --config.bench.phase_modes=ddtree \
                 --time_budget_s $(( secs - 20 )) ;;
