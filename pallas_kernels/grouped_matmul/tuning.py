@@ -186,15 +186,17 @@ def scale_splits(t: Tuning, k: int, n: int, factor: int, ctas_per_sm: int = 2) -
 
 
 def set_splits(t: Tuning, k: int, n: int, splits: int, ctas_per_sm: int = 2) -> Tuning:
-  """t with exactly `splits` K splits (a divisor of the K steps) and the slots loop sized so
-  ~ctas_per_sm CTAs per SM run, as scale_splits: for a CTA count that fills the SMs evenly
-  (T=1 gated, 32 N tiles: 8 splits at block_k 128 = 256 CTAs, <= 2 per SM on every SM, where
-  7 splits at 256 give 224 CTAs: 92 SMs run 2, 40 run 1)."""
+  """t with `splits` K splits and the slots loop sized so ~ctas_per_sm CTAs per SM run, as
+  scale_splits: for a CTA count that fills the SMs evenly (T=1 gated, 32 N tiles: 8 splits at
+  block_k 128 = 256 CTAs, <= 2 per SM on every SM, where 7 splits at 256 give 224 CTAs: 92 SMs
+  run 2, 40 run 1). Where `splits` does not divide the K steps (a promoted variant on a small
+  model's K: 128 at block_k 128 is one step), the largest divisor of the steps below it."""
   steps = k // t.block_k
   if steps < 1 or k % t.block_k:
     return t  # shapes the kernel does not take (the XLA path runs), as _splits
-  if splits < 1 or steps % splits:
-    raise ValueError(f"{splits=} must divide the {steps} K steps of {k=} at {t.block_k=}")
+  if splits < 1:
+    raise ValueError(f"{splits=} must be >= 1")
+  splits = max(d for d in range(1, min(splits, steps) + 1) if steps % d == 0)
   slots = max(1, (ctas_per_sm * NUM_SMS) // ((n // t.block_n) * splits)) if splits > 1 else 0
   return dataclasses.replace(t, splits=splits, slots=slots if splits > 1 else t.slots)
 

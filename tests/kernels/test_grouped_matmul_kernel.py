@@ -469,6 +469,10 @@ def test_default_tuning_takes_every_row_class_at_shapes_the_kernel_does_not_take
     for k, n in ((32, 64), (48, 128), (96, 64)):
       t = default_tuning(m, 4, k, n, True, gated=True)
       assert t.splits == default_tuning(m, 4, k, n, True, gated=True, variant="default").splits
+    for k, n in ((128, 128), (256, 128), (384, 64)):  # one to a few K steps: splits divide them
+      for gated in (True, False):
+        t = default_tuning(m, 4, k, n, True, gated=gated)
+        assert (k // t.block_k) % t.splits == 0, (m, k, n, gated, t)
 
 
 def test_gated_and_plain_calls_take_their_own_variant(monkeypatch):
@@ -514,9 +518,11 @@ def test_promoted_tunings_interpret_match_reference(t, touched):
   _, _, down = _operands(m, f, d, e_l, 32, seed=22)
   tg = default_tuning(m, e_l, d, f, True, interpret=True, gated=True)
   td = default_tuning(m, e_l, f, d, True, interpret=True)
-  name = tuning_module.promoted_variant(m)
-  assert tg == apply_variant(name, default_tuning(m, e_l, d, f, True, interpret=True,
-                                                  gated=True, variant="default"), d, f)
+  gated_name, down_name = (tuning_module.promoted_variant(m, gated=g) for g in (True, False))
+  assert tg == apply_variant(gated_name, default_tuning(m, e_l, d, f, True, interpret=True,
+                                                        gated=True, variant="default"), d, f)
+  assert td == apply_variant(down_name, default_tuning(m, e_l, f, d, True, interpret=True,
+                                                       variant="default"), f, d)
   got = pallas_expert_mlp(x, gate, up, down, gs, backend="interpret", tunings=(tg, td))
   want = pallas_expert_mlp(x, gate, up, down, gs, backend="xla")
   _check(got.sum(axis=0), want[0], int(gs.sum()))
@@ -810,7 +816,8 @@ def test_interleaved_stacks_wait_once_per_chunk_pair():
 
 def test_set_splits_fills_the_sms_evenly():
   """pN: exactly N splits (T=1 gated at block_k 128: 8 splits x 32 N tiles = 256 CTAs, slots
-  1); a count that does not divide the K steps is an error; nBN sets block_n before it."""
+  1); a count that does not divide the K steps takes the largest divisor below it (p8 of 28
+  steps: 7; the small models' one-step K: 1); nBN sets block_n before it."""
   t = default_tuning(8, 48, 7168, 2048, True, gated=True, variant="default")
   p8 = apply_variant("once+ismem+cat+kp+il+k128+p8", t, 7168, 2048)
   assert (p8.block_k, p8.splits, p8.slots, p8.int4_interleave_stacks) == (128, 8, 1, True)
@@ -818,6 +825,6 @@ def test_set_splits_fills_the_sms_evenly():
   n128 = apply_variant("n128+k128+p8c1", t, 7168, 2048)
   assert (n128.block_n, n128.splits, n128.slots) == (128, 8, 1)
   assert apply_variant("p1", t, 7168, 2048).splits == 1
-  with pytest.raises(ValueError, match="must divide"):
-    apply_variant("p8", t, 7168, 2048)  # 28 K steps of 256
+  assert apply_variant("p8", t, 7168, 2048).splits == 7  # 28 K steps of 256
+  assert apply_variant("k128+p4", t, 128, 2048).splits == 1  # one K step
   assert apply_variant("p8", t, 48, 2048) == t  # a K the kernel does not take: unchanged
