@@ -42,8 +42,9 @@
 #   k26_cmdbuf  k26_core plus the ddtree loop compiled again WITH command buffers (one more
 #               loop compile): its ms/step beside the default's (ddtree_cmdbuf row) and XLA's
 #               thunks of it (which parts became CUDA graphs: notes/runtime.md; k26_cmdbuf:480)
-#   xla_options scripts/probe_xla_options.py: bench_k26_full's fused step (ar, ddtree 15) compiled
-#               per XLA option set (cuBLAS vs Triton GEMMs, ...), CUPTI kernel ms each (~200 s)
+#   xla_options scripts/probe_xla_options.py: bench_k26_full's fused step (ar, ddtree 15), target
+#               packed, compiled per XLA option set in XLA_VARIANTS below (the first is the
+#               baseline), CUPTI kernel ms and launches each (4 sets: ~300 s on a bare machine)
 #   target_layout  the same fused step (ar, ddtree 15), default options, target packed beside
 #               TargetConfig A/Bs on it (probe_xla_options --layouts packed+field=value; one copy
 #               of the experts; edit TARGET_LAYOUTS below for the A/B at hand; none open now):
@@ -93,6 +94,7 @@ quiet() { grep -v "^[IW][0-9]\{4\}" ; }
 one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
 # target_layout's layouts, the first the baseline: the next TargetConfig A/B goes here as
 # packed,packed+FIELD=VALUE (none open; the last, the pair-layout launch, lost: notes/moe.md)
+XLA_VARIANTS="default,block_level,heroless,all_triton"  # xla_options' option sets (probe_xla_options VARIANTS)
 TARGET_LAYOUTS="packed"
 
 run_part() {
@@ -131,7 +133,8 @@ run_part() {
     k26_ddtree) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --config.bench.phase_modes=ddtree \
                 --time_budget_s $(( secs - 20 )) ;;
-    xla_options) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" ;;
+    xla_options) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
+                --layouts packed --variants "$XLA_VARIANTS" ;;
     target_layout) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
                 --variants default --layouts "$TARGET_LAYOUTS" ;;
     draft_waves) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 \
