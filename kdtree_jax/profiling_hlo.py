@@ -328,10 +328,14 @@ def format_listing(rows, title: str) -> str:
 
 
 # ---- XLA's thunk sequence after its command-buffer conversion (the dump of a GPU compile) ----
-# `xla_dump_to` makes XLA:GPU write module_*.thunk_sequence_after_thunk_passes.txt: one line
-# per thunk, '<indent>[NNN: ]kKind<TAB>details', nested thunks indented deeper, a while's
-# 'condition:' / 'body:' sections (SequentialThunk / WhileThunk / CommandBufferThunk::ToString).
+# `xla_dump_to` makes XLA:GPU write module_*.thunk_sequence.txt (the thunks as emitted) and, when
+# its thunk passes changed anything (formed a command buffer), module_*.thunk_sequence_after_
+# thunk_passes.txt: one line per thunk, '<indent>[NNN: ]kKind ...', nested thunks indented
+# deeper, a while's 'condition:' / 'body:' sections (ThunkSequence / WhileThunk /
+# CommandBufferThunk::ToString; jax 0.11.2 prints '001: kCustomKernel [source | next=002 (1)]
+# loop_minimum_fusion grid: ...').
 THUNK_DUMP_SUFFIX = "thunk_sequence_after_thunk_passes.txt"
+THUNKS_AS_EMITTED_SUFFIX = "thunk_sequence.txt"
 _THUNK_LINE = re.compile(r"^( *)(?:\d+: +)?(k[A-Z]\w*)\b(.*)$")
 _NO_OP_THUNKS = {"kSequential", "kAsyncDone"}
 
@@ -351,30 +355,35 @@ class Thunk:
         yield from c.walk()
 
 
-def thunk_dumps(folder: str) -> list:
-  """The thunk-sequence dumps (after the conversion) XLA wrote into `folder`, largest first (a
-  compile's own module before any small ones, e.g. autotuning's)."""
+def thunk_dumps(folder: str, suffix: str = THUNK_DUMP_SUFFIX) -> list:
+  """The thunk dumps of one kind XLA wrote into `folder` (after the conversion by default),
+  largest first (a compile's own module before any small ones, e.g. autotuning's)."""
   if not folder or not os.path.isdir(folder):
     return []
-  paths = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(THUNK_DUMP_SUFFIX)]
+  paths = [os.path.join(folder, f) for f in os.listdir(folder)
+           if f.endswith("." + suffix)]
   return sorted(paths, key=os.path.getsize, reverse=True)
 
 
 def collect_thunk_dump(folder: str, out_dir: str, label: str) -> dict | None:
-  """`thunk_report` of the largest thunk dump in `folder` (dump = its file name), the files of
-  that module's thunks (before and after the conversion, metadata) copied into `out_dir` as
-  thunks_<label>.<what>; None when XLA wrote no thunk dump there."""
-  paths = thunk_dumps(folder)
+  """`thunk_report` of the largest thunk dump in `folder`: the one after the conversion, else
+  (XLA writes none when it formed no command buffer) the thunks as emitted, `converted` saying
+  which; `dump` = its file name. That module's thunk files (both dumps, metadata) are copied into
+  `out_dir` as thunks_<label>.<what>. None when XLA wrote no thunk dump (a cache hit, a CPU)."""
+  paths, converted = thunk_dumps(folder), True
+  if not paths:
+    paths, converted = thunk_dumps(folder, THUNKS_AS_EMITTED_SUFFIX), False
   if not paths:
     return None
   with open(paths[0]) as f:
     report = thunk_report(f.read())
-  module = os.path.basename(paths[0]).removesuffix(THUNK_DUMP_SUFFIX)
+  module = os.path.basename(paths[0]).removesuffix(THUNK_DUMP_SUFFIX if converted
+                                                   else THUNKS_AS_EMITTED_SUFFIX)
   for name in os.listdir(folder):
     if name.startswith(module) and "thunk" in name:
       shutil.copy(os.path.join(folder, name),
                   os.path.join(out_dir, f"thunks_{label}.{name.removeprefix(module)}"))
-  return dict(report, dump=os.path.basename(paths[0]))
+  return dict(report, dump=os.path.basename(paths[0]), converted=converted)
 
 
 def parse_thunks(text: str) -> Thunk:
@@ -450,9 +459,11 @@ def _counts(d: dict) -> str:
 
 def format_thunk_report(report: dict, title: str) -> str:
   top = report["top"]
+  what = ("XLA's thunks after its command-buffer conversion" if report.get("converted", True)
+          else "XLA formed NO command buffer: its thunks as emitted")
   lines = [f"{title}: {report['thunks']} thunks, {report['command_buffers']} command buffers "
-           f"(XLA's thunks after its command-buffer conversion); top level: {top['graphs']} "
-           f"graphs of {top['thunks_in_graphs']} thunks, outside graphs: {_counts(top['outside'])}"]
+           f"({what}); top level: {top['graphs']} graphs of {top['thunks_in_graphs']} thunks, "
+           f"outside graphs: {_counts(top['outside'])}"]
   for w in report["whiles"]:
     b, head = w["body"], f"  while (nesting {w['depth']}"
     if w["in_command_buffer"]:

@@ -7,13 +7,16 @@
 * XLA GPU command buffers (CUDA graphs) for fusions, cuBLAS, cuDNN, FFI custom calls (Mosaic
   kernels), dynamic-slice fusions and while / conditional: OFF by default
   (`command_buffers=False` sets --xla_gpu_enable_command_buffer= empty, so XLA's own default
-  set is off too). Measured on an H200 (61-layer K2.6 share, 46k context, 2026-12-01,
-  s5_k26_core_run1): the ddtree-15 decode loop ran 13.02 ms per step without them and 14.47 ms
-  with them, and the fused step's kernel time was within 1% either way. Whether that loop ever
-  became one graph is unknown: the HLO report that said no cannot see graphs (notes/runtime.md).
-  `command_buffers=True` turns them on (`COMMAND_BUFFER_OPTIONS` compiles one program with
-  them, for an A/B; `command_buffer_options` also dumps XLA's thunks, which show which parts of
-  a program became graphs). CPU runs ignore the flag.
+  set is off too). With them on, XLA also gets --xla_gpu_graph_min_graph_size=1: at XLA's
+  default (5) the decode loop's program, a kernel and the while at its top level, formed NO
+  graph at all (deviceless compile of the 61-layer loops with jax 0.11.2's CUDA plugin,
+  notes/runtime.md), so every earlier "with command buffers" loop ran host-driven like the one
+  without (H200, s5: ddtree-15 14.47 vs 13.02 ms/step, a difference graphs cannot explain). At 1
+  the whole loop is one graph (the while a conditional node): one graph launch per call, no host
+  work per iteration; not measured on a GPU yet. `command_buffers=True` turns them on
+  (`COMMAND_BUFFER_OPTIONS` compiles one program with them, for an A/B;
+  `command_buffer_options` also dumps XLA's thunks, which show what became graphs). CPU runs
+  ignore the flags.
 
 XLA reads its flags once, when the backend initialises: `setup` must run before anything creates
 an array or asks for a device. Scripts call `define_flags()` at import; absl then runs `setup`
@@ -33,9 +36,16 @@ COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer"
 # graph, and one such thunk in a loop's body keeps the whole loop out of one (notes/runtime.md).
 COMMAND_BUFFER_TYPES = ("FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,"
                         "CONDITIONAL")
+MIN_GRAPH_FLAG = "--xla_gpu_graph_min_graph_size"
+# XLA keeps a run of fewer convertible thunks than this out of graphs, counting the run's own
+# thunks only (a while counts 1, however large its body): the decode loop's program is 2 thunks
+# at the top (a kernel and the while), so XLA's default of 5 kept the WHOLE loop out of graphs,
+# every iteration host-driven with command buffers on or off (notes/runtime.md).
+COMMAND_BUFFER_MIN_GRAPH_SIZE = 1
 # compiler_options of one program compiled WITH command buffers whatever the process runs with
 # (`lowered.compile(compiler_options=...)`; XLA splits the repeated field's value at commas).
-COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_TYPES}
+COMMAND_BUFFER_OPTIONS = {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_TYPES,
+                          "xla_gpu_graph_min_graph_size": COMMAND_BUFFER_MIN_GRAPH_SIZE}
 
 
 def command_buffer_options(dump_dir: str | None = None) -> dict:
@@ -59,10 +69,14 @@ class RuntimeConfig:
 
 
 def xla_flags_with(flags: str, command_buffers: bool) -> str:
-  """XLA_FLAGS with the command-buffer flag set as asked (an explicit earlier value replaced)."""
-  kept = [f for f in flags.split() if not f.startswith(COMMAND_BUFFER_FLAG + "=")]
-  value = COMMAND_BUFFER_TYPES if command_buffers else ""
-  return " ".join(kept + [f"{COMMAND_BUFFER_FLAG}={value}"])
+  """XLA_FLAGS with the command-buffer flag set as asked, and with command buffers on the
+  minimum graph size that lets the decode loop become one (explicit earlier values replaced)."""
+  replaced = (COMMAND_BUFFER_FLAG + "=",) + ((MIN_GRAPH_FLAG + "=",) if command_buffers else ())
+  kept = [f for f in flags.split() if not f.startswith(replaced)]
+  if not command_buffers:
+    return " ".join(kept + [f"{COMMAND_BUFFER_FLAG}="])
+  return " ".join(kept + [f"{COMMAND_BUFFER_FLAG}={COMMAND_BUFFER_TYPES}",
+                          f"{MIN_GRAPH_FLAG}={COMMAND_BUFFER_MIN_GRAPH_SIZE}"])
 
 
 def setup(cfg: RuntimeConfig = RuntimeConfig()) -> RuntimeConfig:

@@ -23,8 +23,10 @@ Parts, in order (each compile counted and time-boxed; the run stops cleanly at -
      matmuls that share an input (launches that could merge);
   4. phase tables for the other budgets (no attention / moe split).
 Command buffers follow the runtime config (off by default; `--command_buffers` turns them on);
-bench.ab_loop_modes compiles those modes' loops again with the other setting (`_cmdbuf` rows:
-with command buffers; `_nograph`: without) for the throughput A/B.
+bench.ab_loop_modes (or --ab_loop_modes=ddtree,...) compiles those modes' loops again with the
+other setting (`_cmdbuf` rows: with command buffers; `_nograph`: without) for the throughput
+A/B; a `_cmdbuf` compile also dumps XLA's thunks and prints which parts became CUDA graphs (the
+optimised HLO cannot show it: notes/runtime.md), keeping the thunk files in out_dir.
 The printed summary puts compile times and the ar / first-budget tables first; a host gap
 negative beyond noise (a loop faster than its kernels) is printed with an IMPOSSIBLE warning.
 The config's `bench` section chooses the sizes (configs/bench_tiny.py runs it on a CPU).

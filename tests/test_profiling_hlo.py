@@ -225,3 +225,38 @@ def test_collect_thunk_dump_reads_the_loop_module_and_keeps_its_files(tmp_path):
       "thunks_ddtree_cmdbuf.thunk_sequence.txt",
       f"thunks_ddtree_cmdbuf.{profiling_hlo.THUNK_DUMP_SUFFIX}"]
   assert profiling_hlo.collect_thunk_dump(str(out / "none"), str(out), "x") is None
+
+
+def test_collect_thunk_dump_without_a_conversion_reads_the_thunks_as_emitted(tmp_path):
+  """XLA writes no after-conversion dump when it formed no command buffer (e.g. a program of a
+  kernel and a while: 2 thunks, under xla_gpu_graph_min_graph_size): the thunks as emitted are
+  read instead, reported as not converted, the loop host-driven."""
+  loop = ("kWhile", [K], [K, CC, ("kCopy",)])
+  (tmp_path / "module_0001.jit_steps.thunk_sequence.txt").write_text(_seq([K, loop], 0))
+  rep = profiling_hlo.collect_thunk_dump(str(tmp_path), str(tmp_path), "ar_cmdbuf")
+  assert not rep["converted"] and rep["command_buffers"] == 0
+  assert rep["whiles"][0]["body"]["outside"] == {"kKernel": 1, "kCustomCall": 1, "kCopy": 1}
+  assert "XLA formed NO command buffer" in profiling_hlo.format_thunk_report(rep, "ar_cmdbuf")
+  assert (tmp_path / "thunks_ar_cmdbuf.thunk_sequence.txt").exists()
+
+
+# jax 0.11.2's XLA:GPU prints thunks this way (the layout of a deviceless compile's dump of the
+# decode loop, shortened): ids, kind, the dependency columns, then the kernel.
+_JAX_0_11_2_DUMP = """000: kCommandBuffer [source | sink] 
+    001: kCustomKernel [source       | next=002 (1)] loop_minimum_fusion grid: [1, 1, 1]
+    002: kWhile        [prev=001 (1) | sink        ]       
+condition:
+        003: kCustomKernel [source | sink] loop_and_fusion grid: [1, 1, 1]
+      body:
+        004: kCustomKernel [source         | next=005 (1) ] gemm_fusion_dot_49 grid: [7168, 1, 1]
+        005: kCustomCall   [prev=004 (1)   | next=006 (1) ] 
+        006: kCopy         [prev=005 (1)   | sink         ] kCopy
+"""
+
+
+def test_thunk_report_reads_jax_0_11_2_dump_layout():
+  rep = profiling_hlo.thunk_report(_JAX_0_11_2_DUMP)
+  assert rep["command_buffers"] == 1 and rep["top"]["thunks_in_graphs"] == 6
+  (w,) = rep["whiles"]
+  assert w["in_command_buffer"] and w["condition"]["outside"] == {"kCustomKernel": 1}
+  assert w["body"]["outside"] == {"kCustomKernel": 1, "kCustomCall": 1, "kCopy": 1}

@@ -16,8 +16,9 @@ def test_default_is_off_and_replaces_an_earlier_value():
   assert runtime.RuntimeConfig().command_buffers is False
   flags = runtime.xla_flags_with("--xla_foo=1 --xla_gpu_enable_command_buffer=FUSION", False)
   assert flags.split() == ["--xla_foo=1", "--xla_gpu_enable_command_buffer="]
-  on = runtime.xla_flags_with("", True).split()
-  assert on == [f"--xla_gpu_enable_command_buffer={runtime.COMMAND_BUFFER_TYPES}"]
+  on = runtime.xla_flags_with("--xla_gpu_graph_min_graph_size=5", True).split()
+  assert on == [f"--xla_gpu_enable_command_buffer={runtime.COMMAND_BUFFER_TYPES}",
+                "--xla_gpu_graph_min_graph_size=1"]
 
 
 def _setup_in_a_fresh_process(*args):
@@ -36,7 +37,8 @@ def _setup_in_a_fresh_process(*args):
 def test_scripts_default_to_no_command_buffers():
   assert _setup_in_a_fresh_process() == ["--xla_gpu_enable_command_buffer=", "False"]
   assert _setup_in_a_fresh_process("--command_buffers") == [
-      f"--xla_gpu_enable_command_buffer={runtime.COMMAND_BUFFER_TYPES}", "True"]
+      f"--xla_gpu_enable_command_buffer={runtime.COMMAND_BUFFER_TYPES}",
+      "--xla_gpu_graph_min_graph_size=1", "True"]
 
 
 def test_command_buffer_options_compile():
