@@ -371,12 +371,12 @@ def run_parts(m, c, deadline, rec):
     if loops[mode] is not None and not throughput_rows(m, c, _spec(c, mode), loops[mode],
                                                        deadline, rec):
       return
+  host_gaps(c, rec)  # before the A/B loops: a graph run that crashes leaves these rows written
   suffix = ab_variant()[0]
   for mode in (x for x in modes if loops.get(x + suffix) is not None):
     if not throughput_rows(m, c, _spec(c, mode), loops[mode + suffix], deadline, rec,
                            variant=suffix):
       return
-  host_gaps(c, rec)
   for b in budgets[1:]:  # without the attention / moe split (two more 60-layer compiles each)
     if not phase_table(m, c, _spec(c, "ddtree", b), ceil, deadline, rec, parts=False):
       return
