@@ -41,7 +41,7 @@
 #   k26_ddtree  k26_core without ar's phase table (k26_ddtree:360)
 #   k26_cmdbuf  k26_core plus the ddtree loop compiled again WITH command buffers (one more
 #               loop compile): its ms/step beside the default's (ddtree_cmdbuf row) and XLA's
-#               thunks of it (which parts became CUDA graphs: notes/runtime.md; k26_cmdbuf:480)
+#               thunks of it (which parts became CUDA graphs: notes/runtime.md; k26_cmdbuf:520)
 #   xla_options scripts/probe_xla_options.py: bench_k26_full's fused step (ar, ddtree 15), target
 #               packed, compiled per XLA option set in XLA_VARIANTS below (the first is the
 #               baseline), CUPTI kernel ms and launches each (4 sets: ~300 s on a bare machine)
