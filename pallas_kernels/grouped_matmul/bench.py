@@ -72,34 +72,27 @@ _MLP_CASES = flags.DEFINE_list(
 #       3 per SM (60 KB) and a second wave of 116;
 #   T=16 down s2+w4 (no split, 4 slot columns): each of the 448 CTAs runs its one live item's 8
 #       K steps behind one pipeline fill, where x4c4 runs all 4 live items' 2 steps, 4 fills.
-# s8 promoted T=1's il+a2+k128+p8|a2+p4, T=9's down s2+w4+a2, T=16's il+a2|s2+w4+a2 and T=65's
-# down a2 (WORKSPACE.md "INT4 expert kernels: the eighth session's sweeps"). This round (moe11):
-# the gate|up call at T=9 (63% of copy) and T=65 (the 75% target): block_k 128, 3 stages, a2
-# alone, fewer / more slot columns (w8, w24) at T=65; at T=16 (ddtree 15's verify) 7 splits of 4
-# K steps over ~8 CTAs per SM, or 2 splits of 14 (block_n 128 needs 232 KB of SMEM: no); each
-# case's first row is the promoted variant + kp (the decode layout's), the control; T=1 runs its
-# control only. 15 programs.
-_D9 = "once+ismem+cat+kp+s2+r8+w4+a2"
-_G16 = "once+ismem"
+# s8 promoted T=1's il+a2+k128+p8|a2+p4, T=9's down s2+w4+a2, T=16's p2c4+il+a2|s2+w4+a2 and
+# T=65's s3 gate|up, a2 down (WORKSPACE.md "INT4 expert kernels: the eighth session's sweeps").
+# This round (moe12) around the new T=16 and T=65 rows: 3 stages, 8 CTAs per SM of slots, il
+# off, down on 3 stages; each case's first row is the promoted variant + kp (the decode
+# layout's), the control; T=1 runs its control only. 9 programs.
 _D16 = "once+ismem+cat+kp+s2+w4+a2"
-_G9 = "once+ismem+x4c4+s2+r8+cat+kp"
+_G16 = "once+ismem+p2c4+s2+cat+kp+il+a2"
 _D65 = "once+ismem+r8+s2+w16+cat+kp+a2"
-_G65 = "once+ismem+r8+s2+cat+kp"
+_G65 = "once+ismem+r8+s3+w16+cat+kp"
 MLP_VARIANTS = {
     1: ("once+ismem+cat+kp+il+a2+k128+p8|once+ismem+cat+kp+a2+p4",),
-    9: (f"{_G9}|{_D9}", f"{_G9}+k128|{_D9}", f"{_G9}+s3|{_D9}", f"{_G9}+a2|{_D9}",
-        f"once+ismem+x2c4+s2+r8+cat+kp|{_D9}"),
-    16: (f"{_G16}+x4c4+s2+cat+kp+il+a2|{_D16}", f"{_G16}+p7c8+s2+cat+kp+il+a2|{_D16}",
-         f"{_G16}+p2c4+s2+cat+kp+il+a2|{_D16}"),
-    65: (f"{_G65}+w16|{_D65}", f"{_G65}+w8|{_D65}", f"{_G65}+w24|{_D65}", f"{_G65}+w16+k128|{_D65}",
-         f"{_G65}+s3+w16|{_D65}", f"{_G65}+w16|once+ismem+r8+s2+w8+cat+kp+a2"),
+    16: (f"{_G16}|{_D16}", f"{_G16}+s3|{_D16}", f"once+ismem+p2c8+s2+cat+kp+il+a2|{_D16}",
+         f"once+ismem+p2c4+s2+cat+kp+a2|{_D16}", f"{_G16}|{_D16}+s3"),
+    65: (f"{_G65}|{_D65}", f"{_G65}+s4|{_D65}", f"{_G65}|{_D65}+s3"),
 }
 _MLP_VARIANTS = flags.DEFINE_list(
     "mlp_variants", [],
     "mlp_tune: rows for every case: 'promoted' (default_tuning's choice) or tuning.apply_variant "
     "names ('+'-joined changes to both calls' base tunings: once, ismem, cat, kp, il, dqN, aN, "
     "rN, kBK, sN, nBN, xN[cC], pN[cC], wN, wide; 'default': none; 'GATED|DOWN': one per call, "
-    "same rN); empty: MLP_VARIANTS[T] per case (15 programs): "
+    "same rN); empty: MLP_VARIANTS[T] per case (9 programs): "
     f"{MLP_VARIANTS}.")
 # A row whose output is further than this from the f32 XLA reference (relative L2 error) is
 # wrong, not slow: bf16 inputs and one bf16 rounding of each product give ~2e-3 here.

@@ -425,16 +425,16 @@ def test_default_variants_promote_per_row_count():
   """default_tuning gives INT4 calls DEFAULT_VARIANTS' entry for their M, the gated and the down
   call their own half of a 'GATED|DOWN' name: T=1 (M 8) fixed-cost options, gate|up in 8 splits
   of K 128 with interleaved stacks and two accumulator chains, down in 4 splits; T=9 (M 72..96,
-  R = 8) gate|up 4x the K splits on 2 stages, T=13..32 (M 97..263) the same with il+a2; down at
-  T=2..32 unsplit in 4 slot columns with two chains; T=33..65 (M 264..520) R = 8 on 2 stages in
-  a persistent grid (down: two chains), larger M (prefill) the base; bf16 calls and
+  R = 8) gate|up 4x the K splits on 2 stages, T=13..32 (M 97..263) 2 K splits with il+a2; down
+  at T=2..32 unsplit in 4 slot columns with two chains; T=33..65 (M 264..520) R = 8 in a
+  persistent grid, gate|up on 3 stages, down on 2 with two chains, larger M (prefill) the base; bf16 calls and
   variant='default' the base."""
   d, f = 7168, 2048
   base = lambda m, k, n, **kw: default_tuning(m, 48, k, n, True, variant="default", **kw)
   t1 = ("once+ismem+cat+il+a2+k128+p8", "once+ismem+cat+a2+p4")
   t9 = ("once+ismem+x4c4+s2+r8+cat", "once+ismem+cat+s2+r8+w4+a2")
-  t16 = ("once+ismem+x4c4+s2+cat+il+a2", "once+ismem+cat+s2+w4+a2")
-  t65 = ("once+ismem+r8+s2+w16+cat", "once+ismem+r8+s2+w16+cat+a2")
+  t16 = ("once+ismem+p2c4+s2+cat+il+a2", "once+ismem+cat+s2+w4+a2")
+  t65 = ("once+ismem+r8+s3+w16+cat", "once+ismem+r8+s2+w16+cat+a2")
   want = {8: t1, 72: t9, 96: t9, 97: t16, 128: t16, 263: t16, 264: t65, 520: t65,
           521: ("default",) * 2, 4096: ("default",) * 2}
   for m, (gated_name, down_name) in want.items():
@@ -448,11 +448,11 @@ def test_default_variants_promote_per_row_count():
   assert g1.int4_interleave_stacks and g1.int4_acc_chains == 2 and d1.int4_acc_chains == 2
   assert g1.int4_scale_concat and not g1.int4_k_packed  # kp follows the weights (api k_packed)
   g16, d16 = default_tuning(128, 48, d, f, True, gated=True), default_tuning(128, 48, f, d, True)
-  assert (g16.splits, g16.slots, g16.stages, g16.rows) == (4, 4, 2, 16)
+  assert (g16.splits, g16.slots, g16.stages, g16.rows) == (2, 8, 2, 16)
   assert (d16.splits, d16.slots, d16.stages, d16.rows) == (1, 4, 2, 16)
   assert default_tuning(8, 48, f, d, True).splits == 4
   g65 = default_tuning(520, 48, d, f, True, gated=True)
-  assert (g65.rows, g65.stages, g65.splits, g65.items_smem) == (8, 2, 1, True)
+  assert (g65.rows, g65.stages, g65.splits, g65.items_smem) == (8, 3, 1, True)
   for m in (8, 72, 128, 520):  # gated and down calls of one work list share R
     assert default_tuning(m, 48, d, f, True, gated=True).rows == default_tuning(m, 48, f, d,
                                                                                True).rows
