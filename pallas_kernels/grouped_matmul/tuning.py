@@ -229,7 +229,8 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
     elif m := re.fullmatch(r"p(\d+)(?:c(\d+))?", part):
       t = set_splits(t, k, n, int(m[1]), int(m[2] or 2))
     elif m := re.fullmatch(r"w(\d+)", part):  # the slots loop for ~N CTAs per SM, same splits
-      t = dataclasses.replace(t, slots=max(1, int(m[1]) * NUM_SMS // (n // t.block_n * t.splits)))
+      n_tiles = max(1, n // t.block_n)  # a small model's N below one tile: the XLA path runs
+      t = dataclasses.replace(t, slots=max(1, int(m[1]) * NUM_SMS // (n_tiles * t.splits)))
     elif m := re.fullmatch(r"a(\d+)", part):
       chains = int(m[1])
     elif m := re.fullmatch(r"(dq|k|s|r|n)(\d+)", part):

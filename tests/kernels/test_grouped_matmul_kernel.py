@@ -469,7 +469,7 @@ def test_default_tuning_takes_every_row_class_at_shapes_the_kernel_does_not_take
     for k, n in ((32, 64), (48, 128), (96, 64)):
       t = default_tuning(m, 4, k, n, True, gated=True)
       assert t.splits == default_tuning(m, 4, k, n, True, gated=True, variant="default").splits
-    for k, n in ((128, 128), (256, 128), (384, 64)):  # one to a few K steps: splits divide them
+    for k, n in ((128, 128), (256, 128), (384, 64), (128, 32)):  # 1-3 K steps, N below a tile
       for gated in (True, False):
         t = default_tuning(m, 4, k, n, True, gated=gated)
         assert (k // t.block_k) % t.splits == 0, (m, k, n, gated, t)
