@@ -10,4 +10,5 @@ def get_config():
       block_size=8, forced_accept=3, dtype="float32", attn_backend="auto", budget=16,
       mode="ddtree", max_len=512,
       bench=dict(modes=["ar", "chain", "ddtree"], budget=7, ctxs=[32, 64], gen=2, profile_ctx=64,
-                 profile_budgets=[7, 3], prompt_len=16, reps=2, compile_box_s=120.0))
+                 profile_budgets=[7, 3], prompt_len=16, reps=2, compile_box_s=120.0,
+                 phase_modes="ar,ddtree"))

@@ -13,7 +13,7 @@ Parts, in order (each compile counted and time-boxed; the run stops cleanly at -
      kernel intervals) and the host gap = loop ms per step - device-busy (cheap once compiled,
      so before the tables);
   3. phase tables at bench.profile_ctx: `ar`, then ddtree at bench.profile_budgets[0] (those of
-     bench.phase_modes, "ar,ddtree" unless set: "ddtree" skips ar's), with
+     bench.phase_modes, "ar,ddtree" unless set: "ddtree" skips ar's, "none" every table), with
      verify's attention / moe (on the step's own MoE inputs, so its routing) / rest, the host
      gap (loop ms per step at profile_ctx - the fused step's CUPTI kernel time; when the run
      uses command buffers, of the step compiled again without them, `step_nograph`: every
@@ -21,7 +21,7 @@ Parts, in order (each compile counted and time-boxed; the run stops cleanly at -
      step, verify's kernels by jax op (HLO op_name and source line of each kernel: the top
      LISTING_TOP, from the same compiled program and CUPTI trace), and the verify program's
      matmuls that share an input (launches that could merge);
-  4. phase tables for the other budgets (no attention / moe split).
+  4. phase tables for the other budgets (no attention / moe split; when phase_modes has ddtree).
 Command buffers follow the runtime config (off by default; `--command_buffers` turns them on);
 bench.ab_loop_modes (or --ab_loop_modes=ddtree,...) compiles those modes' loops again with the
 other setting (`_cmdbuf` rows: with command buffers; `_nograph`: without) for the throughput
@@ -377,7 +377,7 @@ def run_parts(m, c, deadline, rec):
     if not throughput_rows(m, c, _spec(c, mode), loops[mode + suffix], deadline, rec,
                            variant=suffix):
       return
-  for b in budgets[1:]:  # without the attention / moe split (two more 60-layer compiles each)
+  for b in budgets[1:] if "ddtree" in tables else ():  # without the attention / moe split
     if not phase_table(m, c, _spec(c, "ddtree", b), ceil, deadline, rec, parts=False):
       return
 

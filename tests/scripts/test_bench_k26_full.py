@@ -82,3 +82,20 @@ def test_ab_loop_modes_flag_compiles_the_loop_with_command_buffers(tmp_path):
   (thunks,) = [r for r in rows if r["kind"] == "thunks"]
   assert thunks["label"] == "ar_cmdbuf" and not thunks["found"]
   assert "thunk report ar_cmdbuf: no thunk dump" in stdout
+
+
+@pytest.mark.slow
+def test_loops_only_ab_times_each_loop_with_and_without_command_buffers(tmp_path):
+  """configs/bench_k26_loops.py's form at tiny size (phase_modes none, both modes' loops A/B'd):
+  no phase table, one throughput row per mode and ctx for each command-buffer setting, the
+  A/B rows marked, the same tokens emitted per step in both (forced acceptance)."""
+  _, rows = _run(tmp_path, "--config.bench.phase_modes=none", "--ab_loop_modes=ar,ddtree")
+  assert not [r for r in rows if r["kind"] == "phases"]
+  tput = [r for r in rows if r["kind"] == "throughput"]
+  for mode in ("ar", "ddtree"):
+    plain = [r for r in tput if r["mode"] == mode and not r.get("ab_variant")]
+    ab = [r for r in tput if r["mode"] == mode and r.get("ab_variant")]
+    assert [r["ctx"] for r in plain] == [r["ctx"] for r in ab] == [32, 64], (mode, tput)
+    assert all(r["command_buffers"] for r in ab) and not any(r["command_buffers"] for r in plain)
+    assert {r["emitted_per_step"] for r in plain} == {r["emitted_per_step"] for r in ab}
+  assert not [r for r in tput if r["mode"] == "chain" and r.get("ab_variant")]

@@ -1,0 +1,22 @@
+"""bench_k26_full's decode loops only, each compiled twice: without command buffers (the default)
+and with them (`_cmdbuf` rows; `runtime.COMMAND_BUFFER_OPTIONS` incl. xla_gpu_graph_min_graph_size
+1: the whole while in one CUDA graph, notes/runtime.md); ar and ddtree 15 at 46k, no phase
+tables (k26_core has them). The A/B of issue 13's host gap: compare ms/step per mode (the
+`_cmdbuf` rows' busy / gap columns are op by op under the profiler: ms/step only).
+
+  bash scripts/gpu_measure.sh $OUT k26_loops:300
+"""
+import importlib.util
+import pathlib
+
+_CORE = pathlib.Path(__file__).with_name("bench_k26_core.py")
+
+
+def get_config():
+  spec = importlib.util.spec_from_file_location("bench_k26_core", _CORE)
+  core = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(core)
+  c = core.get_config()
+  c.bench.phase_modes = "none"
+  c.bench.ab_loop_modes = ["ar", "ddtree"]
+  return c
