@@ -6,17 +6,13 @@ tables (k26_core has them). The A/B of issue 13's host gap: compare ms/step per 
 
   bash scripts/gpu_measure.sh $OUT k26_loops:300
 """
-import importlib.util
 import pathlib
 
-_CORE = pathlib.Path(__file__).with_name("bench_k26_core.py")
+from kdtree_jax.cli import load_config_file
 
 
 def get_config():
-  spec = importlib.util.spec_from_file_location("bench_k26_core", _CORE)
-  core = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(core)
-  c = core.get_config()
+  c = load_config_file(str(pathlib.Path(__file__).with_name("bench_k26_core.py")))
   c.bench.phase_modes = "none"
   c.bench.ab_loop_modes = ["ar", "ddtree"]
   return c
