@@ -25,6 +25,13 @@
 #               both (rows of one T together, T=16 first; 10 programs);
 #               each variant's optimized HLO in raw/moe_layer_hlo/; first the routing kernel's
 #               fast tests compiled for the GPU (<= 90 s): moe_layer:300
+#   dense_dots  pallas_kernels/grouped_matmul/dense_bench.py: the few-row dense dots (q_a | kv_a,
+#               o, router | shared gate | up, q_b, shared down) at M = 16, 1: XLA's pack.dot_t vs
+#               our Mosaic grouped kernel as a dense dot (G = 1 expert of all M rows, [1, K, N]
+#               bf16; default tuning, r16, once, n64, p1/p2/p4 K splits, M=1 x padded to 8 rows),
+#               each called in turn on >= 120 MB of distinct weights: us / % of copy / x XLA,
+#               wrong rows FAIL, best per shape last; ~70 programs, XLA's and the default's rows
+#               first, no row started after secs - 20 (a cut box loses variants only): dense_dots:150
 #   verify      tree-verify kernel: GPU tests (-m gpu: the sharded file first, then 14 cases,
 #               one kernel compile each, the f32 reference on the CPU: < 2 min), short bench
 #               (default L=46000 grid); verify:240
@@ -115,6 +122,8 @@ run_part() {
                  --tokens 16,1 --layer_variants \
                  sorted,auto,auto+router_impl=pallas,auto+lean_glue=true,auto+router_impl=pallas+lean_glue=true \
                  --hlo_dir $RAW/moe_layer_hlo --out $RAW/bench_moe_layer.jsonl" ;;
+    dense_dots) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.dense_bench \
+                 --dots_budget_s $(( secs - 20 )) --dots_out "$RAW/bench_dense_dots.jsonl" ;;
     verify) one_gpu timeout "$secs" bash -c "timeout 170 python3 -m pytest -q -rs --durations=15 -m gpu \
                 tests/sharding/test_verify_attention_sharded.py tests/kernels/test_tree_verify_attention.py; \
                 python3 -m pallas_kernels.tree_verify.bench --probe_variants=false --skip_xla \
