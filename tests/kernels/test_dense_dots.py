@@ -71,18 +71,38 @@ def test_bench_variants_build_valid_tunings_at_k26_shapes():
     dense_bench.variant_tuning("q3", 16, 896, 7168)
 
 
-@pytest.mark.parametrize("m", [1, 16])
-def test_dense_dot_lowers_for_h200(m):
-  """q_a|kv_a [2112, 7168] at the default tuning (8 K splits, block_n 64) through the whole
-  Mosaic GPU lowering for an abstract H200; M = 1 on x [1, K] itself."""
-  n, k = 2112, 7168
-  t = default_tuning(m, 1, k, n, False)
+def _lower_h200(fn, m, n, k):
+  """fn(x [M, K], w [1, K, N]) through the whole Mosaic GPU lowering for an abstract H200."""
   sd = jax.ShapeDtypeStruct
-  fn = lambda x, w: api.grouped_matmul(x, (w,), np.asarray([m], np.int32), backend="pallas",
-                                       tuning=t)
   h200 = jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
                                                                 abstract_device=h200)):
-    text = jax.jit(fn).trace(sd((m, k), jnp.bfloat16), sd((1, k, n), jnp.bfloat16)).lower(
+    return jax.jit(fn).trace(sd((m, k), jnp.bfloat16), sd((1, k, n), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",)).as_text()
-  assert "gmm_bf16_mosaic_gpu" in text and t.splits == 8
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_dense_dot_lowers_for_h200(m):
+  """q_a|kv_a [2112, 7168] at the default tuning (8 K splits, block_n 64); M = 1 on x [1, K]."""
+  n, k = 2112, 7168
+  t = default_tuning(m, 1, k, n, False)
+  fn = lambda x, w: api.grouped_matmul(x, (w,), np.asarray([m], np.int32), backend="pallas",
+                                       tuning=t)
+  assert "gmm_bf16_mosaic_gpu" in _lower_h200(fn, m, n, k) and t.splits == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m", [1, 16])
+def test_every_bench_row_lowers_for_h200(m):
+  """Every kernel row the bench runs at the K2.6 shapes lowers (~11 s per M): no row fails on
+  the GPU at its lowering."""
+  lowered = 0
+  for n, k, _ in dense_bench.SHAPES.values():
+    for name in VARIANTS:
+      tun_pad = dense_bench.variant_tuning(name, m, n, k)
+      if tun_pad is not None:
+        fn = lambda x, w, tun_pad=tun_pad: dense_bench.kernel_dot(x, w, m, *tun_pad,
+                                                                  backend="pallas")
+        assert "gmm_bf16_mosaic_gpu" in _lower_h200(fn, m, n, k), name
+        lowered += 1
+  assert lowered >= 30, lowered
