@@ -28,10 +28,11 @@
 #   dense_dots  pallas_kernels/grouped_matmul/dense_bench.py: the few-row dense dots (q_a | kv_a,
 #               o, router | shared gate | up, q_b, shared down) at M = 16, 1: XLA's pack.dot_t vs
 #               our Mosaic grouped kernel as a dense dot (G = 1 expert of all M rows, [1, K, N]
-#               bf16; default tuning, r16, once, n64, p1/p2/p4 K splits, M=1 x padded to 8 rows),
-#               each called in turn on >= 120 MB of distinct weights: us / % of copy / x XLA,
-#               wrong rows FAIL, best per shape last; ~70 programs, XLA's and the default's rows
-#               first, no row started after secs - 20 (a cut box loses variants only): dense_dots:150
+#               bf16; default tuning, p1, r16, once, n64, p2, p4, pad8: x padded to 8 rows at
+#               M=1, r16+once, n64+p1, k64), each called in turn on >= 120 MB of distinct weights:
+#               us / gmm kernel us / % of copy / x XLA, wrong rows FAIL, best per shape last; 96
+#               programs, XLA's and the default's rows first, no row started after secs - 20 (a
+#               cut box loses the last variants only): dense_dots:150
 #   verify      tree-verify kernel: GPU tests (-m gpu: the sharded file first, then 14 cases,
 #               one kernel compile each, the f32 reference on the CPU: < 2 min), short bench
 #               (default L=46000 grid); verify:240

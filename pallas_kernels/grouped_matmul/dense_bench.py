@@ -1,20 +1,20 @@
 """Our Mosaic GPU grouped matmul as a DENSE dot (G = 1 expert holding all M rows) vs XLA's
 `pack.dot_t` at K2.6's few-row dense dots (issue 13), CUPTI-timed.
 
-Per shape (the out-major weights of bench_k26_full's layer: q_a | kv_a, o, router | shared gate
-| up, q_b, shared down) and M in --dot_rows: XLA's dot (pack.dot_t on the [N, K] weight, as the
-model calls it: the baseline) and `api.grouped_matmul(x, (w_kn[None],), group_sizes=[M])` on a
-[1, K, N] bf16 copy per --dot_variants, one program each, called in turn on `copies` distinct
-weights (and x), >= STREAM_BYTES in all, so the weights stream from HBM as in a 61-layer step
-and not from the 50 MB L2: us per dot = the CUPTI kernel sum per call (split-K's partial sum
-included: XLA fuses it apart here, a model would fuse it into the consumer), with its launches
-per call. The group sizes are a constant: XLA folds the work list into a literal (as a model's
-static list would be). M = 1 runs on x [1, K] itself (the kernel's 8-row x window reads past
-the one row, the TMA fills zeros, one row is stored); the `pad8` row pads x to 8 rows in the
-program first (the form the INT4 ar path's broadcast rows take). The copy bandwidth is measured
-in the same run: % of copy = (weight bytes / copy TB/s) / us. Every output is checked against
-an f64 numpy reference first (rel L2 <= REL_TOL, else FAIL, never fastest). One JSON line per
-row in --dots_out, each row printed when timed, the fastest correct kernel row per (shape, M)
+Per shape (the out-major weights of bench_k26_full's layer: q_a | kv_a, o, router | shared gate |
+up, q_b, shared down) and M in --dot_rows: XLA's dot (pack.dot_t on the [N, K] weight, as the
+model calls it: the baseline) and `api.grouped_matmul(x, (w_kn[None],), group_sizes=[M])` on a [1,
+K, N] bf16 copy per --dot_variants, one program each, called in turn on `copies` distinct weights
+(and x), >= STREAM_BYTES in all, so the weights stream from HBM as in a 61-layer step and not from
+the 50 MB L2: us per dot = the CUPTI kernel sum per call (split-K's partial sum included: XLA
+fuses it apart here, a model would fuse it into the consumer), with its launches per call and the
+Mosaic kernel's us alone (gmm). The group sizes are a constant: XLA folds the work list into a
+literal (as a model's static list would be). M = 1 runs on x [1, K] itself (the kernel's 8-row x
+window reads past the one row, the TMA fills zeros, one row is stored); the `pad8` row pads x to 8
+rows in the program first (the form the INT4 ar path's broadcast rows take). The copy bandwidth is
+measured in the same run: % of copy = (weight bytes / copy TB/s) / us. Every output is checked
+against an f64 numpy reference first (rel L2 <= REL_TOL, else FAIL, never fastest). One JSON line
+per row in --dots_out, each row printed when timed, the fastest correct kernel row per (shape, M)
 last. Flags are named apart from the other benches' (one process, e.g. the tests, imports them
 all). Off a GPU: interpret mode and wall time (a smoke run; use small --dot_shapes there).
 
@@ -52,12 +52,14 @@ _ROWS = flags.DEFINE_list("dot_rows", ["16", "1"],
                           "M: rows of x (16: a ddtree 15 verify, the promotion's M; 1: ar).")
 _SHAPES = flags.DEFINE_list("dot_shapes", list(SHAPES), f"Shapes of {list(SHAPES)}.")
 _VARIANTS = flags.DEFINE_list(
-    "dot_variants", ["default", "p1", "r16", "once", "n64", "p2", "p4", PAD],
+    "dot_variants", ["default", "p1", "r16", "once", "n64", "p2", "p4", PAD, "r16+once",
+                     "n64+p1", "k64"],
     "Kernel rows: tuning.apply_variant names on default_tuning(M, 1, K, N) (e.g. p1: unsplit, "
     "pN: N K splits, r16: 16-row windows, once: store_once, n64: block_n 64, sN: stages, "
     "kBK: block_k, wN: slots), '+'-joined, optionally + 'pad8' (x padded to 8 rows in the "
-    "program, M < 8 only). Rows equal to the default's tuning, with wider windows than the "
-    "default's (more rows than M needs), over SMEM or not taken by the kernel are skipped.")
+    "program, M < 8 only). Rows equal to the default's tuning or an earlier row's, with wider "
+    "windows than the default's (more rows than M needs), over SMEM or not taken by the kernel "
+    "are skipped.")
 _OUT = flags.DEFINE_string("dots_out", "runs/bench_dense_dots.jsonl", "JSON lines output.")
 _BUDGET = flags.DEFINE_float("dots_budget_s", 0.0,
                              "Stop starting rows after this many seconds (0: no limit); the "
@@ -122,22 +124,27 @@ def rel_f64(y, x, w_t):
 
 
 def _time(fn, xs, ws):
-  """(us per dot, launches per dot): the CUPTI kernel sum per call over calls that take the
-  copies in turn (max(--reps, 2 x copies) calls); off a GPU the wall time of one copy."""
+  """(us per dot, launches per dot, the Mosaic kernel's us per dot): CUPTI kernel sums per call
+  over calls that take the copies in turn (max(--reps, 2 x copies) calls); the last is the
+  gmm_* kernel alone (a split row's partial sum is the rest: a model fuses it into the dot's
+  consumer). Off a GPU: the wall time of one copy, None, None."""
   if not timing.cupti_available():
-    return 1e6 * roofline.wall_time_s(fn, xs[0], ws[0], reps=2, warmup=1), None
+    return 1e6 * roofline.wall_time_s(fn, xs[0], ws[0], reps=2, warmup=1), None, None
   turn = iter(range(1, 1 << 30))
   feed = lambda args, out: (lambda i: (xs[i % len(xs)], ws[i % len(ws)]))(next(turn))
   kernels = timing.kernel_breakdown(fn, (xs[0], ws[0]), feed,
                                     iters=max(bench_flags.REPS.value, 2 * len(ws)))
-  return sum(us for _, _, us in kernels), sum(calls for _, calls, _ in kernels)
+  return (sum(us for _, _, us in kernels), sum(calls for _, calls, _ in kernels),
+          sum(us for name, _, us in kernels if name.startswith("gmm_")))
 
 
 class Shapes:
-  """Per (shape, M): the operands (made once) and XLA's us (the x_xla baseline)."""
+  """Per (shape, M): the operands (made once), XLA's us (the x_xla baseline) and the kernel
+  forms (tuning, pad) already run (a variant naming one again is skipped)."""
 
   def __init__(self, copies_cap, shapes=None):
     self.copies_cap, self.shapes, self.operands, self.xla_us = copies_cap, shapes or SHAPES, {}, {}
+    self.seen = set()
 
   def get(self, name, m):
     n, k, _ = self.shapes[name]
@@ -152,8 +159,9 @@ def bench_row(name, m, impl, ceil, shapes):
   variant does not apply to this shape."""
   n, k, f32_out = shapes.shapes[name]
   tun_pad = None if impl == "xla" else variant_tuning(impl, m, n, k)
-  if impl != "xla" and tun_pad is None:
+  if impl != "xla" and (tun_pad is None or (name, m, tun_pad) in shapes.seen):
     return None
+  shapes.seen.add((name, m, tun_pad))
   xs, ws, ws_kn = shapes.get(name, m)
   nbytes = 2 * n * k
   floor_us = nbytes / ceil["copy_tbps"] / 1e6
@@ -167,7 +175,9 @@ def bench_row(name, m, impl, ceil, shapes):
   weights = ws if impl == "xla" else ws_kn
   try:
     row["rel_err"] = rel_f64(fn(xs[0], weights[0]), xs[0], ws[0])
-    row["us"], row["launches"] = _time(fn, xs, weights)
+    row["us"], row["launches"], gmm_us = _time(fn, xs, weights)
+    if impl != "xla":
+      row["gmm_us"] = gmm_us
   except Exception as ex:  # one failing variant must not hide the rest
     row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
     return row
@@ -193,14 +203,15 @@ def _print(row):
   flag = "" if row["ok"] else f"  FAIL: WRONG OUTPUT rel_err {row['rel_err']:.1e}"
   print(f"{row['shape']:15} M={row['M']:2} {row['impl']:12} {row.get('short', ''):24} "
         f"{row['us']:8.2f} us  {row['pct_copy']:5.1f}% copy  x XLA {row.get('x_xla', 1):5.2f}  "
-        f"launches {row['launches'] or 0:.1f}  ctas {row.get('ctas', '-')}  "
+        f"launches {row['launches'] or 0:.1f}  gmm {row.get('gmm_us') or 0:6.2f} us  "
+        f"ctas {row.get('ctas', '-')}  "
         f"floor {row['floor_us']:.2f} us  rel_err {row['rel_err']:.1e}{flag}", flush=True)
 
 
 def summary(rows):
   """Per (shape, M): XLA's us and the fastest correct kernel row (its tuning, us, x XLA)."""
   print("\nshape           M    XLA us  best kernel row        tuning                      us"
-        "  %copy  x XLA")
+        "  %copy  x XLA  gmm us")
   keys = dict.fromkeys((r["shape"], r["M"]) for r in rows)
   for name, m in keys:
     here = [r for r in rows if (r["shape"], r["M"]) == (name, m) and r.get("ok")]
@@ -210,7 +221,8 @@ def summary(rows):
       print(f"{name:15} {m:2}  (no correct {'XLA' if xla is None else 'kernel'} row)")
       continue
     print(f"{name:15} {m:2} {xla['us']:8.2f}  {best['impl']:20} {best['short']:24} "
-          f"{best['us']:8.2f} {best['pct_copy']:5.1f} {best['x_xla']:6.2f}", flush=True)
+          f"{best['us']:8.2f} {best['pct_copy']:5.1f} {best['x_xla']:6.2f} "
+          f"{best.get('gmm_us') or 0:7.2f}", flush=True)
 
 
 def main(_):
