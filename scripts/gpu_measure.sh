@@ -105,7 +105,7 @@ one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
 # target_layout's layouts, the first the baseline: the next TargetConfig A/B goes here as
 # packed,packed+FIELD=VALUE (none open; the last, the pair-layout launch, lost: notes/moe.md)
 XLA_VARIANTS="default,block_level,heroless,all_triton"  # xla_options' option sets (probe_xla_options VARIANTS)
-TARGET_LAYOUTS="packed"
+TARGET_LAYOUTS="packed,packed+fused_add_norm=true"
 
 run_part() {
   local part=$1 secs=$2
