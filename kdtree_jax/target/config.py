@@ -104,7 +104,10 @@ class TargetConfig:
   # it as ONE Pallas kernel launch (`target/add_norm_kernel.py`; on CPU its interpret mode)
   # instead of XLA's two (a reduce and an elementwise fusion, ~2.6-2.9 us per norm on the H200);
   # above one token (XLA makes each norm one fusion there) and in prefill it changes nothing.
-  # Same values up to f32 summation order. Off until the H200 A/B (gpu_measure target_layout).
+  # f32: the same values up to summation order; bf16: the norm of the bf16-rounded sum, as the
+  # program and HF say (XLA's fused norm takes the unrounded f32 sum: 1 ulp apart in places).
+  # Launches (deviceless H200 compile, 2-3 layer K2.6 share): 2 fewer per layer at one token,
+  # none changed at 16. Off until the H200 A/B (gpu_measure target_layout).
   fused_add_norm: bool = False
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
