@@ -76,7 +76,7 @@ _MLP_CASES = flags.DEFINE_list(
 # T=65's s3 gate|up, a2 down (WORKSPACE.md "INT4 expert kernels: the eighth session's sweeps").
 # This round (moe12) around the new T=16 and T=65 rows: 3 stages, 8 CTAs per SM of slots, il
 # off, down on 3 stages; each case's first row is the promoted variant + kp (the decode
-# layout's), the control; T=1 runs its control only. 9 programs.
+# layout's), the control; T=1 runs its control only, T=9 its promoted row. 10 programs.
 _D16 = "once+ismem+cat+kp+s2+w4+a2"
 _G16 = "once+ismem+p2c4+s2+cat+kp+il+a2"
 _D65 = "once+ismem+r8+s2+w16+cat+kp+a2"
@@ -87,12 +87,19 @@ MLP_VARIANTS = {
          f"once+ismem+p2c4+s2+cat+kp+a2|{_D16}", f"{_G16}|{_D16}+s3"),
     65: (f"{_G65}|{_D65}", f"{_G65}+s4|{_D65}", f"{_G65}|{_D65}+s3"),
 }
+
+
+def case_rows(t: int) -> tuple[str, ...]:
+  """mlp_tune's default rows for a case of T tokens: MLP_VARIANTS[T], else the promoted one."""
+  return MLP_VARIANTS.get(t, ("promoted",))
+
+
 _MLP_VARIANTS = flags.DEFINE_list(
     "mlp_variants", [],
     "mlp_tune: rows for every case: 'promoted' (default_tuning's choice) or tuning.apply_variant "
     "names ('+'-joined changes to both calls' base tunings: once, ismem, cat, kp, il, dqN, aN, "
     "rN, kBK, sN, nBN, xN[cC], pN[cC], wN, wide; 'default': none; 'GATED|DOWN': one per call, "
-    "same rN); empty: MLP_VARIANTS[T] per case (9 programs): "
+    "same rN); empty: MLP_VARIANTS[T] per case, else promoted (10 programs): "
     f"{MLP_VARIANTS}.")
 # A row whose output is further than this from the f32 XLA reference (relative L2 error) is
 # wrong, not slow: bf16 inputs and one bf16 rounding of each product give ~2e-3 here.
@@ -290,7 +297,7 @@ def part_mlp_tune(ceil, sink, rows):
     need = touched * _expert_bytes("int4")
     backend = "pallas" if jax.default_backend() == "gpu" else "interpret"  # CPU: a smoke run
     interp = backend == "interpret"
-    for name in _MLP_VARIANTS.value or MLP_VARIANTS.get(t, ("promoted",)):
+    for name in _MLP_VARIANTS.value or case_rows(t):
       row = dict(part="mlp_tune", fmt="int4", tuning=name, T=t, experts_touched=touched,
                  bytes_needed=need)
       try:

@@ -650,7 +650,7 @@ def test_bench_mlp_variants_lower_for_h200():
   rows = 0
   for case in bench._MLP_CASES.default:  # pylint: disable=protected-access
     t = int(case.split(":")[0])
-    for name in bench.MLP_VARIANTS[t]:
+    for name in bench.case_rows(t):
       assert "mosaic_gpu" in _lower_expert_mlp_h200(8 * t, _bench_tunings(name, 8 * t)), (t, name)
       rows += 1
   assert rows <= 15  # one compile each: moe_tune stays inside its 170 s
