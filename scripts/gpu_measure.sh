@@ -18,7 +18,7 @@
 #               promoted only; ptxas' register log of every kernel (MOSAIC_GPU_DUMP_PTXAS, Mosaic's
 #               own dump switch, set for this part's process; each row's first call is
 #               printed before its logs); per-call Mosaic us,
-#               wrong rows marked FAIL; 10 programs: moe_tune:170
+#               wrong rows marked FAIL; 6 programs: moe_tune:170
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 16, 1: one MoE layer
 #               of bench_k26_full per kernel, sorted vs auto (dense at T=1, else sorted) with
 #               the one-kernel routing (router_impl=pallas), the lean glue (lean_glue=true) and

@@ -56,35 +56,26 @@ _MLP_CASES = flags.DEFINE_list(
     "mlp_cases", ["16:4", "1:1", "9:8", "65:36"],
     "mlp_tune: T:E, T tokens (T*K rows, T of them local pairs) on E local experts touched "
     "(ar: 1:1; T=9: ~8 of 48; a ddtree 15 verify touched ~3.5 on bench_k26_full; T=65: ~36).")
-# mlp_tune's rows per case T: 'promoted' (default_tuning's choice by M, tuning.DEFAULT_VARIANTS:
-# the baseline every other row is compared with) and tuning.apply_variant names applied to the
-# base tuning (variant 'default'). This round (moe9, issue 12's small T; the model behind it in
-# WORKSPACE.md): a one-expert INT4 call is bound by the dequantise -> wgmma chain of the SMs
-# that run 2 CTAs, not by bytes, so the rows test what shortens that chain. At T=1 and 16 the
-# model's own configuration (promoted + kp: the decode layout packs K) and on top of it
-#   il: gate and up chunks dequantised together, one wgmma wait per pair (two accumulator
-#       chains per warpgroup in the gated call, one drain per K step instead of two);
-#   a2: each stack's chunks alternate over two accumulators (both calls: two chains per stack);
-#   il+a2: four chains in the gated call, two in down;
-#   T=1 gated k128+p8: 8 splits of 7 K steps of 128 = 256 CTAs (<= 2 on every SM; 7 splits
-#       give 224: 92 SMs run 2, 40 run 1: 64 chunks on the busiest SM -> 56);
-#   T=16 gated k128: 34 KB per CTA (6 per SM by SMEM): the 512 CTAs in one wave instead of
-#       3 per SM (60 KB) and a second wave of 116;
-#   T=16 down s2+w4 (no split, 4 slot columns): each of the 448 CTAs runs its one live item's 8
-#       K steps behind one pipeline fill, where x4c4 runs all 4 live items' 2 steps, 4 fills.
-# s8 promoted T=1's il+a2+k128+p8|a2+p4, T=9's down s2+w4+a2, T=16's p2c4+il+a2|s2+w4+a2 and
-# T=65's s3 gate|up, a2 down (WORKSPACE.md "INT4 expert kernels: the eighth session's sweeps").
-# This round (moe12) around the new T=16 and T=65 rows: 3 stages, 8 CTAs per SM of slots, il
-# off, down on 3 stages; each case's first row is the promoted variant + kp (the decode
-# layout's), the control; T=1 runs its control only, T=9 its promoted row. 10 programs.
+# mlp_tune's rows per case T: 'promoted' (default_tuning's choice by M, tuning.DEFAULT_VARIANTS)
+# and tuning.apply_variant names applied to the base tuning (variant 'default'). A small-T INT4
+# call is bound by the dequantise -> wgmma chain of the SMs that run 2 CTAs, not by bytes
+# (WORKSPACE.md "INT4 expert kernels at small T"), so the knobs shorten or spread that chain:
+#   il: gate and up chunks dequantised together, one wgmma wait per pair, one drain per K step;
+#   aN: each stack's chunks alternate over N accumulators (two chains per stack);
+#   pN / xN: exactly N / N x the K splits (more CTAs, fewer K steps each), cC: ~C CTAs per SM;
+#   wN: no split, slot columns for ~N CTAs per SM (one pipeline fill per live item);
+#   kBK / sN: K per pipeline step, stages.
+# The eighth session's four sweeps and what they promoted: WORKSPACE.md "INT4 expert kernels:
+# the eighth session's sweeps". Open from its last round (cut by the time box): T=65 gate|up on
+# 4 stages, down on 3. Each case's first row is the promoted variant + kp (the decode layout's),
+# the control; T=9 runs its promoted row. 6 programs.
 _D16 = "once+ismem+cat+kp+s2+w4+a2"
 _G16 = "once+ismem+p2c4+s2+cat+kp+il+a2"
 _D65 = "once+ismem+r8+s2+w16+cat+kp+a2"
 _G65 = "once+ismem+r8+s3+w16+cat+kp"
 MLP_VARIANTS = {
     1: ("once+ismem+cat+kp+il+a2+k128+p8|once+ismem+cat+kp+a2+p4",),
-    16: (f"{_G16}|{_D16}", f"{_G16}+s3|{_D16}", f"once+ismem+p2c8+s2+cat+kp+il+a2|{_D16}",
-         f"once+ismem+p2c4+s2+cat+kp+a2|{_D16}", f"{_G16}|{_D16}+s3"),
+    16: (f"{_G16}|{_D16}",),
     65: (f"{_G65}|{_D65}", f"{_G65}+s4|{_D65}", f"{_G65}|{_D65}+s3"),
 }
 
@@ -99,7 +90,7 @@ _MLP_VARIANTS = flags.DEFINE_list(
     "mlp_tune: rows for every case: 'promoted' (default_tuning's choice) or tuning.apply_variant "
     "names ('+'-joined changes to both calls' base tunings: once, ismem, cat, kp, il, dqN, aN, "
     "rN, kBK, sN, nBN, xN[cC], pN[cC], wN, wide; 'default': none; 'GATED|DOWN': one per call, "
-    "same rN); empty: MLP_VARIANTS[T] per case, else promoted (10 programs): "
+    "same rN); empty: MLP_VARIANTS[T] per case, else promoted (6 programs): "
     f"{MLP_VARIANTS}.")
 # A row whose output is further than this from the f32 XLA reference (relative L2 error) is
 # wrong, not slow: bf16 inputs and one bf16 rounding of each product give ~2e-3 here.
