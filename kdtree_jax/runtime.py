@@ -5,15 +5,14 @@
   compiled once (e.g. the 61-layer decode loop) is read back from disk by the next process with
   the same program, jax/jaxlib and device. `compile_cache_dir=""` turns it off.
 * XLA GPU command buffers (CUDA graphs) for fusions, cuBLAS, cuDNN, FFI custom calls (Mosaic
-  kernels), dynamic-slice fusions and while / conditional: OFF by default
-  (`command_buffers=False` sets --xla_gpu_enable_command_buffer= empty, so XLA's own default
-  set is off too). With them on, XLA also gets --xla_gpu_graph_min_graph_size=1: at XLA's
-  default (5) the decode loop's program, a kernel and the while at its top level, formed NO
-  graph at all (deviceless compile of the 61-layer loops with jax 0.11.2's CUDA plugin,
-  notes/runtime.md), so every earlier "with command buffers" loop ran host-driven like the one
-  without (H200, s5: ddtree-15 14.47 vs 13.02 ms/step, a difference graphs cannot explain). At 1
-  the whole loop is one graph (the while a conditional node): one graph launch per call, no host
-  work per iteration; not measured on a GPU yet. `command_buffers=True` turns them on
+  kernels), dynamic-slice fusions and while / conditional: ON by default, with
+  --xla_gpu_graph_min_graph_size=1. At XLA's default minimum (5) the decode loop's program (a
+  kernel and the while at its top level) formed NO graph (notes/runtime.md); at 1 the whole
+  61-layer loop is one graph, the while a conditional node: one graph launch per call, no host
+  work per iteration. Measured on an H200 (2026-12-01, K2.6's 61-layer share at 46k, one run):
+  ar 9.04 -> 5.21 ms/step, DDTree 15 20.45 -> 9.71 (11.6 without graphs on another machine);
+  the trained pair's ar 4453 -> 5129 tok/s (WORKSPACE.md). `command_buffers=False` (`--nocommand_buffers`) sets
+  --xla_gpu_enable_command_buffer= empty, so XLA's own default set is off too
   (`COMMAND_BUFFER_OPTIONS` compiles one program with them, for an A/B;
   `command_buffer_options` also dumps XLA's thunks, which show what became graphs). CPU runs
   ignore the flags.
@@ -61,11 +60,11 @@ def command_buffer_options(dump_dir: str | None = None) -> dict:
 class RuntimeConfig:
   """compile_cache_dir: persistent compilation cache folder ("" = off; None = JAX's configured
   folder, else DEFAULT_CACHE_DIR).
-  command_buffers: XLA GPU command buffers for every program, the decode loop included (off by
+  command_buffers: XLA GPU command buffers for every program, the decode loop included (on by
   default: the module docstring says why)."""
 
   compile_cache_dir: str | None = None
-  command_buffers: bool = False
+  command_buffers: bool = True
 
 
 def xla_flags_with(flags: str, command_buffers: bool) -> str:
@@ -113,7 +112,7 @@ def define_flags():
                               f"{DEFAULT_CACHE_DIR}).")
   cbuf = flags.DEFINE_bool("command_buffers", RuntimeConfig.command_buffers, "XLA GPU command "
                            "buffers (CUDA graphs) for fusions, cuBLAS, custom calls, while and "
-                           "conditional (off by default: measured slower for the decode loop).")
+                           "conditional (on by default: the whole decode loop is one graph).")
   app.call_after_init(lambda: setup(RuntimeConfig(cache.value, cbuf.value)))
 
 

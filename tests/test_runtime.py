@@ -1,4 +1,4 @@
-"""runtime: command buffers off by default (XLA_FLAGS says so), on by config; the per-program
+"""runtime: command buffers on by default (XLA_FLAGS says so, the minimum graph size 1), off by config; the per-program
 option set that turns them on is one XLA accepts."""
 import os
 import subprocess
@@ -12,8 +12,8 @@ from kdtree_jax import runtime
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
-def test_default_is_off_and_replaces_an_earlier_value():
-  assert runtime.RuntimeConfig().command_buffers is False
+def test_default_is_on_and_replaces_an_earlier_value():
+  assert runtime.RuntimeConfig().command_buffers is True
   flags = runtime.xla_flags_with("--xla_foo=1 --xla_gpu_enable_command_buffer=FUSION", False)
   assert flags.split() == ["--xla_foo=1", "--xla_gpu_enable_command_buffer="]
   on = runtime.xla_flags_with("--xla_gpu_graph_min_graph_size=5", True).split()
@@ -34,11 +34,13 @@ def _setup_in_a_fresh_process(*args):
   return out.stdout.split()
 
 
-def test_scripts_default_to_no_command_buffers():
-  assert _setup_in_a_fresh_process() == ["--xla_gpu_enable_command_buffer=", "False"]
-  assert _setup_in_a_fresh_process("--command_buffers") == [
-      f"--xla_gpu_enable_command_buffer={runtime.COMMAND_BUFFER_TYPES}",
-      "--xla_gpu_graph_min_graph_size=1", "True"]
+def test_scripts_default_to_command_buffers():
+  on = [f"--xla_gpu_enable_command_buffer={runtime.COMMAND_BUFFER_TYPES}",
+        "--xla_gpu_graph_min_graph_size=1", "True"]
+  assert _setup_in_a_fresh_process() == on
+  assert _setup_in_a_fresh_process("--command_buffers") == on
+  assert _setup_in_a_fresh_process("--nocommand_buffers") == [
+      "--xla_gpu_enable_command_buffer=", "False"]
 
 
 def test_command_buffer_options_compile():
