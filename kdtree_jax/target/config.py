@@ -100,15 +100,6 @@ class TargetConfig:
   # (the kernel's interpret mode would only slow CPU runs). Same routing decisions either way;
   # H200 (s6_moe_layer.log): one MoE layer T=1 42.8 vs 46.8 us, T=16 240.1 vs 248.9.
   router_impl: str = "auto"
-  # fused_add_norm: at one token per row (the ar step), each residual add and the RMSNorm after
-  # it as ONE Pallas kernel launch (`target/add_norm_kernel.py`; on CPU its interpret mode)
-  # instead of XLA's two (a reduce and an elementwise fusion, ~2.6-2.9 us per norm on the H200);
-  # above one token (XLA makes each norm one fusion there) and in prefill it changes nothing.
-  # f32: the same values up to summation order; bf16: the norm of the bf16-rounded sum, as the
-  # program and HF say (XLA's fused norm takes the unrounded f32 sum: 1 ulp apart in places).
-  # Launches (deviceless H200 compile, 2-3 layer K2.6 share): 2 fewer per layer at one token,
-  # none changed at 16. Off until the H200 A/B (gpu_measure target_layout).
-  fused_add_norm: bool = False
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
   shared_intermediate_size: int | None = None
@@ -132,8 +123,6 @@ class TargetConfig:
       raise ValueError(f"{self.moe_glue=} must be 'auto', 'sorted' or 'dense'")
     if self.router_impl not in ("auto", "xla", "pallas"):
       raise ValueError(f"{self.router_impl=} must be 'auto', 'xla' or 'pallas'")
-    if not isinstance(self.fused_add_norm, bool):
-      raise ValueError(f"{self.fused_add_norm=} must be a bool")
 
   # ---- derived shapes -------------------------------------------------------------------
   @property
