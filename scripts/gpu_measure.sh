@@ -57,7 +57,7 @@
 #               baseline), CUPTI kernel ms and launches each (4 sets: ~300 s on a bare machine)
 #   target_layout  the same fused step (ar, ddtree 15), default options, target packed beside
 #               TargetConfig A/Bs on it (probe_xla_options --layouts packed+field=value; one copy
-#               of the experts; edit TARGET_LAYOUTS below for the A/B at hand; open: fused_add_norm):
+#               of the experts; edit TARGET_LAYOUTS below for the A/B at hand; none open now):
 #               CUPTI kernel ms and launches of each, side by side (2 layouts: ~200 s on a bare
 #               machine; 5 layouts did not fit 330 s)
 #   draft_share the same for k26_dflash_share only (bench_k26_full's draft, issue 17's must-show)
@@ -102,11 +102,12 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/kdtree_xla_ca
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 quiet() { grep -v "^[IW][0-9]\{4\}" ; }
 one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
-# target_layout's layouts, the first the baseline: a TargetConfig A/B goes here as
-# packed,packed+FIELD=VALUE (open: fused_add_norm, one-token add + RMSNorm in one launch; the
-# last, the pair-layout launch, lost: notes/moe.md)
+# target_layout's layouts, the first the baseline: the next TargetConfig A/B goes here as
+# packed,packed+FIELD=VALUE (none open; the last, the one-token add + RMSNorm as one launch,
+# measured no faster and was removed: WORKSPACE.md; the one before, the pair-layout launch,
+# lost: notes/moe.md)
 XLA_VARIANTS="default,block_level,heroless,all_triton"  # xla_options' option sets (probe_xla_options VARIANTS)
-TARGET_LAYOUTS="packed,packed+fused_add_norm=true"
+TARGET_LAYOUTS="packed"
 
 run_part() {
   local part=$1 secs=$2
