@@ -1,8 +1,9 @@
-"""bench_k26_full's decode loops only, each compiled twice: without command buffers (the default)
-and with them (`_cmdbuf` rows; `runtime.COMMAND_BUFFER_OPTIONS` incl. xla_gpu_graph_min_graph_size
-1: the whole while in one CUDA graph, notes/runtime.md); ar and ddtree 15 at 46k, no phase
-tables (k26_core has them). The A/B of issue 13's host gap: compare ms/step per mode (the
-`_cmdbuf` rows' busy / gap columns are op by op under the profiler: ms/step only).
+"""bench_k26_full's decode loops only, each compiled twice: with the runtime's command-buffer
+setting and with the other (`_cmdbuf` rows: with command buffers, `runtime.COMMAND_BUFFER_OPTIONS`
+incl. xla_gpu_graph_min_graph_size 1, the whole while in one CUDA graph, notes/runtime.md;
+`_nograph` rows: without); ar and ddtree 15 at 46k, no phase tables (k26_core has them). The A/B
+of issue 13's host gap: compare ms/step per mode (jax.profiler's busy / gap columns cannot see a
+graph's kernels: ms/step only). Measured s9: ar 9.04 -> 5.21, ddtree 15 20.45 -> 9.71 ms/step.
 
   bash scripts/gpu_measure.sh $OUT k26_loops:300
 """

@@ -46,6 +46,8 @@
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
 #   k26_core    the same with the phase tables of ar and ddtree 15, loops at 46k only (a bare
 #               machine: ~130 s of compile, ~80-110 s per table: k26_core:450)
+#   k26_tput    k26_full without phase tables: compile + throughput vs context (4k..128k) of ar,
+#               chain, ddtree 15 (ar + ddtree took 383 s of a bare machine, chain cut: k26_tput:580)
 #   k26_loops   the ar and ddtree 15 loops at 46k only, each without and with command buffers
 #               (configs/bench_k26_loops.py; no phase tables): the host-gap A/B (k26_loops:300)
 #   k26_ddtree  k26_core without ar's phase table (k26_ddtree:360)
@@ -144,6 +146,8 @@ run_part() {
     k26_cmdbuf) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --ab_loop_modes=ddtree \
                 --time_budget_s $(( secs - 20 )) ;;
+    k26_tput) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+                --config configs/bench_k26_tput.py --time_budget_s $(( secs - 20 )) ;;
     k26_loops) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_loops.py --time_budget_s $(( secs - 20 )) ;;
     k26_ddtree) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
