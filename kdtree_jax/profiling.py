@@ -15,7 +15,7 @@ own verify gives it, captured from a forward of the same state and tree: the sam
 same experts touched, as the step), `rest` = verify - attention - moe. `step_nograph`: the fused
 step compiled without command buffers (every kernel launched by the host, so CUPTI sees all of
 them): its kernel time is the device time a loop step needs, whatever graphs do to tracing;
-compiled only when the process runs with command buffers (`runtime`: off by default, and then
+compiled only when the process runs with command buffers (`runtime`: on by default; without them
 `step` is that program). The verify row lists its kernels by jax op (`format_listing`).
 """
 
