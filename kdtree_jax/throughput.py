@@ -14,6 +14,15 @@ device-busy per step: the time per step the GPU idles inside the device loop (`g
 so in every row). A trace that misses kernels (device-busy under half the step) is flagged
 `gap_suspect`; a gap negative beyond noise (a loop faster than its own kernels) is a
 measurement error and says so in `gap_warning` (`gap_verdict`).
+
+A loop run as a CUDA graph (`graphs`: command buffers on) has no trace-based gap: XLA runs a
+command buffer op by op while a profiler session is active, so the trace times another program
+(`host_gap_us` None, `gap_method` says n/a). Against kernel time measured without graphs, a graph
+loop may be legitimately faster: XLA launches its fusions with programmatic dependent launch
+(PDL, Hopper+; a graph gets programmatic edges), so a kernel's start overlaps its predecessor's
+tail and the no-graph kernels' summed durations count the overlap twice; graph nodes also skip
+the per-launch work of stream launches. `gap_verdict(..., graphs=True)` says so instead of
+IMPOSSIBLE (notes/runtime.md, "Loop vs kernels under one graph").
 """
 
 import time
@@ -22,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdtree_jax import forced_accept, timing
+from kdtree_jax import forced_accept, runtime, timing
 from kdtree_jax.bench_state import at_context, bench_state
 from kdtree_jax.decoding import loop, step
 
@@ -122,13 +131,43 @@ def measure_wall(run, pair, st, gen):
 GAP_NOISE_US, GAP_NOISE_FRAC = 50.0, 0.03  # |gap| below max(50 us, 3% of the step): noise
 
 
-def gap_verdict(host_gap_us, step_us):
-  """'' for a plausible host gap, else a warning: a loop cannot run a step faster than the
-  kernels of that step (a gap negative beyond noise is a measurement error)."""
-  if host_gap_us is None or host_gap_us >= -max(GAP_NOISE_US, GAP_NOISE_FRAC * step_us):
+def gap_verdict(host_gap_us, step_us, graphs=False):
+  """'' for a plausible host gap of a host-launched loop, else a warning: such a loop cannot run
+  a step faster than the kernels of that step (a gap negative beyond noise is a measurement
+  error). graphs: the loop ran as one CUDA graph and `host_gap_us` = loop - the step's kernel
+  time measured WITHOUT graphs: `graph_gap_note` (never IMPOSSIBLE)."""
+  if host_gap_us is None:
+    return ""
+  if graphs:
+    return graph_gap_note(host_gap_us, step_us)
+  if host_gap_us >= -_noise_us(step_us):
     return ""
   return (f"IMPOSSIBLE: loop {-host_gap_us:.0f} us/step faster than its kernels "
           "(a measurement error, not a speed)")
+
+
+def graph_gap_note(gap_us, step_us):
+  """What `gap_us` = graph loop ms/step - no-graph kernel time per step can say: under (or
+  within noise of) the kernels, no host gap is visible (the graph loop's own overlap and launch
+  savings make up the difference; a host gap cannot be separated from them); over them, the
+  excess bounds the host gap from above (gaps between graph nodes are in it too)."""
+  if gap_us > _noise_us(step_us):
+    return (f"graph loop {gap_us:.0f} us/step over the no-graph kernel sum: at most that much "
+            "host gap (not separable from gaps between graph nodes)")
+  where = "under" if gap_us < -_noise_us(step_us) else "within noise of"
+  return (f"graph loop {abs(gap_us):.0f} us/step {where} the no-graph kernel sum: no host gap "
+          "visible (PDL overlap / launch savings inside the graph; host gap not separable)")
+
+
+def _noise_us(step_us):
+  return max(GAP_NOISE_US, GAP_NOISE_FRAC * (step_us or 0.0))
+
+
+GRAPH_GAP_NA = "n/a (graph)"
+GRAPH_GAP_METHOD = (f"{GRAPH_GAP_NA}: the loop runs as a CUDA graph; XLA runs command buffers "
+                    "op by op while a profiler session is active, so the trace is not the "
+                    "graph's run (kernel_us etc. are that trace's; H200 traces of graph loops "
+                    "saw from 9% to all of the step's kernels)")
 
 
 _NO_TRACE = dict(kernel_us=None, kernel_sum_us=None, kernels_per_step=None,
@@ -136,10 +175,11 @@ _NO_TRACE = dict(kernel_us=None, kernel_sum_us=None, kernels_per_step=None,
                  gap_warning="")
 
 
-def measure_device(run, pair, st, gen, ms_per_step):
+def measure_device(run, pair, st, gen, ms_per_step, graphs=False):
   """{kernel_us, kernel_sum_us, kernels_per_step, device_span_us, host_gap_us, gap_method,
   gap_suspect, gap_warning} of a traced chunk of min(gen, TRACE_STEPS) steps from `st` (consumed); None
-  values off-GPU. Per step = per step the traced chunk actually ran."""
+  values off-GPU. Per step = per step the traced chunk actually ran. graphs: `run` is a loop
+  compiled with command buffers: the trace runs it op by op, so no gap (`GRAPH_GAP_METHOD`)."""
   gen = min(gen, TRACE_STEPS)
   first = int(st.steps)
   chunk = lambda a, out: (a[0], out, int(out.steps) + gen)
@@ -155,17 +195,25 @@ def measure_device(run, pair, st, gen, ms_per_step):
     return dict(_NO_TRACE,
                 trace_error=f"the traced chunk ran {ran} steps (the loop stopped early)")
   busy = 1e3 * tr["busy_ms"] / ran
-  gap = 1e3 * ms_per_step - busy
-  return dict(kernel_us=busy, kernel_sum_us=1e3 * tr["kernel_sum_ms"] / ran,
-              kernels_per_step=tr["kernels"] / ran, device_span_us=1e3 * tr["span_ms"] / ran,
-              host_gap_us=gap, gap_method=GAP_METHOD, gap_suspect=busy < 0.5e3 * ms_per_step,
-              gap_warning=gap_verdict(gap, busy))
+  trace = dict(kernel_us=busy, kernel_sum_us=1e3 * tr["kernel_sum_ms"] / ran,
+               kernels_per_step=tr["kernels"] / ran, device_span_us=1e3 * tr["span_ms"] / ran)
+  return dict(trace, **trace_gap(busy, ms_per_step, graphs))
 
 
-def measure_context(run, pair, st, gen):
+def trace_gap(busy_us, ms_per_step, graphs):
+  """{host_gap_us, gap_method, gap_suspect, gap_warning} from the trace's device-busy time per
+  step; none for a graph loop (its trace ran op by op)."""
+  if graphs:
+    return dict(host_gap_us=None, gap_method=GRAPH_GAP_METHOD, gap_suspect=None, gap_warning="")
+  gap = 1e3 * ms_per_step - busy_us
+  return dict(host_gap_us=gap, gap_method=GAP_METHOD, gap_suspect=busy_us < 0.5e3 * ms_per_step,
+              gap_warning=gap_verdict(gap, busy_us))
+
+
+def measure_context(run, pair, st, gen, graphs=False):
   """measure_wall then measure_device of one context from `st` (consumed)."""
   st, m = measure_wall(run, pair, st, gen)
-  return dict(m, **measure_device(run, pair, st, gen, m["ms_per_step"]))
+  return dict(m, **measure_device(run, pair, st, gen, m["ms_per_step"], graphs))
 
 
 def loop_state_steps(gen: int) -> int:
@@ -175,12 +223,17 @@ def loop_state_steps(gen: int) -> int:
   return max(2 * WARM_CALLS + WALL_ROUNDS * (4 + gen), 2 * min(gen, TRACE_STEPS)) + 16
 
 
-def time_contexts(pair, spec, ctxs, dtype, batch=1, gen=16, run=None):
+def time_contexts(pair, spec, ctxs, dtype, batch=1, gen=16, run=None, graphs=None):
   """One compiled device loop for `spec` (`run`, e.g. a compiled `loop_program`, or jitted
   here); one row per context (see the module docstring): every context's wall time first,
-  then every context's trace (a fresh state each pass)."""
+  then every context's trace (a fresh state each pass). graphs: whether the loop runs with
+  command buffers (None: this process's setting, `runtime.command_buffers_on`; off-GPU always
+  False: no graphs there)."""
   tcfg, dcfg = pair.tcfg, pair.dcfg
   run = run or loop_program(spec)
+  if graphs is None:
+    graphs = runtime.command_buffers_on()
+  graphs = bool(graphs) and jax.default_backend() == "gpu"
   state = lambda ctx: at_context(bench_state(tcfg, dcfg, spec, batch, max(ctxs), dtype,
                                              steps=loop_state_steps(gen)), spec, ctx)
   walls = []
@@ -188,12 +241,12 @@ def time_contexts(pair, spec, ctxs, dtype, batch=1, gen=16, run=None):
     walls.append(measure_wall(run, pair, state(ctx), gen)[1])
   rows = []
   for ctx, m in zip(ctxs, walls):
-    m = dict(m, **measure_device(run, pair, state(ctx), gen, m["ms_per_step"]))
+    m = dict(m, **measure_device(run, pair, state(ctx), gen, m["ms_per_step"], graphs))
     rows.append(dict(mode=spec.mode, budget=spec.budget if spec.mode == "ddtree" else None,
                      block_size=spec.block_size if spec.mode != "ar" else None, ctx=ctx,
                      batch=batch, attn_backend=spec.attn_backend,
                      forced_accept=forced_accept.forced_count(spec),
-                     verify_width=spec.verify_width, **m,
+                     verify_width=spec.verify_width, graphs=graphs, **m,
                      tokens_per_s=1e3 * m["accepted_per_step"] * batch / m["ms_per_step"],
                      layers=tcfg.num_hidden_layers, device=jax.devices()[0].device_kind))
   return rows

@@ -11,7 +11,8 @@ Parts, in order (each compile counted and time-boxed; the run stops cleanly at -
   2. throughput vs context (bench.ctxs) per mode with the compiled loops (every context's wall
      time first), then a jax.profiler trace per context: device-busy time per step (union of
      kernel intervals) and the host gap = loop ms per step - device-busy (cheap once compiled,
-     so before the tables);
+     so before the tables); for a loop run as a CUDA graph the gap is n/a (graph): the profiler
+     runs it op by op, so its trace is not the graph's;
   3. phase tables at bench.profile_ctx: `ar`, then ddtree at bench.profile_budgets[0] (those of
      bench.phase_modes, "ar,ddtree" unless set: "ddtree" skips ar's, "none" every table), with
      verify's attention / moe (on the step's own MoE inputs, so its routing) / rest, the host
@@ -28,7 +29,9 @@ other setting (`_cmdbuf` rows: with command buffers; `_nograph`: without) for th
 A/B; a `_cmdbuf` compile also dumps XLA's thunks and prints which parts became CUDA graphs (the
 optimised HLO cannot show it: notes/runtime.md), keeping the thunk files in out_dir.
 The printed summary puts compile times and the ar / first-budget tables first; a host gap
-negative beyond noise (a loop faster than its kernels) is printed with an IMPOSSIBLE warning.
+negative beyond noise (a loop faster than its kernels) is printed with an IMPOSSIBLE warning
+for a host-launched loop; for a graph loop (command buffers) it is what the graph saves
+(PDL overlap, launch work) and the note says no host gap is visible (`throughput.gap_verdict`).
 The config's `bench` section chooses the sizes (configs/bench_tiny.py runs it on a CPU).
 """
 
@@ -240,7 +243,8 @@ def host_gaps(c, rec):
     gap = host_gap_row(rec.rows, t["mode"], t["budget"], t["rows"], c.bench.profile_ctx)
     if gap:
       rec.add("host_gap", **gap)
-      print(f"host gap {t['mode']} budget={t['budget']} ctx={gap['ctx']}: loop "
+      loop = "graph loop" if gap["graphs"] else "loop"
+      print(f"host gap {t['mode']} budget={t['budget']} ctx={gap['ctx']}: {loop} "
             f"{gap['loop_ms']:.3f} ms/step - step kernels {gap['kernel_ms']:.3f} ms = "
             f"{gap['host_gap_us']:.1f} us/step ({gap['method']}) {gap['warning']}", flush=True)
 
@@ -251,9 +255,11 @@ GAP_METHOD = ("loop wall slope per step (the run's command-buffer setting) - CUP
 
 
 def host_gap_row(rows, mode, budget, phase_rows, ctx):
-  """{mode, budget, ctx, loop_ms, kernel_ms, host_gap_us, method, warning} from the throughput
-  row of (mode, budget) at `ctx` (the run's own loop, not the A/B variant) and the phase table's
-  step_nograph row, else its step row (dicts; CUPTI only), or None when either is missing."""
+  """{mode, budget, ctx, loop_ms, kernel_ms, host_gap_us, graphs, method, warning} from the
+  throughput row of (mode, budget) at `ctx` (the run's own loop, not the A/B variant) and the
+  phase table's step_nograph row, else its step row (dicts; CUPTI only), or None when either is
+  missing. graphs: the loop ran as a CUDA graph; then a loop under the kernels is no error
+  (`throughput.gap_verdict`)."""
   loop_row = next((r for r in rows if r["kind"] == "throughput" and r.get("ctx") == ctx
                    and r["mode"] == mode and r["budget"] == budget
                    and not r.get("ab_variant")), None)
@@ -262,9 +268,13 @@ def host_gap_row(rows, mode, budget, phase_rows, ctx):
   if loop_row is None or step is None:
     return None
   gap = 1e3 * (loop_row["ms_per_step"] - step["ms"])
+  graphs = bool(loop_row.get("graphs"))
   return dict(mode=mode, budget=budget, ctx=ctx, loop_ms=loop_row["ms_per_step"],
-              kernel_ms=step["ms"], host_gap_us=gap, method=GAP_METHOD,
-              warning=throughput.gap_verdict(gap, 1e3 * step["ms"]))
+              kernel_ms=step["ms"], host_gap_us=gap, graphs=graphs, method=GAP_METHOD,
+              warning=throughput.gap_verdict(gap, 1e3 * step["ms"], graphs=graphs))
+
+
+SUSPECT_NOTE = " (SUSPECT: trace saw under half the step)"
 
 
 def throughput_rows(m, c, spec, compiled_loop, deadline, rec, variant=""):
@@ -272,17 +282,19 @@ def throughput_rows(m, c, spec, compiled_loop, deadline, rec, variant=""):
   variant: the A/B loop's suffix (`ab_variant`; rows say so, and carry no host-gap rows)."""
   tcfg, tp, dcfg, dp, dtype = m
   run = lambda pair, st, until: compiled_loop(pair, st, jnp.int32(until))
-  out, secs, status = deadline.box(lambda: throughput.time_contexts(
-      Pair(tcfg, tp, dcfg, dp), spec, list(c.bench.ctxs), dtype, gen=c.bench.gen, run=run))
-  label = spec.mode + variant
   cmdbuf = runtime.command_buffers_on() != bool(variant)
+  out, secs, status = deadline.box(lambda: throughput.time_contexts(
+      Pair(tcfg, tp, dcfg, dp), spec, list(c.bench.ctxs), dtype, gen=c.bench.gen, run=run,
+      graphs=cmdbuf))
+  label = spec.mode + variant
   for r in out or []:
     rec.add("throughput", **r, command_buffers=cmdbuf, ab_variant=bool(variant))
+    trace = "op-by-op trace (not the graph): " if r["graphs"] else ""
     print(f"ctx={r['ctx']:>7} {label:>6}: {r['ms_per_step']:8.3f} ms/step "
           f"{r['accepted_per_step']:5.2f} tok/step {r['tokens_per_s']:9.1f} tok/s "
-          f"device-busy {_num(r['kernel_us'])} us, kernels summed {_num(r['kernel_sum_us'])} us, "
-          f"{_num(r['kernels_per_step'])} kernels, gap {_num(r['host_gap_us'])} us/step"
-          f"{' (SUSPECT: trace saw under half the step)' if r['gap_suspect'] else ''} "
+          f"{trace}device-busy {_num(r['kernel_us'])} us, kernels summed "
+          f"{_num(r['kernel_sum_us'])} us, {_num(r['kernels_per_step'])} kernels, "
+          f"gap {_gap(r)} us/step{SUSPECT_NOTE if r['gap_suspect'] else ''} "
           f"{r['gap_warning']}\n  walls (ms): warm-up {_ms(r['wall_warm_ms'])}, "
           f"2 steps {_ms(r['wall_short_ms'])}, {r['steps_timed']} steps {_ms(r['wall_long_ms'])}; "
           f"{r['timing']}; tokens emitted per step {r['emitted_per_step']:.2f}", flush=True)
@@ -307,15 +319,18 @@ def summary(rows) -> str:
     for p in t["rows"]:
       out.append(f"  {p['phase']:<12}{p['ms']:9.3f}{p['floor_ms']:9.3f}{p['pct_roofline']:7.1f}")
   out.append("throughput: ctx mode budget ms/step tok/step tok/s busy_us gap_us "
-             "(gap = loop ms/step - device-busy per step, jax.profiler trace; "
-             "_cmdbuf = with command buffers, _nograph = without)")
+             "(gap = loop ms/step - device-busy per step, jax.profiler trace; n/a for a graph "
+             "loop: the profiler runs it op by op; _cmdbuf = with command buffers, _nograph = "
+             "without)")
   for r in (r for r in rows if r["kind"] == "throughput" and "ctx" in r):
     mode = r["mode"] + (_suffix(r) if r.get("ab_variant") else "")
+    busy = f"{GRAPH_NA:>9}" if r.get("graphs") else _num(r["kernel_us"])
     out.append(f"  {r['ctx']:>7} {mode:>6} {str(r['budget']):>4} {r['ms_per_step']:9.3f} "
-               f"{r['accepted_per_step']:5.2f} {r['tokens_per_s']:9.1f} {_num(r['kernel_us'])} "
-               f"{_num(r['host_gap_us'])}{' SUSPECT' if r.get('gap_suspect') else ''} "
+               f"{r['accepted_per_step']:5.2f} {r['tokens_per_s']:9.1f} {busy} "
+               f"{_gap(r)}{' SUSPECT' if r.get('gap_suspect') else ''} "
                f"{r.get('gap_warning', '')}")
-  out.append("host gap from the step's CUPTI kernel time: mode budget ctx loop_ms kernel_ms gap_us")
+  out.append("host gap = loop ms/step - the step's no-graph CUPTI kernel sum: mode budget ctx "
+             "loop_ms kernel_ms gap_us (a graph loop: '<= 0: no host gap visible')")
   for r in (r for r in rows if r["kind"] == "host_gap"):
     out.append(f"  {r['mode']:>6} {str(r['budget']):>4} {r['ctx']:>7} {r['loop_ms']:9.3f} "
                f"{r['kernel_ms']:9.3f} {r['host_gap_us']:9.1f} {r.get('warning', '')}")
@@ -337,6 +352,14 @@ def summary(rows) -> str:
 
 def _num(x):
   return "-" if x is None else f"{x:9.1f}"
+
+
+GRAPH_NA = throughput.GRAPH_GAP_NA
+
+
+def _gap(row):
+  """The trace-based gap of a throughput row: n/a for a graph loop (no number to misread)."""
+  return f"{GRAPH_NA:>9}" if row.get("graphs") else _num(row["host_gap_us"])
 
 
 def _ms(xs):

@@ -1,6 +1,7 @@
 """throughput.measure_wall: per-step time divides by the steps the loop actually ran, and one-off
 costs of single calls (XLA recording a command buffer on an executable's second run) stay out of
-the slope; gap_verdict flags a loop faster than its kernels."""
+the slope; gap_verdict flags a host-launched loop faster than its kernels, and says what a graph
+loop under its no-graph kernels is instead (no error)."""
 import collections
 import types
 
@@ -86,3 +87,46 @@ def test_gap_verdict_flags_a_loop_faster_than_its_kernels():
   assert throughput.gap_verdict(-40.0, 6498.1) == ""   # within noise
   assert throughput.gap_verdict(251.8, 12769.9) == ""  # a real host gap
   assert throughput.gap_verdict(None, None) == ""
+
+
+# The H200 run s9_k26_core (2026-12-01, 61 layers at 46k, command buffers on: the whole loop one
+# CUDA graph) against the same step's CUPTI kernel sum compiled without graphs (step_nograph).
+AR_GRAPH = dict(loop_us=5239.0, kernels_us=5355.0)
+DDTREE_GRAPH = dict(loop_us=9826.0, kernels_us=10312.0)
+
+
+def _gap(row):
+  return row["loop_us"] - row["kernels_us"], row["kernels_us"]
+
+
+def test_gap_verdict_host_launched_loop_under_its_kernels_stays_impossible():
+  assert "IMPOSSIBLE: loop 486 us/step" in throughput.gap_verdict(*_gap(DDTREE_GRAPH))
+
+
+def test_gap_verdict_graph_loop_under_its_no_graph_kernels_is_no_error():
+  """Graph loop 486 us/step under the no-graph kernel sum (beyond noise: 3% of 10.3 ms is 309
+  us): PDL overlap and launch savings inside the graph, not a measurement error."""
+  note = throughput.gap_verdict(*_gap(DDTREE_GRAPH), graphs=True)
+  assert "IMPOSSIBLE" not in note
+  assert note.startswith("graph loop 486 us/step under the no-graph kernel sum")
+  assert "no host gap visible" in note and "not separable" in note
+
+
+def test_gap_verdict_graph_loop_within_noise_and_over():
+  ar = throughput.gap_verdict(*_gap(AR_GRAPH), graphs=True)  # -116 us, noise 161 us
+  assert ar.startswith("graph loop 116 us/step within noise of") and "no host gap visible" in ar
+  over = throughput.gap_verdict(500.0, 10312.0, graphs=True)  # beyond the 309 us of noise
+  assert over.startswith("graph loop 500 us/step over") and "at most that much host gap" in over
+  assert throughput.gap_verdict(None, None, graphs=True) == ""
+
+
+def test_trace_gap_of_a_graph_loop_is_not_a_number():
+  """The trace of a graph loop ran op by op (XLA turns graphs off while profiling): no gap, no
+  SUSPECT flag, the method says n/a; a host-launched loop keeps its gap and flag (the s9
+  ddtree trace saw 1283.5 us of a 9.826 ms step)."""
+  graph = throughput.trace_gap(1283.5, 9.826, graphs=True)
+  assert graph["host_gap_us"] is None and graph["gap_suspect"] is None
+  assert graph["gap_method"].startswith("n/a (graph)") and graph["gap_warning"] == ""
+  plain = throughput.trace_gap(1283.5, 9.826, graphs=False)
+  np.testing.assert_allclose(plain["host_gap_us"], 9826.0 - 1283.5)
+  assert plain["gap_suspect"] and plain["gap_warning"] == ""

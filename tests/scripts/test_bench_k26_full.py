@@ -1,6 +1,8 @@
 """scripts/bench_k26_full.py end to end at tiny size on a CPU (configs/bench_tiny.py): every part
-writes its JSON lines, compiles are counted, and the time box stops the run cleanly."""
+writes its JSON lines, compiles are counted, and the time box stops the run cleanly; and how its
+host-gap rows and summary read a loop run as one CUDA graph (the H200 numbers of s9_k26_core)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -9,6 +11,62 @@ import sys
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SCRIPT = "bench_k26_full_script"  # module name of the script loaded in this process
+
+
+@pytest.fixture(scope="module", name="bench")
+def bench_module():
+  """The script as a module (its absl flags defined once per process)."""
+  if SCRIPT not in sys.modules:
+    spec = importlib.util.spec_from_file_location(
+        SCRIPT, os.path.join(ROOT, "scripts", "bench_k26_full.py"))
+    sys.modules[SCRIPT] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[SCRIPT])
+  return sys.modules[SCRIPT]
+
+
+def _tput(mode, budget, ms, graphs, busy, gap, suspect):
+  return dict(kind="throughput", mode=mode, budget=budget, ctx=46000, ms_per_step=ms,
+              accepted_per_step=2.0, tokens_per_s=2e3 / ms, kernel_us=busy, host_gap_us=gap,
+              gap_suspect=suspect, gap_warning="", graphs=graphs, command_buffers=graphs,
+              ab_variant=False)
+
+
+STEP_NOGRAPH = [dict(phase="step", timer="cupti", ms=10.395, floor_ms=3.6, pct_roofline=35.0),
+                dict(phase="step_nograph", timer="cupti", ms=10.312, floor_ms=3.6,
+                     pct_roofline=35.3)]
+
+
+def test_host_gap_of_a_graph_loop_under_its_kernels_is_no_error(bench):
+  """s9_k26_core ddtree 15: graph loop 9.826 ms/step, the step's no-graph CUPTI kernel sum 10.312
+  ms: -486 us/step, printed as what the graph saves, not IMPOSSIBLE."""
+  rows = [_tput("ddtree", 15, 9.826, True, None, None, None)]
+  gap = bench.host_gap_row(rows, "ddtree", 15, STEP_NOGRAPH, 46000)
+  assert gap["graphs"] and gap["kernel_ms"] == 10.312
+  assert abs(gap["host_gap_us"] + 486.0) < 1e-6
+  assert "IMPOSSIBLE" not in gap["warning"] and "no host gap visible" in gap["warning"]
+
+
+def test_host_gap_of_a_host_launched_loop_under_its_kernels_stays_impossible(bench):
+  rows = [_tput("ddtree", 15, 9.826, False, None, None, None)]
+  gap = bench.host_gap_row(rows, "ddtree", 15, STEP_NOGRAPH, 46000)
+  assert not gap["graphs"] and gap["warning"].startswith("IMPOSSIBLE")
+
+
+def test_summary_prints_no_trace_gap_for_a_graph_loop(bench):
+  """The graph row's busy / gap columns read n/a (graph), without the trace's numbers or SUSPECT
+  (s9: busy 1283.5, gap 8542.6 SUSPECT from an op-by-op trace); a host-launched row keeps them."""
+  rows = [_tput("ddtree", 15, 9.826, True, 1283.5, None, None),
+          _tput("ar", None, 9.044, False, 8400.0, 644.0, False),
+          dict(bench.host_gap_row([_tput("ddtree", 15, 9.826, True, None, None, None)],
+                                  "ddtree", 15, STEP_NOGRAPH, 46000), kind="host_gap")]
+  text = bench.summary(rows)
+  (graph,) = [x for x in text.splitlines() if x.strip().startswith("46000 ddtree")]
+  assert graph.count("n/a (graph)") == 2 and "1283.5" not in graph and "SUSPECT" not in graph
+  (plain,) = [x for x in text.splitlines() if x.strip().startswith("46000     ar")]
+  assert "8400.0" in plain and "644.0" in plain and "n/a" not in plain
+  (host,) = [x for x in text.splitlines() if x.strip().startswith("ddtree   15   46000")]
+  assert "-486.0" in host and "no host gap visible" in host and "IMPOSSIBLE" not in text
 
 
 def _run(out_dir, *args, timeout=600):
@@ -72,10 +130,10 @@ def test_compile_only_needs_no_weights(tmp_path):
 
 @pytest.mark.slow
 def test_ab_loop_modes_flag_compiles_the_loop_with_command_buffers(tmp_path):
-  """--ab_loop_modes=ar: ar's loop compiled again with command buffers and XLA's dump; a CPU
-  compile writes no thunk dump, so the thunk row says none was found (the GPU's says which
-  thunks stayed outside graphs) and the dump folder is gone."""
-  stdout, rows = _run(tmp_path, "--compile_only", "--ab_loop_modes=ar")
+  """--ab_loop_modes=ar in a run without command buffers (on by default): ar's loop compiled
+  again with them and XLA's dump; a CPU compile writes no thunk dump, so the thunk row says none
+  was found (the GPU's says which thunks stayed outside graphs) and the dump folder is gone."""
+  stdout, rows = _run(tmp_path, "--compile_only", "--ab_loop_modes=ar", "--nocommand_buffers")
   parts = [(r["mode"], r["part"]) for r in rows if r["kind"] == "compile"]
   assert ("ar", "loop_cmdbuf") in parts and ("ddtree", "loop_cmdbuf") not in parts
   assert all(r["status"] == "ok" for r in rows if r["kind"] == "compile")
@@ -96,6 +154,8 @@ def test_loops_only_ab_times_each_loop_with_and_without_command_buffers(tmp_path
     plain = [r for r in tput if r["mode"] == mode and not r.get("ab_variant")]
     ab = [r for r in tput if r["mode"] == mode and r.get("ab_variant")]
     assert [r["ctx"] for r in plain] == [r["ctx"] for r in ab] == [32, 64], (mode, tput)
-    assert all(r["command_buffers"] for r in ab) and not any(r["command_buffers"] for r in plain)
+    # the A/B loop has the other command-buffer setting than the run's default
+    assert len({r["command_buffers"] for r in plain}) == 1
+    assert {r["command_buffers"] for r in ab} == {not r["command_buffers"] for r in plain}
     assert {r["emitted_per_step"] for r in plain} == {r["emitted_per_step"] for r in ab}
   assert not [r for r in tput if r["mode"] == "chain" and r.get("ab_variant")]
