@@ -23,10 +23,12 @@ Parts, in order (each compile counted and time-boxed; the run stops cleanly at -
      LISTING_TOP, from the same compiled program and CUPTI trace), and the verify program's
      matmuls that share an input (launches that could merge);
   4. phase tables for the other budgets (no attention / moe split; when phase_modes has ddtree).
-Command buffers follow the runtime config (off by default; `--command_buffers` turns them on);
+Command buffers follow the runtime config (on by default; `--nocommand_buffers` turns them off);
 bench.ab_loop_modes (or --ab_loop_modes=ddtree,...) compiles those modes' loops again with the
 other setting (`_cmdbuf` rows: with command buffers; `_nograph`: without) for the throughput
-A/B; a `_cmdbuf` compile also dumps XLA's thunks and prints which parts became CUDA graphs (the
+A/B, or with the run's setting plus --ab_loop_options (`_opts` rows; e.g.
+xla_gpu_enable_pdl=false: does PDL make the graph loop faster than its no-graph kernels?); a
+`_cmdbuf` compile also dumps XLA's thunks and prints which parts became CUDA graphs (the
 optimised HLO cannot show it: notes/runtime.md), keeping the thunk files in out_dir.
 The printed summary puts compile times and the ar / first-budget tables first; a host gap
 negative beyond noise (a loop faster than its kernels) is printed with an IMPOSSIBLE warning
@@ -67,6 +69,10 @@ _AB_LOOP_MODES = flags.DEFINE_string(
     "again with the other command-buffer setting and timed beside the default (`_cmdbuf` / "
     "`_nograph` rows); the `_cmdbuf` compile also dumps XLA's thunks and prints which of them "
     "kept the loop out of a graph. Default: the config's bench.ab_loop_modes.")
+_AB_LOOP_OPTIONS = flags.DEFINE_string(
+    "ab_loop_options", "", "Comma-separated XLA compiler options, e.g. 'xla_gpu_enable_pdl=false':"
+    " the A/B loops of --ab_loop_modes then keep this run's command-buffer setting and add these "
+    "options (`_opts` rows) instead of flipping the setting.")
 runtime.define_flags()
 
 
@@ -119,11 +125,28 @@ def _compile(lowered, options=None):
 
 
 def ab_variant():
-  """(suffix, compiler_options) of the A/B loop: the other command-buffer setting than this
-  process's (`runtime`; off by default, so the variant is 'with command buffers')."""
-  if runtime.command_buffers_on():
-    return "_nograph", timing.NO_COMMAND_BUFFERS
-  return "_cmdbuf", runtime.COMMAND_BUFFER_OPTIONS
+  """(suffix, compiler_options, command buffers on) of the A/B loop: with --ab_loop_options,
+  this process's command-buffer setting (`runtime`) plus those options (`_opts`); else the other
+  setting than this process's (`_nograph` under the default, `_cmdbuf` with them off)."""
+  on = runtime.command_buffers_on()
+  if _AB_LOOP_OPTIONS.value:
+    base = runtime.COMMAND_BUFFER_OPTIONS if on else timing.NO_COMMAND_BUFFERS
+    return "_opts", dict(base, **parse_options(_AB_LOOP_OPTIONS.value)), on
+  if on:
+    return "_nograph", timing.NO_COMMAND_BUFFERS, False
+  return "_cmdbuf", runtime.COMMAND_BUFFER_OPTIONS, True
+
+
+def parse_options(text):
+  """'k=v,k2=v2' -> {k: v}: 'true' / 'false' as bools, integers as ints, else strings (the types
+  `compiler_options` wants)."""
+  out = {}
+  for item in (x.strip() for x in text.split(",") if x.strip()):
+    key, value = item.split("=", 1)
+    low = value.strip().lower()
+    out[key.strip()] = ({"true": True, "false": False}[low] if low in ("true", "false")
+                        else int(low) if low.lstrip("-").isdigit() else value.strip())
+  return out
 
 
 def _ab_modes(c):
@@ -150,7 +173,7 @@ def compile_modes(m, c, specs, deadline, rec):
     if spec.mode in _ab_modes(c):
       lowered["loop" + ab_variant()[0]] = lowered["loop"]
     jobs += [(spec, part, low, max_len, (t0 - deadline.left()) / 2) for part, low in lowered.items()]
-  suffix, options = ab_variant()
+  suffix, options, _ = ab_variant()
   dumps = {}  # the `_cmdbuf` loops' XLA dump folders (their thunks: `thunk_graph_report`)
   for spec, part, *_ in jobs:
     if part.endswith(suffix) and suffix == "_cmdbuf":
@@ -282,13 +305,13 @@ def throughput_rows(m, c, spec, compiled_loop, deadline, rec, variant=""):
   variant: the A/B loop's suffix (`ab_variant`; rows say so, and carry no host-gap rows)."""
   tcfg, tp, dcfg, dp, dtype = m
   run = lambda pair, st, until: compiled_loop(pair, st, jnp.int32(until))
-  cmdbuf = runtime.command_buffers_on() != bool(variant)
+  cmdbuf = ab_variant()[2] if variant else runtime.command_buffers_on()
   out, secs, status = deadline.box(lambda: throughput.time_contexts(
       Pair(tcfg, tp, dcfg, dp), spec, list(c.bench.ctxs), dtype, gen=c.bench.gen, run=run,
       graphs=cmdbuf))
   label = spec.mode + variant
   for r in out or []:
-    rec.add("throughput", **r, command_buffers=cmdbuf, ab_variant=bool(variant))
+    rec.add("throughput", **r, command_buffers=cmdbuf, ab_variant=bool(variant), variant=variant)
     trace = "op-by-op trace (not the graph): " if r["graphs"] else ""
     print(f"ctx={r['ctx']:>7} {label:>6}: {r['ms_per_step']:8.3f} ms/step "
           f"{r['accepted_per_step']:5.2f} tok/step {r['tokens_per_s']:9.1f} tok/s "
@@ -321,7 +344,7 @@ def summary(rows) -> str:
   out.append("throughput: ctx mode budget ms/step tok/step tok/s busy_us gap_us "
              "(gap = loop ms/step - device-busy per step, jax.profiler trace; n/a for a graph "
              "loop: the profiler runs it op by op; _cmdbuf = with command buffers, _nograph = "
-             "without)")
+             "without, _opts = with --ab_loop_options)")
   for r in (r for r in rows if r["kind"] == "throughput" and "ctx" in r):
     mode = r["mode"] + (_suffix(r) if r.get("ab_variant") else "")
     busy = f"{GRAPH_NA:>9}" if r.get("graphs") else _num(r["kernel_us"])
@@ -367,7 +390,7 @@ def _ms(xs):
 
 
 def _suffix(row):
-  return "_cmdbuf" if row.get("command_buffers") else "_nograph"
+  return row.get("variant") or ("_cmdbuf" if row.get("command_buffers") else "_nograph")
 
 
 def run_parts(m, c, deadline, rec):

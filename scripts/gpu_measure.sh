@@ -54,6 +54,9 @@
 #   k26_cmdbuf  k26_core plus the ddtree loop compiled again WITH command buffers (one more
 #               loop compile): its ms/step beside the default's (ddtree_cmdbuf row) and XLA's
 #               thunks of it (which parts became CUDA graphs: notes/runtime.md; k26_cmdbuf:520)
+#   k26_pdl     k26_loops' ar and ddtree 15 loops at 46k, the A/B loops with graphs as the run but
+#               xla_gpu_enable_pdl=false (`_opts` rows): does PDL make the graph loop faster than
+#               its no-graph kernels (notes/runtime.md "Loop vs kernels"; k26_pdl:300)
 #   xla_options scripts/probe_xla_options.py: bench_k26_full's fused step (ar, ddtree 15), target
 #               packed, compiled per XLA option set in XLA_VARIANTS below (the first is the
 #               baseline), CUPTI kernel ms and launches each (4 sets: ~300 s on a bare machine)
@@ -145,6 +148,9 @@ run_part() {
                 --config configs/bench_k26_core.py --time_budget_s $(( secs - 20 )) ;;
     k26_cmdbuf) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --ab_loop_modes=ddtree \
+                --time_budget_s $(( secs - 20 )) ;;
+    k26_pdl) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+                --config configs/bench_k26_loops.py --ab_loop_options=xla_gpu_enable_pdl=false \
                 --time_budget_s $(( secs - 20 )) ;;
     k26_tput) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_tput.py --time_budget_s $(( secs - 20 )) ;;

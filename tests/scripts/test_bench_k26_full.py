@@ -58,13 +58,17 @@ def test_summary_prints_no_trace_gap_for_a_graph_loop(bench):
   (s9: busy 1283.5, gap 8542.6 SUSPECT from an op-by-op trace); a host-launched row keeps them."""
   rows = [_tput("ddtree", 15, 9.826, True, 1283.5, None, None),
           _tput("ar", None, 9.044, False, 8400.0, 644.0, False),
+          dict(_tput("ddtree", 15, 10.2, True, None, None, None), ab_variant=True,
+               variant="_opts"),
           dict(bench.host_gap_row([_tput("ddtree", 15, 9.826, True, None, None, None)],
                                   "ddtree", 15, STEP_NOGRAPH, 46000), kind="host_gap")]
   text = bench.summary(rows)
-  (graph,) = [x for x in text.splitlines() if x.strip().startswith("46000 ddtree")]
+  (graph,) = [x for x in text.splitlines() if x.strip().startswith("46000 ddtree   15")]
   assert graph.count("n/a (graph)") == 2 and "1283.5" not in graph and "SUSPECT" not in graph
   (plain,) = [x for x in text.splitlines() if x.strip().startswith("46000     ar")]
   assert "8400.0" in plain and "644.0" in plain and "n/a" not in plain
+  (opts,) = [x for x in text.splitlines() if x.strip().startswith("46000 ddtree_opts")]
+  assert "10.200" in opts and opts.count("n/a (graph)") == 2  # an --ab_loop_options row
   (host,) = [x for x in text.splitlines() if x.strip().startswith("ddtree   15   46000")]
   assert "-486.0" in host and "no host gap visible" in host and "IMPOSSIBLE" not in text
 
@@ -140,6 +144,27 @@ def test_ab_loop_modes_flag_compiles_the_loop_with_command_buffers(tmp_path):
   (thunks,) = [r for r in rows if r["kind"] == "thunks"]
   assert thunks["label"] == "ar_cmdbuf" and not thunks["found"]
   assert "thunk report ar_cmdbuf: no thunk dump" in stdout
+
+
+def test_parse_options_types_values_for_compiler_options(bench):
+  assert bench.parse_options("xla_gpu_enable_pdl=false, xla_gpu_graph_min_graph_size=1,"
+                             "xla_gpu_command_buffer_scheduling_mode=CONCURRENT") == {
+      "xla_gpu_enable_pdl": False, "xla_gpu_graph_min_graph_size": 1,
+      "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+  assert bench.parse_options("") == {}
+
+
+@pytest.mark.slow
+def test_ab_loop_options_compile_the_loop_again_with_those_options(tmp_path):
+  """--ab_loop_options: the A/B loop keeps the run's command-buffer setting and adds the options
+  (`loop_opts`, e.g. PDL off: the GPU A/B of why a graph loop beats its no-graph kernels)."""
+  stdout, rows = _run(tmp_path, "--compile_only", "--ab_loop_modes=ar",
+                      "--ab_loop_options=xla_gpu_enable_pdl=false")
+  parts = [(r["mode"], r["part"]) for r in rows if r["kind"] == "compile"]
+  assert ("ar", "loop_opts") in parts and ("ddtree", "loop_opts") not in parts
+  assert not [p for p in parts if p[1] in ("loop_cmdbuf", "loop_nograph")]
+  assert all(r["status"] == "ok" for r in rows if r["kind"] == "compile")
+  assert not [r for r in rows if r["kind"] == "thunks"] and "==== summary" in stdout
 
 
 @pytest.mark.slow
