@@ -51,9 +51,9 @@
 #   k26_loops   the ar and ddtree 15 loops at 46k only, each without and with command buffers
 #               (configs/bench_k26_loops.py; no phase tables): the host-gap A/B (k26_loops:300)
 #   k26_ddtree  k26_core without ar's phase table (k26_ddtree:360)
-#   k26_cmdbuf  k26_core plus the ddtree loop compiled again WITH command buffers (one more
-#               loop compile): its ms/step beside the default's (ddtree_cmdbuf row) and XLA's
-#               thunks of it (which parts became CUDA graphs: notes/runtime.md; k26_cmdbuf:520)
+#   k26_cmdbuf  k26_core plus the ddtree loop compiled again with the other command-buffer
+#               setting (one more loop compile; with today's default that is the host-driven
+#               `ddtree_nograph` row) beside the default's ms/step (k26_cmdbuf:520)
 #   k26_pdl     k26_loops' ar and ddtree 15 loops at 46k, the A/B loops with graphs as the run but
 #               xla_gpu_enable_pdl=false (`_opts` rows): does PDL make the graph loop faster than
 #               its no-graph kernels (notes/runtime.md "Loop vs kernels"; k26_pdl:300)
