@@ -66,7 +66,8 @@
 #               baseline), CUPTI kernel ms and launches each (4 sets: ~300 s on a bare machine)
 #   target_layout  the same fused step (ar, ddtree 15), default options, target packed beside
 #               TargetConfig A/Bs on it (probe_xla_options --layouts packed+field=value; one copy
-#               of the experts; edit TARGET_LAYOUTS below for the A/B at hand; none open now):
+#               of the experts; edit TARGET_LAYOUTS below for the A/B at hand; open now:
+#               fold_norm_weights):
 #               CUPTI kernel ms and launches of each, side by side (2 layouts: ~200 s on a bare
 #               machine; 5 layouts did not fit 330 s)
 #   draft_share the same for k26_dflash_share only (bench_k26_full's draft, issue 17's must-show)
@@ -112,11 +113,13 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 quiet() { grep -v "^[IW][0-9]\{4\}" ; }
 one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
 # target_layout's layouts, the first the baseline: the next TargetConfig A/B goes here as
-# packed,packed+FIELD=VALUE (none open; the last, the one-token add + RMSNorm as one launch,
-# measured no faster and was removed: WORKSPACE.md; the one before, the pair-layout launch,
-# lost: notes/moe.md)
+# packed,packed+FIELD=VALUE. Open: fold_norm_weights (attn_norm's gain folded into q_a | kv_a,
+# the q LoRA norm's into q_b; the deviceless H200 compile of a 2-layer K2.6-share step: 2 kernels
+# per layer fewer at one token, the same count at 16; the folded layout adds ~2 GB of attention
+# weights beside packed's). The last, the one-token add + RMSNorm as one launch, measured no
+# faster and was removed: WORKSPACE.md; the one before, the pair-layout launch, lost: notes/moe.md
 XLA_VARIANTS="default,block_level,heroless,all_triton"  # xla_options' option sets (probe_xla_options VARIANTS)
-TARGET_LAYOUTS="packed"
+TARGET_LAYOUTS="packed,packed+fold_norm_weights=true"
 
 run_part() {
   local part=$1 secs=$2

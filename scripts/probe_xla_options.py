@@ -25,7 +25,7 @@ from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.loader import DTYPES, load_draft, load_target
 from kdtree_jax.pair import Pair
 from kdtree_jax.config_overrides import with_overrides
-from kdtree_jax.target.pack import layout_params
+from kdtree_jax.target.pack import fold_norm_gains, layout_params
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "bench_k26_full.py")
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Bench config.")
@@ -105,10 +105,15 @@ def probe_mode(pairs, c, mode, dtype, variants):
 def make_layouts(tcfg, tp, names):
   """{name: (target config, params)} for --layouts: `pack.layout_params` of the names' bases
   (one copy of the routed experts among them), a name 'BASE+field=value...' being BASE's params
-  with those TargetConfig fields set (`config_overrides`, e.g. packed+lean_glue=false)."""
+  with those TargetConfig fields set (`config_overrides`, e.g. packed+lean_glue=false); a
+  pack-time field (fold_norm_weights) applied to the base's params (`pack.fold_norm_gains`: new
+  folded attention weights, every other array shared)."""
   params = layout_params(tcfg, tp, {n.split("+")[0] for n in names})
-  return {n: (with_overrides(tcfg, n.split("+")[1:], f"--layouts {n!r}"), params[n.split("+")[0]])
-          for n in names}
+  out = {}
+  for n in names:
+    cfg = with_overrides(tcfg, n.split("+")[1:], f"--layouts {n!r}")
+    out[n] = (cfg, fold_norm_gains(cfg, params[n.split("+")[0]]))
+  return out
 
 
 def main(_):

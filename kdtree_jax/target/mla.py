@@ -4,7 +4,8 @@ Letters: B batch, S/N tokens, H heads, D hidden, R kv_lora_rank (latent), P rope
 Dn qk_nope dim, Dv value dim, C = R + P latent cache width, L cache rows.
 Weights: q_a [D, Rq], q_b [Rq, H, Dn+P] (or q [D, H, Dn+P]), kv_a [D, R+P], kv_b [R, H, Dn+Dv],
 o [H, Dv, D]; packed (target/pack.py, out-major): qkv_a_t [Rq+R+P, D], q_b_t [H*(Dn+P), Rq],
-w_qc_t [H, R+P, Dn+P], w_uv [H, Dv, R], o_t [D, H*Dv] in place of q_a (or q), kv_a, q_b, kv_b, o.
+w_qc_t [H, R+P, Dn+P], w_uv [H, Dv, R], o_t [D, H*Dv] in place of q_a (or q), kv_a, q_b, kv_b, o;
+with the norm gains folded (pack.fold_norm_gains) qkv_a_t_folded and q_b_t_folded instead.
 """
 
 import functools
@@ -18,8 +19,8 @@ import numpy as np
 import pallas_kernels
 from kdtree_jax import sharding
 from kdtree_jax.target.config import TargetConfig
-from kdtree_jax.target.norm import rms_norm
-from kdtree_jax.target.pack import dot_t
+from kdtree_jax.target.norm import inv_rms, rms_norm
+from kdtree_jax.target.pack import dot_t, folded_dot_t
 from kdtree_jax.target import rope
 from kdtree_jax.target.rope import apply_rope, cos_sin
 from pallas_kernels.tree_verify.api import resolve_backend
@@ -29,9 +30,14 @@ def input_dots(p, cfg: TargetConfig, x_bsd):
   """(q_in, kv_a_out, mean squares): x @ q_a [B, S, Rq] (or the queries [B, S, H, Dn + P]
   without the q LoRA) and x @ kv_a [B, S, R + P]; one dot over p["qkv_a_t"] ((q_a | kv_a)^T,
   target/pack.py) when packed, else two. Mean squares: (of c_q, of c_kv) [B, S, 1] f32 from one
-  reduction where packed (lora_mean_squares), else (None, None): each norm reduces its own."""
-  if "qkv_a_t" in p:
-    y = dot_t(x_bsd, p["qkv_a_t"])
+  reduction where packed (lora_mean_squares), else (None, None): each norm reduces its own.
+  x_bsd: the attention's input, normalised by the layer's attn_norm, or as it is where that
+  norm is folded into "qkv_a_t_folded" (`reads_unnormalised_input`): its scale applied here."""
+  if "qkv_a_t" in p or "qkv_a_t_folded" in p:
+    if reads_unnormalised_input(p):
+      y = folded_dot_t(x_bsd, p["qkv_a_t_folded"], inv_rms(x_bsd, cfg.rms_norm_eps))
+    else:
+      y = dot_t(x_bsd, p["qkv_a_t"])
     q_in, a = y[..., :-cfg.cache_dim], y[..., -cfg.cache_dim:]
     if cfg.q_lora_rank is None:
       q_in = q_in.reshape(*q_in.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
@@ -39,6 +45,12 @@ def input_dots(p, cfg: TargetConfig, x_bsd):
   if cfg.q_lora_rank is None:
     return jnp.einsum("bsd,dhk->bshk", x_bsd, p["q"]), x_bsd @ p["kv_a"], (None, None)
   return x_bsd @ p["q_a"], x_bsd @ p["kv_a"], (None, None)
+
+
+def reads_unnormalised_input(p) -> bool:
+  """Whether the layer's attention takes the hidden state before its attn_norm (the norm's
+  gain folded into the packed q_a | kv_a dot, pack.fold_norm_gains)."""
+  return "qkv_a_t_folded" in p
 
 
 JOINT_NORM_ROWS = 8  # at most this many rows of gcd(Rq, R) (K2: 1536 | 512 -> 4 rows of 512)
@@ -65,6 +77,9 @@ def project_q(p, cfg: TargetConfig, q_in, mean_square=None):
   mean_square: input_dots' for c_q, or None."""
   if cfg.q_lora_rank is None:
     return q_in
+  if "q_b_t_folded" in p:  # q_a_norm's gain in the weight: the norm's scale on the output
+    q = folded_dot_t(q_in, p["q_b_t_folded"], inv_rms(q_in, cfg.lora_norm_eps, mean_square))
+    return q.reshape(*q.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
   c_q = rms_norm(q_in, p["q_a_norm"], cfg.lora_norm_eps, mean_square)
   if "q_b_t" in p:  # out-major [H * (Dn + P), Rq]: contracts its minor dim
     q = dot_t(c_q, p["q_b_t"])

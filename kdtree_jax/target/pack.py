@@ -39,6 +39,7 @@ mesh. Per layer (the forward reads either layout; see mla.input_dots, mlp.swiglu
     expert's down [Fs, D] as "down_t" [D, Fs] either way; INT4 routed stacks K-packed
     (`int4.pack_k`: the grouped-matmul kernel reads a thread's 8 values with one 32-bit load;
     H200 mlp_tune, sixth session: 1.02-1.08x faster at T = 1, 9, 16, 65), bf16 stacks as stored.
+With cfg.fold_norm_weights (`fold_norm_gains`), two RMSNorm gains go into the dot after them.
 """
 
 import jax
@@ -59,7 +60,38 @@ def pack_for_decode(cfg: TargetConfig, params, out_major: bool = True,
   every expert (without it, K2.6's one-GPU share, ~63 GB of experts, did not fit the H200
   while it loaded: sixth session). The loader passes it; tests keep both layouts."""
   layers = [pack_layer(cfg, lp, out_major, donate_experts) for lp in params["layers"]]
-  return params | {"layers": layers}
+  return fold_norm_gains(cfg, params | {"layers": layers})
+
+
+def fold_norm_gains(cfg: TargetConfig, params):
+  """The packed `params` with cfg.fold_norm_weights' folds (a new pytree sharing every other
+  array; `params` as it is when the flag is off). Per layer, where the packed dot exists:
+    * attn_norm's gain g into "qkv_a_t" as "qkv_a_t_folded" = qkv_a_t diag(g), attn_norm
+      removed: mla.input_dots reads the un-normalised x and scales the dot's output rows by
+      rsqrt(mean(x^2) + eps) (`folded_dot_t`);
+    * the q LoRA norm's gain into "q_b_t" as "q_b_t_folded", q_a_norm removed (mla.project_q).
+  Each norm's only consumer is that dot (the kv LoRA norm feeds the cache, the MoE input norm
+  the routed experts, the final norm the lm_head the draft shares: none of those is folded).
+  The product is rounded once to the weight's dtype (bf16: one more rounding than HF's, which
+  rounds the normalised x instead)."""
+  if not cfg.fold_norm_weights:
+    return params
+  return params | {"layers": [_fold_layer(lp) for lp in params["layers"]]}
+
+
+def _fold_layer(lp):
+  attn, out = dict(lp["attn"]), dict(lp)
+  if "qkv_a_t" in attn and "attn_norm" in out:
+    attn["qkv_a_t_folded"] = _scale_columns(attn.pop("qkv_a_t"), out.pop("attn_norm"))
+  if "q_b_t" in attn and "q_a_norm" in attn:
+    attn["q_b_t_folded"] = _scale_columns(attn.pop("q_b_t"), attn.pop("q_a_norm"))
+  return out | {"attn": attn}
+
+
+def _scale_columns(w_t, gain):
+  """w_t [N, K] diag(gain [K]): an out-major weight's contracted dim scaled by the gain (f32
+  product, rounded once to w_t's dtype)."""
+  return (w_t.astype(jnp.float32) * gain.astype(jnp.float32)).astype(w_t.dtype)
 
 
 LAYOUTS = ("per_layer", "packed_s5", "packed")
@@ -88,6 +120,15 @@ def layout_params(cfg: TargetConfig, params, names):
 def dot_t(x, w_t, **kw):
   """x [..., D] @ w_t[N, D]^T -> [..., N] (kw: dot_general's precision, preferred_element_type)."""
   return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())), **kw)
+
+
+def folded_dot_t(x, w_folded_t, inv_rms):
+  """rms_norm(x, g) @ w^T over w_folded_t = w diag(g) (`fold_norm_gains`): x @ w_folded_t^T
+  accumulated in f32, times inv_rms [..., 1] (the norm's rsqrt, per row), rounded once to x's
+  dtype. The same value in f32; in bf16 x itself is the dot's input, not x's normalised
+  rounding."""
+  y = dot_t(x, w_folded_t, preferred_element_type=jnp.float32)
+  return (y * inv_rms).astype(x.dtype)
 
 
 def pack_layer(cfg: TargetConfig, lp, out_major: bool = True, donate_experts: bool = False):

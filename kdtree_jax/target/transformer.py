@@ -23,6 +23,14 @@ def _ffn(lp, cfg: TargetConfig, x, routes):
   return swiglu(lp["mlp"], x) if "mlp" in lp else moe(lp["moe"], cfg, x, routes)
 
 
+def _attn_input(lp, cfg: TargetConfig, x):
+  """The attention's input: x through attn_norm, or x itself where the norm's gain is folded
+  into the packed q_a | kv_a dot (mla.input_dots applies the norm's scale to its output)."""
+  if mla.reads_unnormalised_input(lp["attn"]):
+    return x
+  return rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+
+
 def _head(params, cfg: TargetConfig, x):
   x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   return jnp.dot(x, params["lm_head"]).astype(jnp.float32)
@@ -49,8 +57,7 @@ def prefill(cfg: TargetConfig, params, cache: LatentCache | None, tokens_bs,
   taps = {}
   latent = None if cache is None else list(cache.latent)
   for i, lp in enumerate(params["layers"]):
-    h, rows = mla.prefill_attention(lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps),
-                                    positions)
+    h, rows = mla.prefill_attention(lp["attn"], cfg, _attn_input(lp, cfg, x), positions)
     x = x + h
     x = x + _ffn(lp, cfg, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), routes)
     if latent is not None:
@@ -77,7 +84,7 @@ def decode(cfg: TargetConfig, params, cache: LatentCache, tokens_bn, positions_b
   latent = list(cache.latent)
   for i, lp in enumerate(params["layers"]):
     h, latent[i] = mla.absorbed_attention(
-        lp["attn"], cfg, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions_bn, latent[i],
+        lp["attn"], cfg, _attn_input(lp, cfg, x), positions_bn, latent[i],
         cache.lengths, tree_mask_bnn, backend=attn_backend)
     x = x + h
     y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
