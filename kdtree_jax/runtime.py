@@ -11,9 +11,9 @@
   61-layer loop is one graph, the while a conditional node: one graph launch per call, no host
   work per iteration. Measured on an H200 (2026-12-01, K2.6's 61-layer share at 46k, one run):
   ar 9.04 -> 5.21 ms/step, DDTree 15 20.45 -> 9.71 (11.6 without graphs on another machine);
-  the trained pair's ar 4453 -> 5129 tok/s (WORKSPACE.md). `command_buffers=False` (`--nocommand_buffers`) sets
-  --xla_gpu_enable_command_buffer= empty, so XLA's own default set is off too
-  (`COMMAND_BUFFER_OPTIONS` compiles one program with them, for an A/B;
+  the trained pair's ar 4453 -> 5129 tok/s (WORKSPACE.md). `command_buffers=False`
+  (`--nocommand_buffers`) sets --xla_gpu_enable_command_buffer= empty, so XLA's own default set
+  is off too (`COMMAND_BUFFER_OPTIONS` compiles one program with them, for an A/B;
   `command_buffer_options` also dumps XLA's thunks, which show what became graphs). CPU runs
   ignore the flags.
 

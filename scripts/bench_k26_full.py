@@ -347,7 +347,7 @@ def summary(rows) -> str:
              "without, _opts = with --ab_loop_options)")
   for r in (r for r in rows if r["kind"] == "throughput" and "ctx" in r):
     mode = r["mode"] + (_suffix(r) if r.get("ab_variant") else "")
-    busy = f"{GRAPH_NA:>9}" if r.get("graphs") else _num(r["kernel_us"])
+    busy = f"{throughput.GRAPH_GAP_NA:>9}" if r.get("graphs") else _num(r["kernel_us"])
     out.append(f"  {r['ctx']:>7} {mode:>6} {str(r['budget']):>4} {r['ms_per_step']:9.3f} "
                f"{r['accepted_per_step']:5.2f} {r['tokens_per_s']:9.1f} {busy} "
                f"{_gap(r)}{' SUSPECT' if r.get('gap_suspect') else ''} "
@@ -377,12 +377,10 @@ def _num(x):
   return "-" if x is None else f"{x:9.1f}"
 
 
-GRAPH_NA = throughput.GRAPH_GAP_NA
-
 
 def _gap(row):
   """The trace-based gap of a throughput row: n/a for a graph loop (no number to misread)."""
-  return f"{GRAPH_NA:>9}" if row.get("graphs") else _num(row["host_gap_us"])
+  return f"{throughput.GRAPH_GAP_NA:>9}" if row.get("graphs") else _num(row["host_gap_us"])
 
 
 def _ms(xs):

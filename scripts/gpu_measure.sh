@@ -46,10 +46,11 @@
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
 #   k26_core    the same with the phase tables of ar and ddtree 15, loops at 46k only (a bare
 #               machine: ~130 s of compile, ~80-110 s per table: k26_core:450)
-#   k26_conc    the same A/B with the graph's nodes ordered by buffer dependencies instead of one
-#               chain (xla_gpu_command_buffer_scheduling_mode=CONCURRENT; XLA's default LHS
-#               chains every kernel to the previous: notes/runtime.md): do independent kernels
-#               (q / kv paths, shared vs routed experts) gain from running side by side (k26_conc:300)
+#   k26_conc    k26_loops' graph loops beside the same with the graph's nodes ordered by buffer
+#               dependencies instead of one chain (`_opts` rows;
+#               xla_gpu_command_buffer_scheduling_mode=CONCURRENT; XLA's default LHS chains every
+#               kernel to the previous: notes/runtime.md): do independent kernels (q / kv paths,
+#               shared vs routed experts) gain from running side by side (k26_conc:300)
 #   k26_tput    k26_full without phase tables: compile + throughput vs context (4k..128k) of ar,
 #               chain, ddtree 15 (ar + ddtree took 383 s of a bare machine, chain cut: k26_tput:580)
 #   k26_loops   the ar and ddtree 15 loops at 46k only, each without and with command buffers
