@@ -50,13 +50,11 @@ import jax.numpy as jnp
 from ml_collections import config_flags
 
 from kdtree_jax import profiling, profiling_hlo, roofline, runtime, throughput, timing
+from kdtree_jax.bench_setup import bench_spec, load_bench_pair
 from kdtree_jax.bench_state import bench_state
 from kdtree_jax.decoding import loop
-from kdtree_jax.draft import model as draft_model
-from kdtree_jax.decoding.spec_config import SpecConfig
-from kdtree_jax.loader import DTYPES, load_draft, load_target, load_target_for_decode
+from kdtree_jax.loader import DTYPES
 from kdtree_jax.pair import Pair
-from kdtree_jax import forced_accept
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "bench_k26_full.py")
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Bench config.")
@@ -91,12 +89,6 @@ class Recorder:
     self.file.write(json.dumps(row, default=str) + "\n")
     self.file.flush()
     return row
-
-
-def _spec(c, mode, budget=None):
-  return SpecConfig(mode=mode, budget=budget or c.bench.budget, block_size=c.block_size,
-                    max_new_tokens=4096, attn_backend=c.attn_backend,
-                    target_choice=forced_accept.target_choice(c.forced_accept))
 
 
 def _loop_capacity(c, spec):
@@ -396,7 +388,7 @@ def run_parts(m, c, deadline, rec):
   the run (its abandoned thread may still be using the GPU)."""
   modes = [x for x in ("ar", "ddtree") if x in c.bench.modes]
   modes += [x for x in c.bench.modes if x not in modes]
-  loops = compile_modes(m, c, [_spec(c, mode) for mode in modes], deadline, rec)
+  loops = compile_modes(m, c, [bench_spec(c, mode) for mode in modes], deadline, rec)
   if _COMPILE_ONLY.value:
     return
   for mode in modes:
@@ -408,41 +400,22 @@ def run_parts(m, c, deadline, rec):
   rec.add("ceilings", **ceil)
   budgets = list(c.bench.profile_budgets)
   tables = c.bench.get("phase_modes", "ar,ddtree").split(",")  # a string: --config overrides it
-  for spec in (_spec(c, "ar"), _spec(c, "ddtree", budgets[0])):
+  for spec in (bench_spec(c, "ar"), bench_spec(c, "ddtree", budgets[0])):
     if spec.mode in tables and not phase_table(m, c, spec, ceil, deadline, rec):
       return
   for mode in modes:  # cheap once compiled: seconds per mode
-    if loops[mode] is not None and not throughput_rows(m, c, _spec(c, mode), loops[mode],
+    if loops[mode] is not None and not throughput_rows(m, c, bench_spec(c, mode), loops[mode],
                                                        deadline, rec):
       return
   host_gaps(c, rec)  # before the A/B loops: a graph run that crashes leaves these rows written
   suffix = ab_variant()[0]
   for mode in (x for x in modes if loops.get(x + suffix) is not None):
-    if not throughput_rows(m, c, _spec(c, mode), loops[mode + suffix], deadline, rec,
+    if not throughput_rows(m, c, bench_spec(c, mode), loops[mode + suffix], deadline, rec,
                            variant=suffix):
       return
   for b in budgets[1:] if "ddtree" in tables else ():  # without the attention / moe split
-    if not phase_table(m, c, _spec(c, "ddtree", b), ceil, deadline, rec, parts=False):
+    if not phase_table(m, c, bench_spec(c, "ddtree", b), ceil, deadline, rec, parts=False):
       return
-
-
-def _load(c, dtype, abstract):
-  """(tcfg, tparams, dcfg, dparams): on the device, or ShapeDtypeStructs when `abstract`. The
-  target in target.pack's decode layout (one dot for q_a | kv_a, router | shared gate | up per
-  layer) unless bench.pack_target=False (the per-layer weights, for an A/B run); the
-  draft in its decode layout (`draft.model.pack_for_decode`, as `load_pair` gives decode) unless
-  bench.pack_draft=False."""
-  box = {}
-  load = load_target_for_decode if c.bench.get("pack_target", True) else load_target
-  pack_draft = c.bench.get("pack_draft", True)
-
-  def build():
-    box["tcfg"], tp = load(c.target, dtype)
-    box["dcfg"], dp = load_draft(c.draft, box["tcfg"], dtype)
-    return tp, (draft_model.pack_for_decode(dp) if pack_draft else dp)
-
-  tp, dp = jax.eval_shape(build) if abstract else jax.block_until_ready(build())
-  return box["tcfg"], tp, box["dcfg"], dp
 
 
 def main(_):
@@ -451,7 +424,7 @@ def main(_):
   rec = Recorder(_OUT.value)
   dtype = DTYPES[c.dtype]
   with timing.CompileCounter() as cc:
-    tcfg, tp, dcfg, dp = _load(c, dtype, abstract=_COMPILE_ONLY.value)
+    tcfg, tp, dcfg, dp = load_bench_pair(c, dtype, abstract=_COMPILE_ONLY.value)
   rec.add("setup", device=jax.devices()[0].device_kind, layers=tcfg.num_hidden_layers,
           runtime=str(runtime.applied()), load_s=_BUDGET_S.value - deadline.left(),
           **cc.as_dict())

@@ -1,0 +1,37 @@
+"""What a K2.6-share benchmark builds from its run config (configs/bench_k26_*.py): the spec of a
+mode and the pair in its decode layout. Shared by scripts/bench_k26_full.py (which times them)
+and scripts/gpu_program.py (which compiles them for an H200 without one)."""
+
+import jax
+
+from kdtree_jax import forced_accept
+from kdtree_jax.decoding.spec_config import SpecConfig
+from kdtree_jax.draft import model as draft_model
+from kdtree_jax.loader import load_draft, load_target, load_target_for_decode
+
+
+def bench_spec(c, mode, budget=None) -> SpecConfig:
+  """The decode spec of `mode` (ddtree at `budget`, default bench.budget), with the config's
+  forced acceptance (random weights accept nothing)."""
+  return SpecConfig(mode=mode, budget=budget or c.bench.budget, block_size=c.block_size,
+                    max_new_tokens=4096, attn_backend=c.attn_backend,
+                    target_choice=forced_accept.target_choice(c.forced_accept))
+
+
+def load_bench_pair(c, dtype, abstract):
+  """(tcfg, tparams, dcfg, dparams): on the device, or ShapeDtypeStructs when `abstract`. The
+  target in target.pack's decode layout (one dot for q_a | kv_a, router | shared gate | up per
+  layer) unless bench.pack_target=False (the per-layer weights, for an A/B run); the
+  draft in its decode layout (`draft.model.pack_for_decode`, as `load_pair` gives decode) unless
+  bench.pack_draft=False."""
+  box = {}
+  load = load_target_for_decode if c.bench.get("pack_target", True) else load_target
+  pack_draft = c.bench.get("pack_draft", True)
+
+  def build():
+    box["tcfg"], tp = load(c.target, dtype)
+    box["dcfg"], dp = load_draft(c.draft, box["tcfg"], dtype)
+    return tp, (draft_model.pack_for_decode(dp) if pack_draft else dp)
+
+  tp, dp = jax.eval_shape(build) if abstract else jax.block_until_ready(build())
+  return box["tcfg"], tp, box["dcfg"], dp
