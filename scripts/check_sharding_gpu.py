@@ -37,8 +37,9 @@ _MESHES = flags.DEFINE_string("meshes", ";tensor=2;expert=2",
                               "';'-separated meshes ('' = one device).")
 _PARTS = flags.DEFINE_list("parts", ["allreduce", "tokens", "timing", "projection"],
                            "Parts, in order.")
-_SHARE = flags.DEFINE_string("share_jsonl", "results/h200/2026-12-01/s4_k26_core_run3.jsonl",
-                             "bench_k26_full.jsonl with the one-GPU-share phase tables.")
+_SHARE = flags.DEFINE_string("share_jsonl", "results/h200/2026-12-01/s9_k26_core.jsonl",
+                             "bench_k26_full.jsonl with the one-GPU-share phase tables (the "
+                             "latest: the ninth session's, decode loop as one CUDA graph).")
 _LAYERS = flags.DEFINE_integer("layers", 4, "K2.6-width timing model layers (1 dense + MoE).")
 _BUDGET = flags.DEFINE_integer("budget", 15, "ddtree budget of the timing.")
 _FORCED = flags.DEFINE_integer("forced_accept", 3, "Forced acceptance of the timing runs.")

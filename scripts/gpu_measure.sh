@@ -53,6 +53,8 @@
 #               shared vs routed experts) gain from running side by side (k26_conc:300)
 #   k26_tput    k26_full without phase tables: compile + throughput vs context (4k..128k) of ar,
 #               chain, ddtree 15 (ar + ddtree took 383 s of a bare machine, chain cut: k26_tput:580)
+#   k26_chain   k26_tput for chain only (configs/bench_k26_chain.py; the rows s9's k26_tput
+#               lacked: k26_chain:300)
 #   k26_loops   the ar and ddtree 15 loops at 46k only, each without and with command buffers
 #               (configs/bench_k26_loops.py; no phase tables): the host-gap A/B (k26_loops:300)
 #   k26_ddtree  k26_core without ar's phase table (k26_ddtree:360)
@@ -166,6 +168,8 @@ run_part() {
                 --time_budget_s $(( secs - 20 )) ;;
     k26_tput) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_tput.py --time_budget_s $(( secs - 20 )) ;;
+    k26_chain) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+                --config configs/bench_k26_chain.py --time_budget_s $(( secs - 20 )) ;;
     k26_loops) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_loops.py --time_budget_s $(( secs - 20 )) ;;
     k26_ddtree) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
@@ -203,7 +207,6 @@ run_part() {
           one_gpu timeout $(( left > 20 ? left : 20 )) python3 scripts/bench_pair.py \
             --step_cost "$RAW/pair/step_cost.json" --out "$RAW/pair.jsonl" ;;
     sharding) timeout "$secs" python3 scripts/check_sharding_gpu.py --meshes ";tensor=2;expert=2" \
-                --share_jsonl results/h200/2026-12-01/s4_k26_core_run3.jsonl \
                 --out "$RAW/sharding.jsonl" ;;
     multiprocess) timeout "$secs" bash scripts/check_multiprocess_gpu.sh "$RAW" ;;
     train_pair) one_gpu timeout "$secs" bash -c "rm -rf /tmp/train_state && python3 \
