@@ -25,4 +25,5 @@ def get_config():
           ctxs=[4096, 16384, 46000, 131072], gen=16,         # throughput vs context
           profile_ctx=46000, profile_budgets=[15, 7, 31, 63],  # phase tables (ar first, always)
           prompt_len=1024, reps=10, compile_box_s=240.0,
-          pack_draft=True))  # the draft's decode layout (False: per-layer weights, A/B)
+          pack_draft=True,  # the draft's decode layout (False: per-layer weights, A/B)
+          draft_token_qkv=False))  # True: draft.model.pack_token_qkv's layer-0 table (A/B)

@@ -23,15 +23,22 @@ def load_bench_pair(c, dtype, abstract):
   target in target.pack's decode layout (one dot for q_a | kv_a, router | shared gate | up per
   layer) unless bench.pack_target=False (the per-layer weights, for an A/B run); the
   draft in its decode layout (`draft.model.pack_for_decode`, as `load_pair` gives decode) unless
-  bench.pack_draft=False."""
+  bench.pack_draft=False; with bench.draft_token_qkv=True (the GPU A/B, default off) also
+  `draft.model.pack_token_qkv`'s table of layer 0's q|k|v rows per token (from the target's
+  embedding), so draft_block gathers those rows instead of running layer 0's q|k|v dot."""
   box = {}
   load = load_target_for_decode if c.bench.get("pack_target", True) else load_target
   pack_draft = c.bench.get("pack_draft", True)
+  token_qkv = c.bench.get("draft_token_qkv", False)
+  if token_qkv and not pack_draft:
+    raise ValueError("bench.draft_token_qkv needs bench.pack_draft (pack_token_qkv reads the "
+                     "packed q|k|v weight)")
 
   def build():
     box["tcfg"], tp = load(c.target, dtype)
     box["dcfg"], dp = load_draft(c.draft, box["tcfg"], dtype)
-    return tp, (draft_model.pack_for_decode(dp) if pack_draft else dp)
+    dp = draft_model.pack_for_decode(dp) if pack_draft else dp
+    return tp, (draft_model.pack_token_qkv(dp, box["dcfg"], tp["embed"]) if token_qkv else dp)
 
   tp, dp = jax.eval_shape(build) if abstract else jax.block_until_ready(build())
   return box["tcfg"], tp, box["dcfg"], dp

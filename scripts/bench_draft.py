@@ -17,7 +17,8 @@ second kernel merges its partials into the o_proj input (draft_block's packed_io
 partials merged by XLA; packed_io's kernel also applies the q/k norms and rope to the dot's
 raw heads (qk_in_kernel, the default; +xlaqk = XLA's norm + rope fusion instead); the A/B
 options +qkjoin, +expe (base-e softmax; base 2 is the default since s5), +msplitN, +hgN
-(see --ctx_impls);
+(see --ctx_impls); +tokqkv (with +packed: model.pack_token_qkv's table, layer 0's q|k|v rows
+looked up per block token instead of its dot; the floor stays the draft's own);
 +cublas = compiled with XLA's Triton GEMMs off). Both are the decode path's own functions
 (kdtree_jax/draft/model.py). Drafts (--drafts): k26_dflash_share
 = bench_k26_full's draft (published K2.6 DFlash shape sliced 1/8: 6 layers, 8 q / 1 kv heads,
@@ -76,6 +77,8 @@ flags.DEFINE_list("ctx_impls", [
                   "roped halves joined, full-width score dots); +exp2: Tuning.exp2 (base-2 "
                   "softmax, the default); +expe: the base-e softmax (before s5); +msplitN: Tuning.merge_pieces=N (merge programs of Y/N columns); "
                   "+hgN: Tuning.head_groups=N (each kv head's query heads in N program rows); "
+                  "+tokqkv (with +packed): model.pack_token_qkv, layer 0's q|k|v rows looked "
+                  "up per token, no layer-0 q|k|v dot; "
                   "+cublas: "
                   "compiled with XLA's Triton GEMMs off, cuBLAS for every dot")
 flags.DEFINE_list("ctx_kv", ["xla", "nomerge", "packed"],
@@ -230,7 +233,7 @@ def cache_sized_outputs(hlo_text, cache_shape):
   return found
 
 
-SUFFIXES = ("block", "packed", "splitio", "xlaqk", "cublas", "qkjoin", "exp2", "expe")
+SUFFIXES = ("block", "packed", "splitio", "xlaqk", "cublas", "qkjoin", "exp2", "expe", "tokqkv")
 NUMBERED = ("msplit", "hg")  # +msplitN: Tuning.merge_pieces=N; +hgN: Tuning.head_groups=N
 
 
@@ -272,6 +275,7 @@ def bench_block(cfg, params, embed, head, b, ctx, reps, ctx_impl):
   start = jnp.full((b,), ctx, jnp.int32)
   impl, chunk, tuning, extras = parse_ctx_impl(ctx_impl)
   params = model.pack_for_decode(params) if "packed" in extras else params
+  params = model.pack_token_qkv(params, cfg, embed) if "tokqkv" in extras else params
   options = CUBLAS_GEMMS if "cublas" in extras else None
   prog = jax.jit(lambda p, c, t, s, e, h: model.draft_block(
       p, cfg, c, t, s, e, h, ctx_impl=impl, kernel_chunk=chunk, kernel_tuning=tuning,

@@ -89,6 +89,12 @@
 #               dot rows measured no faster and were removed: WORKSPACE.md);
 #               each row printed when timed, with its logits' rel L2 vs the default and vs
 #               the same draft in f32); draft_gap:130
+#   draft_tokqkv  issue 17's layer-0 table (model.pack_token_qkv): its compiled GPU test, then
+#               bench_draft.py on k26_dflash_share at 46k, draft_block only: today's default
+#               beside +tokqkv (layer 0's q|k|v rows looked up, no layer-0 q|k|v dot; same
+#               floor), rel L2 vs the default and vs f32, kernels per call; draft_tokqkv:150
+#   k26_tokqkv  k26_ddtree with bench.draft_token_qkv=true (the ddtree 15 phase table and loop
+#               at 46k with the table; compare with k26_ddtree in the same call): k26_tokqkv:360
 #   draft_tests the compiled draft_block GPU tests of the packed forms only (~45 s)
 #   draft       the draft ctx kernel's GPU tests, then scripts/bench_draft.py: the two draft phases of
 #               both drafts (k26_dflash_share first; each draft's rows written when it is done),
@@ -190,6 +196,13 @@ run_part() {
                 tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
                 --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv= --top 40 --f32_ref \
                 --ctx_impls pallas+block+packed,pallas+block+packed+qkjoin,pallas+block+packed+hg2,pallas+block+packed+expe,pallas+block+packed+msplit2,pallas:p65+block+packed+hg2" ;;
+    draft_tokqkv) one_gpu timeout "$secs" bash -c "timeout 40 python3 -m pytest -q -rs -m gpu \
+                tests/draft/test_token_qkv.py; python3 scripts/bench_draft.py \
+                --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv= --top 40 --f32_ref \
+                --ctx_impls pallas+block+packed,pallas+block+packed+tokqkv,pallas+block+packed" ;;
+    k26_tokqkv) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+                --config configs/bench_k26_core.py --config.bench.phase_modes=ddtree \
+                --config.bench.draft_token_qkv=true --time_budget_s $(( secs - 20 )) ;;
     draft_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed ;;
     draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \

@@ -10,7 +10,9 @@ layers: a list of dicts (one per layer, so no step slices a stacked weight): q_p
 post_attention_layernorm [D], gate_proj / up_proj [D, F], down_proj [F, D]. Inference-only
 layouts, built once at load: pack_ctx_kv adds ctx_kv [D, layers*2*G*Y] (every layer's k_proj /
 v_proj side by side: the context write runs one dot for all layers); pack_for_decode also
-replaces each layer's q/k/v by qkv_proj [D, (H+2G)*Y] and gate/up by gate_up_proj [D, 2F].
+replaces each layer's q/k/v by qkv_proj [D, (H+2G)*Y] and gate/up by gate_up_proj [D, 2F];
+pack_token_qkv (opt-in) adds token_qkv [V, (H+2G)*Y], layer 0's q|k|v dot output per
+vocabulary token (draft_block then gathers its rows instead of running that dot).
 
 Attention rule: z-lab's reference (github.com/z-lab/dflash dflash/model.py, run by its
 dflash_generate on transformers 4.57.1's flash-attention path; notes/dflash_reference.md). A
@@ -179,6 +181,41 @@ def pack_for_decode(params):
   return packed | {"layers": layers}
 
 
+TOKEN_QKV_CHUNK = 8192  # vocabulary rows per dot while pack_token_qkv builds its table
+
+
+def pack_token_qkv(params, cfg: DraftConfig, embed_vd):
+  """pack_for_decode'd params + "token_qkv" [V, (H + 2G)*Y]: layer 0's q|k|v dot output for
+  every vocabulary token, rms_norm(embed[v], input_layernorm) @ qkv_proj, built once (at load).
+
+  Why: layer 0's q|k|v input is the block tokens' target embedding, a function of the token
+  alone (q_norm, k_norm and rope come after the dot), so draft_block looks its B*S rows up
+  (token_qkv_rows) instead of reading the whole qkv_proj weight ([D, (H+2G)*Y]: 18.4 MB for
+  bench_k26_full's draft) and running layer 0's input norm, dot and split-K reduce. Costs
+  V*(H+2G)*Y weights of memory (52 MB at bench_k26_full's V/8 vocabulary). Opt-in (the GPU A/B
+  decides): decode uses it when the key is there. `embed_vd` must be the embedding draft_block
+  is then given (the target's). Values: the same expression as the block forward, on
+  TOKEN_QKV_CHUNK rows at a time (only the dot's f32 summation order differs)."""
+  lp = params["layers"][0]
+  if "qkv_proj" not in lp:
+    raise ValueError("pack_token_qkv needs pack_for_decode'd params (layer 0's qkv_proj)")
+  _check_target(cfg, embed_vd.shape[-1])
+  dtype = params["fc"].dtype
+
+  rows = jax.jit(lambda e_nd, gain, w: rms_norm(e_nd.astype(dtype), gain, cfg.rms_norm_eps) @ w)
+  V = embed_vd.shape[0]
+  table = jnp.concatenate([rows(embed_vd[i:i + TOKEN_QKV_CHUNK], lp["input_layernorm"],
+                                lp["qkv_proj"]) for i in range(0, V, TOKEN_QKV_CHUNK)])
+  return params | {"token_qkv": table}
+
+
+def token_qkv_rows(params, tokens_bs):
+  """Layer 0's q|k|v dot output [B, S, (H+2G)*Y] of the block tokens from pack_token_qkv's
+  table, or None where params have no table."""
+  table = params.get("token_qkv")
+  return None if table is None else table[tokens_bs]
+
+
 def _ctx_kv_all(params, cfg, c_btd, positions_bt):
   """[(k (k_norm + rope), v) [B, T, G, Y]] of every layer from the ctx feature c: one dot over
   params["ctx_kv"] if packed (k_norm and rope then applied to every layer's k at once), else
@@ -320,25 +357,35 @@ def _merged_attention(q_bshy, parts, scale, kv_heads):
   return o.astype(q_bshy.dtype)
 
 
-def _qk_packed(lp, cfg, h_bsd, pos_bs):
-  """A packed layer's (qk, qkv): qkv [B, S, H+2G, Y] = the one dot over lp["qkv_proj"], qk
-  [B, S, H+G, Y] = its q and k heads normed and roped together (one fusion, not two)."""
+def _qkv_dot(lp, h_bsd, qkv_rows=None):
+  """A packed layer's q|k|v dot output [B, S, (H+2G)*Y]: h @ lp["qkv_proj"], or qkv_rows when
+  given (layer 0's rows looked up in pack_token_qkv's table: no dot, h unused)."""
+  return h_bsd @ lp["qkv_proj"] if qkv_rows is None else qkv_rows
+
+
+def _qk_packed(lp, cfg, h_bsd, pos_bs, qkv_rows=None):
+  """A packed layer's (qk, qkv): qkv [B, S, H+2G, Y] = the one dot over lp["qkv_proj"] (or
+  qkv_rows, see _qkv_dot), qk [B, S, H+G, Y] = its q and k heads normed and roped together (one
+  fusion, not two)."""
   B, S, _ = h_bsd.shape
   H, G, Y = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-  qkv = (h_bsd @ lp["qkv_proj"]).reshape(B, S, H + 2 * G, Y)
+  qkv = _qkv_dot(lp, h_bsd, qkv_rows).reshape(B, S, H + 2 * G, Y)
   norm = jnp.concatenate([jnp.broadcast_to(lp["q_norm"], (H, Y)),
                           jnp.broadcast_to(lp["k_norm"], (G, Y))])
   return rope(rms_norm(qkv[:, :, :H + G], norm, cfg.rms_norm_eps), pos_bs, cfg.rope_theta), qkv
 
 
-def _qkv(lp, cfg, h_bsd, pos_bs):
+def _qkv(lp, cfg, h_bsd, pos_bs, qkv_rows=None):
   """q (q_norm + rope) [B, S, H, Y] and the block's k (k_norm + rope), v [B, S, G, Y]: one dot
-  over lp["qkv_proj"] when the layer is packed (pack_for_decode), else three."""
+  over lp["qkv_proj"] when the layer is packed (pack_for_decode; or its output qkv_rows, see
+  _qkv_dot), else three."""
   B, S, _ = h_bsd.shape
   H, Y = cfg.num_attention_heads, cfg.head_dim
   if "qkv_proj" in lp:
-    qk, qkv = _qk_packed(lp, cfg, h_bsd, pos_bs)
+    qk, qkv = _qk_packed(lp, cfg, h_bsd, pos_bs, qkv_rows)
     return qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + cfg.num_key_value_heads:]
+  if qkv_rows is not None:
+    raise ValueError("qkv_rows (pack_token_qkv) needs a packed layer (pack_for_decode)")
   q = (h_bsd @ lp["q_proj"]).reshape(B, S, H, Y)
   k, v = _kv(lp, cfg, h_bsd, pos_bs)
   return rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), pos_bs, cfg.rope_theta), k, v
@@ -353,32 +400,35 @@ def _mlp(lp, h_bsd):
   return (jax.nn.silu(gate) * up) @ lp["down_proj"]
 
 
-def attend_key_sets(key_sets):
+def attend_key_sets(key_sets, qkv_rows=None):
   """An attention for _layer: block queries over key_sets(kb, vb), the key sets (see xla_part)
-  of the ctx and of the block's own K/V kb, vb [B, G, S, Y], merged by _merged_attention."""
+  of the ctx and of the block's own K/V kb, vb [B, G, S, Y], merged by _merged_attention
+  (qkv_rows: the q|k|v dot's output given, see _qkv_dot)."""
   def attend(lp, cfg, h_bsd, q_pos_bs):
-    q, kb, vb = _qkv(lp, cfg, h_bsd, q_pos_bs)
+    q, kb, vb = _qkv(lp, cfg, h_bsd, q_pos_bs, qkv_rows)
     parts = key_sets(jnp.swapaxes(kb, 1, 2), jnp.swapaxes(vb, 1, 2))
     return _merged_attention(q, parts, cfg.head_dim ** -0.5, cfg.num_key_value_heads)
   return attend
 
 
-def attend_packed_kernel(k_bgly, v_bgly, ctx_len_b, tuning, interpret, qk_in_kernel=False):
+def attend_packed_kernel(k_bgly, v_bgly, ctx_len_b, tuning, interpret, qk_in_kernel=False,
+                         qkv_rows=None):
   """An attention for _layer (packed layers, every block key visible): the ctx kernel reads q
   and the block's K/V straight from _qk_packed's arrays (ctx_attention.packed_block_partials)
   and a second kernel merges its partials into the o_proj input (merge_to_heads): no slice,
   transpose or XLA merge between the q|k|v dot and the o_proj dot. qk_in_kernel: the kernel
   reads the q|k|v dot's raw output and applies q_norm / k_norm and rope itself (no XLA norm or
-  rope launch either; the scores as two half-width dots)."""
+  rope launch either; the scores as two half-width dots). qkv_rows: the q|k|v dot's output
+  given (see _qkv_dot)."""
   def attend(lp, cfg, h_bsd, q_pos_bs):
     G = cfg.num_key_value_heads
     if qk_in_kernel:
       B, S, _ = h_bsd.shape
       qk, rope_eps = None, cfg.rms_norm_eps
-      qkv = (h_bsd @ lp["qkv_proj"]).reshape(B, S, -1, cfg.head_dim)
+      qkv = _qkv_dot(lp, h_bsd, qkv_rows).reshape(B, S, -1, cfg.head_dim)
       rope_in = (lp["q_norm"], lp["k_norm"], *rope_tables(q_pos_bs, cfg.head_dim, cfg.rope_theta))
     else:
-      (qk, qkv), rope_eps, rope_in = _qk_packed(lp, cfg, h_bsd, q_pos_bs), None, None
+      (qk, qkv), rope_eps, rope_in = _qk_packed(lp, cfg, h_bsd, q_pos_bs, qkv_rows), None, None
     o, lse = ctx_attention.packed_block_partials(
         qk, qkv, k_bgly, v_bgly, ctx_len_b, rope_in, kv_heads=G, scale=cfg.head_dim ** -0.5,
         tuning=tuning, interpret=interpret, rope_eps=rope_eps)
@@ -445,14 +495,15 @@ def resolve_ctx_impl(ctx_impl: str) -> str:
 
 
 def _attention(cfg, cache, i, lp, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_chunk,
-               kernel_tuning, block_in_kernel, packed_io, qk_in_kernel):
+               kernel_tuning, block_in_kernel, packed_io, qk_in_kernel, qkv_rows=None):
   """Layer i's attend for _layer: the ctx part through the fused kernel (ctx_impl 'pallas', or
   'interpret' = its CPU interpret mode) for full-attention layers whose shapes it supports,
   else XLA in chunks; the block part by XLA, or as one more program of the kernel
   (block_in_kernel, where every block key is visible: non-causal, no window, and the kernel
   takes the block's rows); with packed_io too and a packed layer, attend_packed_kernel
   (qk_in_kernel: q/k norm and rope inside the kernel).
-  kernel_tuning: (field, value) pairs replacing default_tuning's."""
+  kernel_tuning: (field, value) pairs replacing default_tuning's. qkv_rows: the layer's q|k|v
+  dot output given (pack_token_qkv's rows; see _qkv_dot)."""
   k, v, window = cache.k[i], cache.v[i], cfg.window(i)
   B, G, L, Y = k.shape
   S = q_pos_bs.shape[1]
@@ -469,14 +520,15 @@ def _attention(cfg, cache, i, lp, q_pos_bs, live_b1c, ctx_impl, chunk, kernel_ch
       qk_like = jax.ShapeDtypeStruct((B, S, cfg.num_attention_heads + G, Y), k.dtype)
       if packed_io and "qkv_proj" in lp and (
           interpret or ctx_attention.supports_packed_block(qk_like, G)):
-        return attend_packed_kernel(k, v, cache.ctx_len, tuning, interpret, qk_in_kernel)
+        return attend_packed_kernel(k, v, cache.ctx_len, tuning, interpret, qk_in_kernel,
+                                    qkv_rows)
       return attend_key_sets(
-          lambda kb, vb: [kernel_part(k, v, cache.ctx_len, tuning, interpret, kb, vb)])
+          lambda kb, vb: [kernel_part(k, v, cache.ctx_len, tuning, interpret, kb, vb)], qkv_rows)
     ctx = kernel_part(k, v, cache.ctx_len, tuning, interpret)
   else:
     ok = _both(live_b1c, _window_ok(q_pos_bs[:, :, None], cache.pos[:, None, :], window))
     ctx = xla_part(k, v, ok, chunk)
-  return attend_key_sets(lambda kb, vb: [ctx, xla_part(kb, vb, blk_ok)])
+  return attend_key_sets(lambda kb, vb: [ctx, xla_part(kb, vb, blk_ok)], qkv_rows)
 
 
 def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, start_b, embed_vd,
@@ -498,6 +550,7 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   applies q_norm / k_norm and rope to the dot's raw q and k heads, so no XLA norm / rope launch
   runs between the q|k|v dot and the kernel (H200, bench_k26_full's draft at 46k: 530.6 us vs
   547.9 us with the XLA norm + rope fusion, same logits; results/h200/2026-12-01/s5_draft_io.log).
+  Params with pack_token_qkv's table: layer 0's q|k|v rows are looked up, not computed.
   """
   ctx_impl = resolve_ctx_impl(ctx_impl)
   B, S = block_tokens_bs.shape
@@ -506,9 +559,11 @@ def draft_block(params, cfg: DraftConfig, cache: DraftCache, block_tokens_bs, st
   L = cache.pos.shape[1]
   chunk = ctx_chunk if L % ctx_chunk == 0 else None
   live = (jnp.arange(L)[None, :] < cache.ctx_len[:, None])[:, None, :]  # [B, 1, L]
+  qkv0 = token_qkv_rows(params, block_tokens_bs)
   for i, lp in enumerate(params["layers"]):
     attend = _attention(cfg, cache, i, lp, q_pos, live, ctx_impl, chunk, kernel_chunk,
-                        kernel_tuning, block_in_kernel, packed_io, qk_in_kernel)
+                        kernel_tuning, block_in_kernel, packed_io, qk_in_kernel,
+                        qkv0 if i == 0 else None)
     x = _layer(lp, cfg, x, q_pos, attend)
   return _logits(params, cfg, x, head_dv)
 
