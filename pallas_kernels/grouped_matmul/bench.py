@@ -68,14 +68,26 @@ _MLP_CASES = flags.DEFINE_list(
 # The eighth session's four sweeps and what they promoted: WORKSPACE.md "INT4 expert kernels:
 # the eighth session's sweeps". Open from its last round (cut by the time box): T=65 gate|up on
 # 4 stages, down on 3. Each case's first row is the promoted variant + kp (the decode layout's),
-# the control; T=9 runs its promoted row. 6 programs.
+# the control; T=9 runs its promoted row.
+# T=1 / T=16 (int4t, notes/int4_small_t.md): after each control, the small-T knobs, most
+# promising first: ov (no wgmma drain per K step: the pipeline releases slots one step late,
+# so one more stage keeps the TMA depth), wo (slot columns dispatched in order: T=16 gated's
+# dead columns last), T=1 gated at block_k 64 x 16 splits (512 CTAs: ~4 warpgroups per SM for
+# the same 56 chunks on the busiest SM, vs 2 now), T=16 down split 2 x 4 steps (896 CTAs: 112
+# chunks on the busiest SM vs 128). 13 programs.
+_D1 = "once+ismem+cat+kp+a2+p4"
+_G1 = "once+ismem+cat+kp+il+a2+k128+p8"
+_G1_K64 = "once+ismem+cat+kp+il+k64+p16"
 _D16 = "once+ismem+cat+kp+s2+w4+a2"
 _G16 = "once+ismem+p2c4+s2+cat+kp+il+a2"
+_D16_OV = "once+ismem+cat+kp+s3+w4+a2+ov"
+_G16_OV = "once+ismem+p2c4+s3+cat+kp+il+a2+ov"
 _D65 = "once+ismem+r8+s2+w16+cat+kp+a2"
 _G65 = "once+ismem+r8+s3+w16+cat+kp"
 MLP_VARIANTS = {
-    1: ("once+ismem+cat+kp+il+a2+k128+p8|once+ismem+cat+kp+a2+p4",),
-    16: (f"{_G16}|{_D16}",),
+    1: (f"{_G1}|{_D1}", f"{_G1}+ov|{_D1}+ov", f"{_G1_K64}+ov|{_D1}+ov", f"{_G1_K64}|{_D1}"),
+    16: (f"{_G16}|{_D16}", f"{_G16_OV}+wo|{_D16_OV}+wo", f"{_G16}+wo|{_D16}+wo",
+         f"{_G16_OV}|{_D16_OV}", f"{_G16_OV}+wo|once+ismem+cat+kp+s3+a2+p2c8+ov+wo"),
     65: (f"{_G65}|{_D65}", f"{_G65}+s4|{_D65}", f"{_G65}|{_D65}+s3"),
 }
 
@@ -89,8 +101,8 @@ _MLP_VARIANTS = flags.DEFINE_list(
     "mlp_variants", [],
     "mlp_tune: rows for every case: 'promoted' (default_tuning's choice) or tuning.apply_variant "
     "names ('+'-joined changes to both calls' base tunings: once, ismem, cat, kp, il, dqN, aN, "
-    "rN, kBK, sN, nBN, xN[cC], pN[cC], wN, wide; 'default': none; 'GATED|DOWN': one per call, "
-    "same rN); empty: MLP_VARIANTS[T] per case, else promoted (6 programs): "
+    "rN, kBK, sN, nBN, xN[cC], pN[cC], wN, wide, ov, wo; 'default': none; 'GATED|DOWN': one per "
+    "call, same rN); empty: MLP_VARIANTS[T] per case, else promoted (13 programs): "
     f"{MLP_VARIANTS}.")
 # A row whose output is further than this from the f32 XLA reference (relative L2 error) is
 # wrong, not slow: bf16 inputs and one bf16 rounding of each product give ~2e-3 here.

@@ -26,6 +26,8 @@ per wgmma wait; `Tuning.int4_interleave_stacks` dequantises gate and up chunk by
 together (one wait per chunk pair and step); `Tuning.int4_acc_chains` alternates a stack's
 chunks over independent accumulators; `Tuning.int4_scale_concat` builds a chunk's scales without selects;
 `Tuning.int4_k_packed` reads weight stacks stored by `kpack.pack_int4_k` with 32-bit loads.
+`Tuning.int4_step_overlap` keeps a K step's last wgmmas in flight into the next step (the
+pipeline releases slots one step late); `Tuning.slots_outer` dispatches slot columns in order.
 (32-column pieces against a 64-byte-swizzled x tile, the removed `scale_halves`, passed
 interpret mode, which runs only the SMEM-operand path and ignores swizzles, and were wrong
 on the H200 with the register operand, 2-3x slower: WORKSPACE.md.) `launch_shape` says what a
@@ -87,7 +89,7 @@ def _load_int4(q_smem, j, wide: bool, k_packed=False, interpret=False):
 
 
 def _int4_step(accs, x_smem, tiles, w_stage, *, group, block_k, dtype, wide, batch=1,
-               scale_concat=False, k_packed=False, interpret=False, chains=1):
+               scale_concat=False, k_packed=False, interpret=False, chains=1, drain=True):
   """One K step: per 64-column chunk, dequantise W^T in registers and issue wgmma.
 
   tiles: one (q_smem, s_smem) per stack: one stack, or gate and up interleaved
@@ -99,6 +101,10 @@ def _int4_step(accs, x_smem, tiles, w_stage, *, group, block_k, dtype, wide, bat
   per wgmma wait); a round's wgmmas overlap the next round's dequantise. w_stage None: the
   registers are wgmma's A operand. Else 2 x (chunks per round) swizzled SMEM buffers [BN, 64]
   that the chunks cycle through (the A-from-SMEM variant; GPU interpret mode needs it).
+  drain False (`Tuning.int4_step_overlap`, the pipeline releasing slots one step late): the
+  last round's wgmmas stay in flight past the step; the next step's (or stack's) first wait
+  retires them. The SMEM-operand buffers restart at round 0 each call, so an odd round count
+  there still drains (round 0's buffers would be rewritten under an in-flight wgmma).
   """
   n_chunks = block_k // CHUNK
   per_round = batch * chains
@@ -119,7 +125,9 @@ def _int4_step(accs, x_smem, tiles, w_stage, *, group, block_k, dtype, wide, bat
     for acc_ref, j, w in ws:
       plgpu.wgmma(acc_ref, w, x_smem.at[:, pl.ds(CHUNK * j, CHUNK)].transpose((1, 0)))
     plgpu.wgmma_wait(len(ws))  # the round before is done: its registers / buffers are free
-  plgpu.wgmma_wait(0)  # the pipeline reuses x_smem's slot after this step
+  n_rounds = -(-n_chunks // per_round)
+  if drain or (w_stage is not None and n_rounds % 2):
+    plgpu.wgmma_wait(0)  # the pipeline reuses x_smem's slot after this step
 
 
 def _bf16_step(acc_ref, x_smem, w_smem):
@@ -221,6 +229,7 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret:
   k_steps = k // t.block_k // t.splits
   n_out = _num_values(gated, t) * (2 if t.splits > 1 else 1)
   slots = _slots(t, n_items)
+  overlap = int4 and t.int4_step_overlap  # bf16 steps always drain (_bf16_step)
 
   def body(work_ref, x_ref, *refs):
     stacks = [refs[i * per_stack:(i + 1) * per_stack] for i in range(n_stacks)]
@@ -250,13 +259,14 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret:
             _int4_step(accs, x_smem, tls, w_stage, group=group, block_k=t.block_k, dtype=dtype,
                        wide=t.int4_wide_loads, batch=t.dequant_batch,
                        scale_concat=t.int4_scale_concat, k_packed=t.int4_k_packed,
-                       interpret=interpret, chains=c)
+                       interpret=interpret, chains=c, drain=not overlap)
 
+        release = dict(delay_release=1) if overlap else {}
         x_spec = plgpu.BlockSpec((pl.Element(t.rows), t.block_k),
                                  lambda kk: (pl.multiple_of(win, work.ALIGN), k0 + kk),
-                                 transforms=_SWIZZLED)
+                                 transforms=_SWIZZLED, **release)
         w_specs = [plgpu.BlockSpec(s.block_shape, functools.partial(s.index_map, ni=ni),
-                                   transforms=s.transforms)
+                                   transforms=s.transforms, **release)
                    for s in _weight_specs(int4, group, t, k0)] * n_stacks
         plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=[x_spec, *w_specs],
                             max_concurrent_steps=t.stages)(
@@ -304,6 +314,15 @@ def launch_shape(k: int, n: int, n_items: int, int4: bool, gated: bool, t: Tunin
               smem_kb=round(smem / 1024, 1), ctas_per_sm_smem=(227 * 1024) // smem)
 
 
+def _grid(t: Tuning, n_items: int, n: int):
+  """(grid, names): slot columns x N tiles x K splits, the slots fastest (CUDA x: dispatched
+  first), or `t.slots_outer`: slowest (CUDA z), so every CTA of slot column 0 is dispatched
+  before any of column 1 (dead columns last). The body finds its indices by name."""
+  sizes = dict(w=_slots(t, n_items), n=n // t.block_n, s=t.splits)
+  names = ("n", "s", "w") if t.slots_outer else ("w", "n", "s")
+  return tuple(sizes[a] for a in names), names
+
+
 def _pad_rows(x_mk):
   """Rows rounded up to a multiple of 8 (the tiled TMA of x needs it once M > 8)."""
   m = x_mk.shape[0]
@@ -344,12 +363,13 @@ def grouped_matmul_mgpu(x_mk, stacks, items, *, tuning: Tuning, interpret=False)
     pad = _padded_items(n_items) - n_items
     items = jnp.pad(items, ((0, 0), (0, pad))) if pad else items  # padding: size-0 items
     scratch += [plgpu.SMEM(items.shape, jnp.int32), plgpu.Barrier()]
+  grid, names = _grid(tuning, items.shape[1], n)
   fn = plgpu.kernel(
       _make_body(k, group or 0, int4, gated, x_mk.dtype, tuning, n_items, interpret),
       out_type=(jax.ShapeDtypeStruct((tuning.splits, x.shape[0], n), x_mk.dtype),) * n_out,
       scratch_types=scratch,
-      grid=(_slots(tuning, items.shape[1]), n // tuning.block_n, tuning.splits),
-      grid_names=("w", "n", "s"),
+      grid=grid,
+      grid_names=names,
       kernel_name=f"gmm_{'int4' if int4 else 'bf16'}{'_gated' if gated else ''}",
       interpret=plgpu.InterpretGPUParams() if interpret else None)
   outs = fn(items, x, *(a for st in stacks for a in st))

@@ -91,6 +91,15 @@ class Tuning:
   items_smem: each CTA copies the work list to SMEM with one TMA before its first item, so the
     slots loop reads each item's 4 fields from SMEM instead of a dependent GMEM round trip per
     item (T=1: 8 items per CTA, 1 live).
+  int4_step_overlap: INT4 only: the K pipeline releases a step's SMEM slots one step late
+    (`delay_release=1`), so a K step ends without draining its wgmmas: the last round's MMAs
+    overlap the next step's first dequantise (one fewer exposed wgmma latency per K step and
+    warpgroup; T=1's gated k128 step is one round, so all of its MMAs were exposed). One step
+    fewer of TMA runs ahead of the compute (stages - 1): pair it with one more stage.
+  slots_outer: the slot axis is the grid's slowest (CUDA z) instead of its fastest (x): the
+    block scheduler dispatches every N tile and split of slot column 0, then of column 1, ...,
+    so slot columns with no live item (T=16 gated p2c4: 8 columns, ~4 live) start after the
+    live ones instead of taking every other CTA slot of the first wave. Same values.
   """
   rows: int = 32
   block_n: int = 128
@@ -107,6 +116,8 @@ class Tuning:
   int4_k_packed: bool = False
   int4_interleave_stacks: bool = False
   int4_acc_chains: int = 1
+  int4_step_overlap: bool = False
+  slots_outer: bool = False
 
   def __post_init__(self):
     if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -208,6 +219,7 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   once: store_once; ismem: items_smem; wide: int4_wide_loads; cat: int4_scale_concat;
   kp: int4_k_packed (the caller packs the weights: bench.mlp_tune does; the model's calls
   take it from the weights, api.py's k_packed); il: int4_interleave_stacks;
+  ov: int4_step_overlap; wo: slots_outer;
   dqN: dequant_batch N; aN: int4_acc_chains N (applied after every other part, at most
   block_k / 64: a one-chunk K step, e.g. the small models' K < 128, keeps one chain);
   rN: rows N (both calls of one work list must share it); kBK: block_k BK; sN: stages N;
@@ -217,7 +229,8 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   persistent grid: no launched-and-exiting CTAs for dead items ahead of live ones);
   default: no change."""
   flags = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads",
-           "cat": "int4_scale_concat", "kp": "int4_k_packed", "il": "int4_interleave_stacks"}
+           "cat": "int4_scale_concat", "kp": "int4_k_packed", "il": "int4_interleave_stacks",
+           "ov": "int4_step_overlap", "wo": "slots_outer"}
   chains = None
   for part in name.split("+"):
     if part == "default":

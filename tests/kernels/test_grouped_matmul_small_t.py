@@ -1,0 +1,154 @@
+"""Issue 12's small-T knobs of the grouped expert matmul (notes/int4_small_t.md):
+`Tuning.int4_step_overlap` (variant ov: the pipeline releases slots one step late and a K step
+ends without draining its wgmmas) and `Tuning.slots_outer` (variant wo: the slot axis is the
+grid's slowest). Interpret mode vs the dequantise-first XLA reference (bf16 tolerance), the
+lowered wait counts for an abstract H200, every new bench row lowered at K2.6's share, and (with
+`-m gpu`) the register-operand path, which interpret mode cannot run.
+"""
+
+# pylint: disable=protected-access  (the sibling test module's helpers)
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.grouped_matmul import Tuning, gated_grouped_matmul, grouped_matmul
+from pallas_kernels.grouped_matmul import expert_mlp as pallas_expert_mlp
+from pallas_kernels.grouped_matmul import bench
+from pallas_kernels.grouped_matmul.tuning import apply_variant, default_tuning
+import test_grouped_matmul_kernel as base  # the sibling module's operands, checks, lowering
+
+SIZES = [30, 0, 50, 3, 10]  # ragged, one empty expert: M = 100 rows over 5 experts
+WAIT = "asm:wgmma.wait_group.sync.aligned"
+
+
+def _operand_sets(k, n, seed):
+  x, _, q_a = base._operands(100, k, n, len(SIZES), 32, seed=seed)
+  _, _, q_b = base._operands(100, k, n, len(SIZES), 32, seed=seed + 1)
+  return x, q_a, q_b, jnp.asarray(SIZES, jnp.int32)
+
+
+def _check_calls(t, k=512, n=128, seed=30):
+  """Plain, gated fused, and gated split-K through 2 slot columns == the XLA reference."""
+  x, q_a, q_b, gs = _operand_sets(k, n, seed)
+  base._check(grouped_matmul(x, q_a, gs, backend="interpret", tuning=t),
+              grouped_matmul(x, q_a, gs, backend="xla"), sum(SIZES))
+  want = gated_grouped_matmul(x, q_a, q_b, gs, backend="xla")
+  for tun in (t, dataclasses.replace(t, splits=2, slots=2)):
+    base._check(gated_grouped_matmul(x, q_a, q_b, gs, backend="interpret", tuning=tun), want,
+                sum(SIZES))
+
+
+@pytest.mark.parametrize("opts", [
+    dict(block_k=128),  # 1 round per step: the SMEM-operand path drains; 4 K steps
+    dict(block_k=256, int4_acc_chains=2),  # 2 rounds per step: no drain; 2 K steps
+    dict(block_k=128, int4_interleave_stacks=True, int4_acc_chains=2, stages=3),
+    dict(block_k=64, int4_interleave_stacks=True, stages=4),  # 8 one-chunk steps
+])
+def test_step_overlap_interpret_matches_reference(opts):
+  t = Tuning(rows=32, block_n=64, stages=opts.pop("stages", 2), a_operand="smem",
+             int4_step_overlap=True, **base.LEAN, **opts)
+  _check_calls(t)
+
+
+def test_step_overlap_with_one_k_step_interpret_matches_reference():
+  """One K step per CTA (the gated split-K call: K 512 over 2 splits of block_k 256; the
+  pipeline shrinks to one slot, no release to delay); the plain call has 2 steps."""
+  t = Tuning(rows=16, block_n=64, block_k=256, stages=3, a_operand="smem",
+             int4_step_overlap=True, **base.LEAN)
+  _check_calls(t, k=512, n=64, seed=34)
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(int4_step_overlap=True, int4_acc_chains=2)])
+def test_slots_outer_interpret_matches_reference(opts):
+  """The slot axis slowest: 2 and 4 slot columns (4: one column with no live item at 4 items)."""
+  t = Tuning(rows=32, block_n=64, block_k=256, stages=2, a_operand="smem", slots_outer=True,
+             **base.LEAN, **opts)
+  x, q_a, q_b, gs = _operand_sets(512, 128, 36)
+  want = gated_grouped_matmul(x, q_a, q_b, gs, backend="xla")
+  for slots in (2, 4):
+    tun = dataclasses.replace(t, splits=2, slots=slots)
+    base._check(gated_grouped_matmul(x, q_a, q_b, gs, backend="interpret", tuning=tun), want,
+                sum(SIZES))
+  tun = dataclasses.replace(t, slots=3)
+  base._check(grouped_matmul(x, q_a, gs, backend="interpret", tuning=tun),
+              grouped_matmul(x, q_a, gs, backend="xla"), sum(SIZES))
+
+
+def test_variants_parse():
+  t = default_tuning(8, 48, 7168, 2048, True, gated=True, variant="default")
+  v = apply_variant("once+ismem+cat+kp+il+k64+p16+ov+wo", t, 7168, 2048)
+  assert (v.block_k, v.splits, v.slots, v.int4_step_overlap, v.slots_outer) == (64, 16, 1,
+                                                                                True, True)
+  assert not t.int4_step_overlap and not t.slots_outer  # defaults off
+
+
+def test_step_overlap_drops_the_per_step_drain():
+  """Lowered for an H200 (gated + down, K 512 / 256 at block_k 128: 4 and 2 K steps, one
+  round of 2 chunks per stack and step with a2): ov removes each stack's wait(0) per K step;
+  the round waits and the accumulator reads' waits stay; no wgmma is added or dropped."""
+  t = Tuning(rows=8, block_n=64, block_k=128, stages=3, int4_scale_concat=True,
+             int4_acc_chains=2)
+  drained, overlapped = (
+      base._module_op_counts(8, (dataclasses.replace(t, int4_step_overlap=v),) * 2)
+      for v in (False, True))
+  commit = "asm:wgmma.commit_group.sync.aligned;"
+  assert drained[commit] == overlapped[commit]
+  assert drained["asm:{"] == overlapped["asm:{"]
+  # the K loop body is emitted once: gate + up in the gated module, down: 3 wait(0)s fewer
+  assert drained[WAIT] - overlapped[WAIT] == 3
+
+
+NEW_ROWS = {t: bench.case_rows(t)[1:] for t in (1, 16)}  # after each case's control row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("t", [1, 16])
+def test_new_bench_rows_lower_for_h200(t):
+  """Every new T=1 / T=16 mlp_tune row lowers for an abstract H200 at K2.6's share (48 local
+  experts, D 7168, F 2048, INT4): the GPU run spends no time on one that cannot compile."""
+  assert NEW_ROWS[t] and all("+ov" in r or "+wo" in r or "k64" in r for r in NEW_ROWS[t])
+  for name in NEW_ROWS[t]:
+    text = base._lower_expert_mlp_h200(8 * t, base._bench_tunings(name, 8 * t))
+    assert "gmm_int4_gated_mosaic_gpu" in text and "gmm_int4_mosaic_gpu" in text, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("t,touched", [(1, 1), (16, 4)])
+def test_new_bench_rows_interpret_match_reference(t, touched):
+  """Each new row's (gated, down) tunings as the bench makes them (interpret: SMEM operand) on a
+  small D / F, both calls on one work list == the XLA reference."""
+  e_l, d, f, m = 48, 512, 256, 8 * t
+  gs = base._class_sizes(t, touched)
+  x, _, gate = base._operands(m, d, f, e_l, 32, seed=40)
+  _, _, up = base._operands(m, d, f, e_l, 32, seed=41)
+  _, _, down = base._operands(m, f, d, e_l, 32, seed=42)
+  want = pallas_expert_mlp(x, gate, up, down, gs, backend="xla")[0]
+  for name in NEW_ROWS[t]:
+    tg, td = bench.mlp_tunings(name.replace("+kp", ""), m, e_l, d, f, interpret=True)
+    got = pallas_expert_mlp(x, gate, up, down, gs, backend="interpret", tunings=(tg, td))
+    base._check(got.sum(axis=0), want, int(gs.sum()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [
+    dict(block_k=128, int4_interleave_stacks=True, int4_acc_chains=2, stages=4),
+    dict(block_k=64, int4_interleave_stacks=True, stages=4),
+    dict(block_k=256, int4_interleave_stacks=True, int4_acc_chains=2, stages=3,
+         slots_outer=True),
+])
+def test_step_overlap_gpu_register_operand_matches_reference(opts):
+  """ov on the H200's register A operand (its registers and the accumulators in flight across
+  the K loop's back edge: what interpret mode cannot check), K-packed + select-free scales,
+  gated split-K through the slots loop and plain, on K2.6-like K."""
+  from pallas_kernels.grouped_matmul import kpack  # pylint: disable=import-outside-toplevel
+  t = Tuning(rows=16, block_n=64, int4_step_overlap=True, int4_scale_concat=True,
+             int4_k_packed=True, **base.LEAN, **opts)
+  x, q_a, q_b, gs = _operand_sets(2048, 256, 44)
+  pack = lambda w: (kpack.pack_int4_k(w[0]), w[1])
+  base._check(grouped_matmul(x, pack(q_a), gs, backend="pallas", tuning=t),
+              grouped_matmul(x, q_a, gs, backend="xla"), sum(SIZES))
+  want = gated_grouped_matmul(x, q_a, q_b, gs, backend="xla")
+  for tun in (t, dataclasses.replace(t, splits=2, slots=4)):
+    base._check(gated_grouped_matmul(x, pack(q_a), pack(q_b), gs, backend="pallas",
+                                     tuning=tun), want, sum(SIZES))
