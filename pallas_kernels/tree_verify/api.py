@@ -91,7 +91,8 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
                                      scale=scale, tuning=t, value_dim=r, cache_rows=l,
                                      interpret=interpret)
   if t.num_splits > 1 and t.merge == "triton":
-    out, lse = merge_triton.merge_splits_triton(out, lse, n * h, q.dtype, interpret=interpret)
+    out, lse = merge_triton.merge_splits_triton(out, lse, n * h, q.dtype, interpret=interpret,
+                                                cols=t.merge_cols)
   elif t.num_splits > 1:
     out, lse = combine.merge_splits(out, lse, n * h, q.dtype)
   elif m != n * h:

@@ -1,7 +1,8 @@
 """Benchmark the Mosaic GPU tree-verify kernel against XLA; roofline from ceilings measured in-run.
 
 Time = CUPTI sum of every kernel of one whole call (the kernel, the mask words, the merge),
-median over --reps, input sets rotated. The issue's "must show" shapes run first, then the grid
+median over --reps, input sets rotated. The PROBES shapes (open A/Bs) and the issue's other "must
+show" shapes run first, then the grid
 L x N x H x B until --budget_s is spent; one JSON line per (shape, impl); at the end every pallas
 row again, then one line per shape: the default, the fastest variant and its % of copy.
 Default grid: B=1, L=46000, N in {1, 8, 16, 64}, H in {8, 64} (~2 min); --full_grid: the issue's
@@ -34,7 +35,8 @@ flags.DEFINE_list("H", ["8", "64"], "heads")
 flags.DEFINE_list("B", ["1"], "batch sizes")
 flags.DEFINE_bool("full_grid", False, "the issue's table: replaces L, N, H, B by FULL_GRID")
 flags.DEFINE_bool("must_show_first", True,
-                  "run the issue's must-show shapes and the PROBES shapes before the grid")
+                  "run the PROBES shapes (in PROBES' order), then the issue's other must-show "
+                  "shapes, before the grid")
 flags.DEFINE_float("budget_s", 300.0, "stop starting new shapes, and variants other than the "
                    "default, after this many seconds")
 flags.DEFINE_string("json_out", "", "JSON lines output")
@@ -64,8 +66,18 @@ FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64]
 # N=64, removed from the kernel), shared_p=0 and the 32-key ring at N=1. At N=8, H=8 and N=1,
 # H=64 (M = 64) swap-AB does the same tensor work (a check of the swapped structure). At 1x1x8
 # the default's own packed row (the model's ar call) is listed: swap_ab=0's suppresses the auto one.
-PROBES = {(1, 1, 8, 46000): "mask=packed;swap_ab=0;swap_ab=0,mask=packed;num_splits=66",
-          (1, 8, 8, 46000): "swap_ab=1",
+# verify11 (notes/kernel.md "Why N=16, H=8 costs 28 us"): cluster_rows=2 (the two row tiles of a
+# split in one cluster, KV tiles TMA-multicast: each leaves L2 once per split) at the DDTree 15
+# verify's M = 128 (also in the model's packed form, beside the default's), 2 and 4 at N=64;
+# merge_cols (Triton merge programs of 256 / 512 value columns instead of 64) where the partials
+# are 8.6 MB (N=8, N=16). The default's packed row is listed where another packed row would
+# suppress the auto one. The cluster rows come last in their shape: a first run of a new
+# multicast / cluster-barrier path that faults loses the CUDA context for every later row (s7).
+PROBES = {(1, 16, 8, 46000): ("mask=packed;merge_cols=256;merge_cols=512;cluster_rows=2;"
+                              "cluster_rows=2,mask=packed"),
+          (1, 8, 8, 46000): "merge_cols=256;merge_cols=512;swap_ab=1",
+          (1, 1, 8, 46000): "mask=packed;swap_ab=0;swap_ab=0,mask=packed;num_splits=66",
+          (1, 64, 8, 46000): "cluster_rows=2;cluster_rows=4",
           (1, 1, 64, 46000): "swap_ab=1",
           (4, 1, 8, 46000): "swap_ab=0;num_splits=66",
           (4, 16, 8, 46000): "num_splits=32"}
@@ -217,7 +229,8 @@ def bench_shape(b, n, h, l, ceil, deadline, scale=1.0 / math.sqrt(C)):
 def ordered_shapes():
   axes = [FULL_GRID[k] if FLAGS.full_grid else list(map(int, FLAGS[k].value)) for k in "BNHL"]
   grid = list(itertools.product(*axes))
-  first = [s for s in MUST_SHOW + list(PROBES) if s in grid] if FLAGS.must_show_first else []
+  # PROBES' shapes in their order (the open A/Bs first), then the rest of the must-show shapes
+  first = [s for s in list(PROBES) + MUST_SHOW if s in grid] if FLAGS.must_show_first else []
   first = list(dict.fromkeys(first))
   return first + [s for s in grid if s not in first]
 

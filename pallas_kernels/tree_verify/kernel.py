@@ -16,6 +16,13 @@ and masked. Only tiles that reach past `len` are masked: prefix end, tree mask (
 natural LSE; with S splits it writes per-split normalised partials (bf16 or f32) and base-2 LSE,
 merged by `combine.py`.
 
+Clusters (Tuning.cluster_rows = R > 1, default off): the row tiles of one split, which stream the
+same KV tiles, run as a cluster of R CTAs; each tile is TMA-multicast (every CTA loads 1/R of it
+for all), so it leaves L2 once per cluster instead of once per row tile, and a ring slot is
+refilled only when every CTA of the cluster released it (a cluster barrier). One CTA cannot hold
+both row tiles of N*H = 128: its O accumulator would be the whole register file
+(notes/kernel.md, "Why N=16, H=8 costs 28 us").
+
 Row windows: every TMA copy of Q, O or LSE moves a window of `window` = min(M, 64) rows at row
 64 * m_idx, and M is either < 64 (one tile, window = M) or a multiple of 64 (api.py pads q). So a
 window never reaches past its ref's rows: Mosaic builds the TMA descriptor over the whole array
@@ -38,6 +45,7 @@ from pallas_kernels.tree_verify import masks
 from pallas_kernels.tree_verify.tuning import BLOCK_M, SMEM_BYTES, Tuning
 
 LOG2E = math.log2(math.e)
+CLUSTER_AXIS = "c"  # Tuning.cluster_rows > 1: the row tile within its cluster
 LN2 = math.log(2.0)
 _BF16_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # Q, KV ring and P at block_kv = 32: a wgmma's K (the PV's keys) must be a multiple of its
@@ -123,13 +131,21 @@ def _memory_wg(c):
       plgpu.barrier_wait(c.free_bar.at[slot])
 
     rows = pl.ds(_tile_start(c.lo + i, t), t.block_kv)
-    plgpu.copy_gmem_to_smem(c.kv_ref.at[c.b, rows], c.kv_smem.at[slot], c.kv_bar.at[slot])
+    plgpu.copy_gmem_to_smem(c.kv_ref.at[c.b, rows], c.kv_smem.at[slot], c.kv_bar.at[slot],
+                            **_multicast(t))
     if t.prefetch:
       _prefetch_after_load(c, i, n)
 
   @pl.loop(jnp.maximum(c.hi - c.lo - t.stages, 0), c.hi - c.lo)
   def _drain(i):
     plgpu.barrier_wait(c.free_bar.at[lax.rem(i, t.stages)])
+
+
+def _multicast(t: Tuning):
+  """copy_gmem_to_smem's arguments for a KV tile: with cluster_rows > 1 every CTA of the cluster
+  (the row tiles of one split, which stream the same tiles) loads its share of the tile and
+  multicasts it to all of them (Mosaic splits the copy), so each tile leaves L2 once per cluster."""
+  return dict(collective_axes=CLUSTER_AXIS) if t.cluster_rows > 1 else {}
 
 
 def _prefetch_after_load(c, i, n):
@@ -346,7 +362,7 @@ def _make_body(t: Tuning, n, l, r, window, scale_log2, dtype, interpret):
   def body(len_ref, q_ref, kv_ref, words_ref, o_ref, lse_ref, union, stat_smem, lse_smem, q_bar,
            kv_bar, free_bar, wg_bar, p_ready, p_free):
     (q_smem, kv_smem, p_smem), (o_smem,) = union
-    m_idx, s_idx, b = lax.axis_index("m"), lax.axis_index("s"), lax.axis_index("b")
+    m_idx, s_idx, b = row_tile_index(t), lax.axis_index("s"), lax.axis_index("b")
     length = jnp.clip(len_ref[b], 0, l)  # l: the cache's rows before any pad (never visible)
     end = jnp.minimum(length + n, l)
     lo, hi, full_hi = _split_range(length, end, s_idx, t)
@@ -368,6 +384,35 @@ def _make_body(t: Tuning, n, l, r, window, scale_log2, dtype, interpret):
   return body
 
 
+def row_tile_index(t: Tuning):
+  """This CTA's row tile: the grid's "m" index, times the cluster size plus the index within the
+  cluster when cluster_rows > 1 (the grid then counts clusters along "m")."""
+  if t.cluster_rows == 1:
+    return lax.axis_index("m")
+  return lax.axis_index("m") * t.cluster_rows + lax.axis_index(CLUSTER_AXIS)
+
+
+def free_barriers(t: Tuning):
+  """The ring's slot-free barriers: both compute warpgroups arrive. With cluster_rows > 1 a slot
+  is refilled by a multicast into every CTA of the cluster, so it is free only when all of them
+  released it: a cluster barrier (each arrival counts in every CTA's copy)."""
+  if t.cluster_rows == 1:
+    return plgpu.Barrier(num_arrivals=2, num_barriers=t.stages)
+  return plgpu.ClusterBarrier(collective_axes=(CLUSTER_AXIS,), num_arrivals=2,
+                              num_barriers=t.stages)
+
+
+def launch_grid(t: Tuning, tiles, b):
+  """plgpu.kernel's grid and cluster arguments: (row tiles, splits, batch), the row tiles grouped
+  into clusters of t.cluster_rows when > 1."""
+  if t.cluster_rows == 1:
+    return dict(grid=(tiles, t.num_splits, b), grid_names=("m", "s", "b"))
+  if tiles % t.cluster_rows:
+    raise ValueError(f"{t.cluster_rows=} must divide the {tiles} row tiles")
+  return dict(grid=(tiles // t.cluster_rows, t.num_splits, b), grid_names=("m", "s", "b"),
+              cluster=(t.cluster_rows, 1, 1), cluster_names=(CLUSTER_AXIS, "c_s", "c_b"))
+
+
 def _scratch(t: Tuning, c, r, dtype, interpret):
   """SMEM: a union of (Q, KV ring, P) with the output staging, plus stats and barriers."""
   operands = _OPERAND_TRANSFORMS[t.block_kv]
@@ -385,7 +430,7 @@ def _scratch(t: Tuning, c, r, dtype, interpret):
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.Barrier(num_barriers=1),
       plgpu.Barrier(num_barriers=t.stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=t.stages),
+      free_barriers(t),
       plgpu.Barrier(num_arrivals=2),
       plgpu.Barrier(num_arrivals=1),
       plgpu.Barrier(num_arrivals=1),
@@ -439,8 +484,7 @@ def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning,
   fn = plgpu.kernel(
       body, out_type=out_types(b, m, r, t, q_rows.dtype),
       scratch_types=_scratch(t, c, r, q_rows.dtype, interpret),
-      grid=(tiles, t.num_splits, b), grid_names=("m", "s", "b"), num_threads=3,
-      thread_name="wg",
+      **launch_grid(t, tiles, b), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
   return fn(lengths, q_rows, cache, words)

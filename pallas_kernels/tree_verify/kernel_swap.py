@@ -247,6 +247,9 @@ def check_supported(t: Tuning, m, c, r):
   if t.num_splits > 1 and not t.bf16_partials:
     raise ValueError("swap_ab writes bf16 partials only: Mosaic (jax 0.11.2) finds no layout for "
                      "the transposed store of the f32 O^T tile into SMEM (bf16 lowers)")
+  if t.cluster_rows != 1:
+    raise ValueError(f"swap_ab is one row tile: {t.cluster_rows=} (row tiles per cluster) "
+                     "must be 1")
   if not t.shared_p:
     raise ValueError("swap_ab has its own warpgroup split (wg0 scores, P shared): "
                      "shared_p=False does not apply")

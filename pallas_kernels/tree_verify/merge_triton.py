@@ -21,9 +21,9 @@ LN2 = math.log(2.0)
 BLOCK_COLS = 64
 
 
-def supports(num_splits, value_dim):
-  """Whether this merge handles the split count (any) and value width."""
-  return num_splits >= 1 and value_dim % BLOCK_COLS == 0
+def supports(num_splits, value_dim, cols=BLOCK_COLS):
+  """Whether this merge handles the split count (any) and value width at `cols` per program."""
+  return num_splits >= 1 and cols & (cols - 1) == 0 and value_dim % cols == 0
 
 
 def split_pieces(s):
@@ -56,18 +56,20 @@ def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref):
     lse_out_ref[...] = jnp.broadcast_to(lse2 * LN2, lse_out_ref.shape)
 
 
-def merge_splits_triton(o_p, lse_p, rows, dtype, interpret=False):
+def merge_splits_triton(o_p, lse_p, rows, dtype, interpret=False, cols=BLOCK_COLS):
   """Same contract as combine.merge_splits: O [B, S, M, R], base-2 LSE [B, S, M] -> (out
-  [B, rows, R] in dtype, natural LSE [B, rows]); reads only the first `rows` rows."""
+  [B, rows, R] in dtype, natural LSE [B, rows]); reads only the first `rows` rows. cols
+  (Tuning.merge_cols): value columns per program; fewer, larger programs recompute the row's
+  weights less often and issue longer loads (B x rows x R / cols programs)."""
   b, s, _, r = o_p.shape
-  if not supports(s, r):
-    raise ValueError(f"triton merge needs R % {BLOCK_COLS} == 0: {o_p.shape=}")
+  if not supports(s, r, cols):
+    raise ValueError(f"triton merge needs R % {cols} == 0 (cols a power of 2): {o_p.shape=}")
   return pl.pallas_call(
       _merge_kernel,
-      grid=(b, rows, r // BLOCK_COLS),
-      in_specs=[pl.BlockSpec((None, s, None, BLOCK_COLS), lambda i, m, j: (i, 0, m, j)),
+      grid=(b, rows, r // cols),
+      in_specs=[pl.BlockSpec((None, s, None, cols), lambda i, m, j: (i, 0, m, j)),
                 pl.BlockSpec((None, s, None), lambda i, m, j: (i, 0, m))],
-      out_specs=[pl.BlockSpec((None, None, BLOCK_COLS), lambda i, m, j: (i, m, j)),
+      out_specs=[pl.BlockSpec((None, None, cols), lambda i, m, j: (i, m, j)),
                  pl.BlockSpec((None, 1), lambda i, m, j: (i, m))],
       out_shape=[jax.ShapeDtypeStruct((b, rows, r), dtype),
                  jax.ShapeDtypeStruct((b, rows), jnp.float32)],

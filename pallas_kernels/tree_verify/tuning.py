@@ -11,6 +11,8 @@ MIN_TILES_PER_SPLIT = 2  # a split below this pays its Q load and epilogue for t
 KERNELS = ("v2", "v1")  # v2: kernel.py (tree block in the kernel); v1: kernel_v1.py (tree in XLA)
 SWAP_AB_MAX_ROWS = 8  # default_tuning's swap-AB bound on N*H (the measured shape; see there)
 MERGES = ("xla", "triton")  # v2's split merge: combine.py (XLA, ~3 kernels) or merge_triton.py (1)
+CLUSTER_ROWS = (1, 2, 4)  # Tuning.cluster_rows: off, or row tiles per cluster (multicast KV)
+MERGE_COLS = (64, 128, 256, 512)  # Tuning.merge_cols
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +29,10 @@ class Tuning:
   bf16_partials: bool = True  # split partials O in bf16 (half the write + merge read) or f32
   kernel: str = "v2"      # which kernel (KERNELS); v1 ignores bf16_partials and merge
   merge: str = "xla"      # v2's split merge (MERGES)
+  cluster_rows: int = 1   # v2, N*H >= 128: CTAs of one split's row tiles in a cluster of this size
+                          # (1 = off); each streamed KV tile is TMA-multicast to all of them, so
+                          # a split's tile leaves L2 once instead of once per row tile
+  merge_cols: int = 64    # merge="triton": value columns per merge program (a power of 2)
 
   @property
   def partials_dtype(self):
@@ -41,6 +47,11 @@ class Tuning:
       raise ValueError(f"need num_splits >= 1 and stages >= 2, got {self}")
     if self.prefetch < 0:
       raise ValueError(f"{self.prefetch=} must be >= 0")
+    if self.cluster_rows not in CLUSTER_ROWS or self.merge_cols not in MERGE_COLS:
+      raise ValueError(f"{self.cluster_rows=} must be in {CLUSTER_ROWS}, "
+                       f"{self.merge_cols=} in {MERGE_COLS}")
+    if self.kernel == "v1" and self.cluster_rows != 1:
+      raise ValueError(f"{self.cluster_rows=}: clusters are a v2 kernel.py option")
     if self.kernel not in KERNELS or self.merge not in MERGES:
       raise ValueError(f"{self.kernel=} must be in {KERNELS}, {self.merge=} in {MERGES}")
 

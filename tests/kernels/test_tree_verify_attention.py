@@ -144,6 +144,23 @@ class TestMasksAndMerge:
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(lse), np.log(tot), rtol=1e-5, atol=1e-6)
 
+  @pytest.mark.parametrize("cols", [128, 512])
+  def test_triton_merge_columns(self, cols):
+    """Tuning.merge_cols: programs of 128 / 512 value columns give the 64-column merge's result
+    (f32, same pieces: 66 = 64 + 2), a row with no visible key included."""
+    rng = np.random.default_rng(6)
+    b, s, m, r, rows = 1, 66, 16, 512, 16
+    o_p = jnp.asarray(rng.normal(size=(b, s, m, r)).astype(np.float32))
+    lse_np = (rng.normal(size=(b, s, m)) * 3).astype(np.float32)
+    lse_np[0, :, 2] = -np.inf
+    lse_p = jnp.asarray(lse_np)
+    merge = functools.partial(merge_triton.merge_splits_triton, o_p, lse_p, rows, jnp.float32,
+                              interpret=not ON_GPU)
+    (out, lse), (want, want_lse) = merge(cols=cols), merge()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+    assert not merge_triton.supports(s, r, 96) and not merge_triton.supports(s, 448, 256)
+
   def test_split_pieces(self):
     for s in (1, 4, 7, 66, 132, 264):
       pieces = merge_triton.split_pieces(s)
@@ -222,6 +239,14 @@ SMALL = [
     GPU((2, 1, 8, 3000, [2999, 1000], Tuning(num_splits=5, swap_ab=True, merge="triton"))),
     # GPU: swap_ab at M = 16 (two reduction registers), XLA merge, masked tiles
     GPU((1, 2, 8, 1000, [900], Tuning(num_splits=2, swap_ab=True))),
+    # cluster_rows (the row tiles of a split in one cluster, KV tiles multicast; the interpreter
+    # runs the cluster barriers, each CTA loads the whole tile): M = 128 from N = 15 (q pad), tree;
+    # M = 256 in one cluster of 4, ragged with len 0 (empty splits); Triton merge, wider programs
+    (1, 15, 8, 136, [100], Tuning(num_splits=3, cluster_rows=2)),
+    (2, 32, 8, 300, [268, 0], Tuning(num_splits=3, cluster_rows=4, merge="triton",
+                                    merge_cols=256)),
+    # GPU: cluster_rows=2 at N=16, H=8 (the DDTree 15 verify's M = 128), ragged, Triton merge
+    GPU((2, 16, 8, 3000, [2984, 1000], Tuning(num_splits=5, cluster_rows=2, merge="triton"))),
 ]
 
 
@@ -326,7 +351,11 @@ class TestLowersForGpu:
       (1, 8, 8, 46000, Tuning(num_splits=132, swap_ab=True, merge="triton")),
       (4, 1, 8, 46000, Tuning(num_splits=33, swap_ab=True, merge="triton")),
       (1, 4, 8, 46000, Tuning(num_splits=132, swap_ab=True)),
-      (2, 5, 8, 4100, Tuning(num_splits=1, swap_ab=True))])
+      (2, 5, 8, 4100, Tuning(num_splits=1, swap_ab=True)),
+      (1, 16, 8, 46000, Tuning(num_splits=66, merge="triton", cluster_rows=2)),
+      (1, 64, 8, 46000, Tuning(num_splits=16, merge="triton", cluster_rows=4)),
+      (4, 16, 8, 46000, Tuning(num_splits=16, merge="triton", cluster_rows=2, prefetch=2)),
+      (1, 16, 8, 46000, Tuning(num_splits=66, merge="triton", merge_cols=512))])
   def test_lowers(self, b, n, h, l, tuning):
     assert "mosaic_gpu" in self.lower_text(b, n, h, l, tuning)
 
@@ -347,6 +376,18 @@ class TestLowersForGpu:
     with pytest.raises(ValueError, match="swap_ab|SMEM"):
       self.lower_text(1, n, h, 4096, tuning)
     assert kernel_swap.smem_bytes(Tuning(), 64, C, R) <= SMEM_BYTES
+
+  @pytest.mark.parametrize("n,h,tuning", [
+      (40, 8, Tuning(cluster_rows=2, num_splits=2)),  # 5 row tiles: not whole clusters
+      (8, 8, Tuning(cluster_rows=2, num_splits=2)),   # one row tile
+      (1, 8, Tuning(cluster_rows=2, swap_ab=True))])
+  def test_cluster_rows_rejects(self, n, h, tuning):
+    """cluster_rows groups whole row tiles of the 64-row kernel; swap_ab is one row tile."""
+    with pytest.raises(ValueError, match="cluster_rows"):
+      self.lower_text(1, n, h, 4096, tuning)
+    for bad in (dict(cluster_rows=3), dict(merge_cols=96), dict(cluster_rows=2, kernel="v1")):
+      with pytest.raises(ValueError):
+        Tuning(**bad)
 
   def test_triton_merge_lowers(self):
     """The Pallas Triton merge needs a GPU kind to lower on a CPU host: an abstract H200."""
@@ -376,11 +417,13 @@ class TestLowersForGpu:
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")
 class TestKernelGPU:
-  """The default GPU set (`pytest -m gpu`): 14 cases, one compiled kernel program each, the f32
+  """The default GPU set (`pytest -m gpu`): 15 cases, one compiled kernel program each, the f32
   reference on the CPU. One case per path (M = kernel rows; windows of min(M, 64) rows):
   - SMALL GPU(...): no shared P + f32 partials + XLA merge (M 40); L % 8 != 0 cache pad, tree
     past L, len > L (M 32); q pad N*H % 8 != 0, L < block_kv, one split (M 8); 32-key tiles, prefetch, Triton merge of 2 + 1 pieces (M 128, 2 row tiles unpadded);
-    swap_ab at M 8 (B=2 ragged, 5 splits, Triton merge) and M 16 (2 splits, XLA merge).
+    swap_ab at M 8 (B=2 ragged, 5 splits, Triton merge) and M 16 (2 splits, XLA merge);
+    cluster_rows=2 at M 128 (clusters of the 2 row tiles, multicast KV tiles, cluster barriers;
+    B=2 ragged, 5 splits, Triton merge).
   - test_every_output_written_and_deterministic[3-True]: raw partials in NaN-filled buffers.
   - here, default tuning: 1x1x8x46000 (the ar shape: 132 splits, merge pieces 128 + 4, M 8);
     B=4 ragged with len 0 at L=4100 (32 splits, one piece, L % 8 != 0); N=15 = 8k-1 (q padded to
