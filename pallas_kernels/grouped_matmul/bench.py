@@ -77,7 +77,9 @@ _MLP_CASES = flags.DEFINE_list(
 # chunks on the busiest SM vs 128). 13 programs.
 _D1 = "once+ismem+cat+kp+a2+p4"
 _G1 = "once+ismem+cat+kp+il+a2+k128+p8"
+_G1_OV = "once+ismem+cat+kp+il+k128+p8+ov"  # ov needs 2 rounds per step: il without a2
 _G1_K64 = "once+ismem+cat+kp+il+k64+p16"
+_G1_K64_OV = "once+ismem+cat+kp+k64+p16+ov"  # gate's round, then up's: 2 rounds
 _D16 = "once+ismem+cat+kp+s2+w4+a2"
 _G16 = "once+ismem+p2c4+s2+cat+kp+il+a2"
 _D16_OV = "once+ismem+cat+kp+s3+w4+a2+ov"
@@ -85,7 +87,7 @@ _G16_OV = "once+ismem+p2c4+s3+cat+kp+il+a2+ov"
 _D65 = "once+ismem+r8+s2+w16+cat+kp+a2"
 _G65 = "once+ismem+r8+s3+w16+cat+kp"
 MLP_VARIANTS = {
-    1: (f"{_G1}|{_D1}", f"{_G1}+ov|{_D1}+ov", f"{_G1_K64}+ov|{_D1}+ov", f"{_G1_K64}|{_D1}"),
+    1: (f"{_G1}|{_D1}", f"{_G1_OV}|{_D1}+ov", f"{_G1_K64_OV}|{_D1}+ov", f"{_G1_K64}|{_D1}"),
     16: (f"{_G16}|{_D16}", f"{_G16_OV}+wo|{_D16_OV}+wo", f"{_G16}+wo|{_D16}+wo",
          f"{_G16_OV}|{_D16_OV}", f"{_G16_OV}+wo|once+ismem+cat+kp+s3+a2+p2c8+ov+wo"),
     65: (f"{_G65}|{_D65}", f"{_G65}+s4|{_D65}", f"{_G65}|{_D65}+s3"),

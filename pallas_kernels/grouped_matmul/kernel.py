@@ -207,6 +207,26 @@ def _staged_stacks(gated: bool, t: Tuning) -> int:
   return (2 if gated and t.int4_interleave_stacks else 1) * t.int4_acc_chains
 
 
+def _rounds_per_step(gated: bool, t: Tuning) -> int:
+  """wgmma rounds per INT4 K step over its `_int4_step` calls (one call for both stacks with
+  il, else one per stack): a round is dequant_batch x int4_acc_chains chunks of a call."""
+  per_call = -(-(t.block_k // CHUNK) // (t.dequant_batch * t.int4_acc_chains))
+  return per_call * (2 if gated and not t.int4_interleave_stacks else 1)
+
+
+def _check_step_overlap(gated: bool, t: Tuning):
+  """int4_step_overlap needs exactly 2 rounds per K step. ptxas keeps a round's register A
+  operands apart from the next round's inside a step (the next is written while it is in
+  flight), but does not see the K loop's back edge: with ONE round the next step's dequantise
+  rewrites the registers its in-flight wgmmas read (SASS of the T=1 gated k128 + il + a2 +
+  ov kernel: no wait before the rewrite; undefined in PTX), and with 3+ the last round may
+  share registers with round 0. With 2, round 0 and round 1 are disjoint by construction."""
+  rounds = _rounds_per_step(gated, t)
+  if rounds != 2:
+    raise ValueError(f"int4_step_overlap needs 2 wgmma rounds per K step, {t} has {rounds}: "
+                     "change block_k, dequant_batch, int4_acc_chains or int4_interleave_stacks")
+
+
 def _slots(t: Tuning, n_items: int) -> int:
   """CTA columns over the work items: one per item, or t.slots that loop over items."""
   return min(t.slots or n_items, n_items)
@@ -348,6 +368,8 @@ def grouped_matmul_mgpu(x_mk, stacks, items, *, tuning: Tuning, interpret=False)
     raise ValueError(f"unsupported: {x_mk.dtype=} {k=} {n=} {group=} {gated=} {tuning=}")
   if int4:
     stacks = tuple((q, s.astype(x_mk.dtype)) for q, s in stacks)
+  if int4 and tuning.int4_step_overlap:
+    _check_step_overlap(gated, tuning)
   if interpret and int4 and tuning.a_operand == "registers":
     raise ValueError("GPU interpret mode's wgmma takes SMEM operands only (jax 0.11.2): "
                      "use Tuning(a_operand='smem') to interpret the INT4 kernel")

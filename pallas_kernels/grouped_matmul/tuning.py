@@ -95,7 +95,11 @@ class Tuning:
     (`delay_release=1`), so a K step ends without draining its wgmmas: the last round's MMAs
     overlap the next step's first dequantise (one fewer exposed wgmma latency per K step and
     warpgroup; T=1's gated k128 step is one round, so all of its MMAs were exposed). One step
-    fewer of TMA runs ahead of the compute (stages - 1): pair it with one more stage.
+    fewer of TMA runs ahead of the compute (stages - 1): pair it with one more stage. Needs
+    exactly 2 wgmma rounds per K step (kernel._check_step_overlap: ptxas does not keep the
+    last round's register operands apart from the next step's first round across the loop's
+    back edge; with 2 they are apart by construction): e.g. gated il at block_k 128 without
+    a2, gated without il at block_k 64, plain or il + a2 at block_k 256.
   slots_outer: the slot axis is the grid's slowest (CUDA z) instead of its fastest (x): the
     block scheduler dispatches every N tile and split of slot column 0, then of column 1, ...,
     so slot columns with no live item (T=16 gated p2c4: 8 columns, ~4 live) start after the

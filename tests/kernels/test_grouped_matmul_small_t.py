@@ -28,38 +28,70 @@ def _operand_sets(k, n, seed):
   return x, q_a, q_b, jnp.asarray(SIZES, jnp.int32)
 
 
-def _check_calls(t, k=512, n=128, seed=30):
-  """Plain, gated fused, and gated split-K through 2 slot columns == the XLA reference."""
-  x, q_a, q_b, gs = _operand_sets(k, n, seed)
+def _check_plain(t, k=512, n=128, seed=30):
+  x, q_a, _, gs = _operand_sets(k, n, seed)
   base._check(grouped_matmul(x, q_a, gs, backend="interpret", tuning=t),
               grouped_matmul(x, q_a, gs, backend="xla"), sum(SIZES))
+
+
+def _check_gated(t, k=512, n=128, seed=30):
+  """Gated fused, and gated split-K through 2 slot columns == the XLA reference."""
+  x, q_a, q_b, gs = _operand_sets(k, n, seed)
   want = gated_grouped_matmul(x, q_a, q_b, gs, backend="xla")
   for tun in (t, dataclasses.replace(t, splits=2, slots=2)):
     base._check(gated_grouped_matmul(x, q_a, q_b, gs, backend="interpret", tuning=tun), want,
                 sum(SIZES))
 
 
+def _ov(**opts):
+  """An interpret-mode (SMEM-operand) tuning with int4_step_overlap."""
+  return Tuning(**dict(dict(rows=32, block_n=64, stages=2, a_operand="smem",
+                            int4_step_overlap=True, **base.LEAN), **opts))
+
+
+# Each with exactly 2 wgmma rounds per K step (kernel._check_step_overlap).
 @pytest.mark.parametrize("opts", [
-    dict(block_k=128),  # 1 round per step: the SMEM-operand path drains; 4 K steps
-    dict(block_k=256, int4_acc_chains=2),  # 2 rounds per step: no drain; 2 K steps
-    dict(block_k=128, int4_interleave_stacks=True, int4_acc_chains=2, stages=3),
-    dict(block_k=64, int4_interleave_stacks=True, stages=4),  # 8 one-chunk steps
+    dict(block_k=128),  # 2 chunks, one per round; 4 K steps
+    dict(block_k=256, int4_acc_chains=2, stages=3),  # 4 chunks, 2 per round; 2 K steps
 ])
-def test_step_overlap_interpret_matches_reference(opts):
-  t = Tuning(rows=32, block_n=64, stages=opts.pop("stages", 2), a_operand="smem",
-             int4_step_overlap=True, **base.LEAN, **opts)
-  _check_calls(t)
+def test_step_overlap_plain_interpret_matches_reference(opts):
+  _check_plain(_ov(**opts))
+
+
+@pytest.mark.parametrize("opts", [
+    dict(block_k=128, int4_interleave_stacks=True),  # (g0, u0), (g1, u1); 4 K steps
+    dict(block_k=256, int4_interleave_stacks=True, int4_acc_chains=2, stages=3),
+    dict(block_k=64, stages=4),  # gate's round, then up's; 8 one-chunk K steps
+])
+def test_step_overlap_gated_interpret_matches_reference(opts):
+  _check_gated(_ov(**opts))
 
 
 def test_step_overlap_with_one_k_step_interpret_matches_reference():
   """One K step per CTA (the gated split-K call: K 512 over 2 splits of block_k 256; the
-  pipeline shrinks to one slot, no release to delay); the plain call has 2 steps."""
-  t = Tuning(rows=16, block_n=64, block_k=256, stages=3, a_operand="smem",
-             int4_step_overlap=True, **base.LEAN)
-  _check_calls(t, k=512, n=64, seed=34)
+  pipeline shrinks to one slot, no release to delay)."""
+  _check_gated(_ov(rows=16, block_k=256, stages=3, int4_interleave_stacks=True,
+                   int4_acc_chains=2), n=64, seed=34)
 
 
-@pytest.mark.parametrize("opts", [dict(), dict(int4_step_overlap=True, int4_acc_chains=2)])
+@pytest.mark.parametrize("gated,opts", [
+    (False, dict(block_k=64)),  # one round per step
+    (True, dict(block_k=128, int4_interleave_stacks=True, int4_acc_chains=2)),  # one round
+    (True, dict(block_k=128)),  # 2 + 2 rounds: the last may share registers with the first
+])
+def test_step_overlap_refuses_other_than_two_rounds_per_step(gated, opts):
+  """With one round the next K step's dequantise rewrites the registers of in-flight wgmmas
+  (ptxas does not guard the K loop's back edge); with 3+ nothing keeps them apart."""
+  x, q_a, q_b, gs = _operand_sets(512, 128, 38)
+  with pytest.raises(ValueError, match="2 wgmma rounds"):
+    if gated:
+      gated_grouped_matmul(x, q_a, q_b, gs, backend="interpret", tuning=_ov(**opts))
+    else:
+      grouped_matmul(x, q_a, gs, backend="interpret", tuning=_ov(**opts))
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(int4_step_overlap=True, int4_acc_chains=2,
+                                                int4_interleave_stacks=True)])
 def test_slots_outer_interpret_matches_reference(opts):
   """The slot axis slowest: 2 and 4 slot columns (4: one column with no live item at 4 items)."""
   t = Tuning(rows=32, block_n=64, block_k=256, stages=2, a_operand="smem", slots_outer=True,
@@ -84,19 +116,21 @@ def test_variants_parse():
 
 
 def test_step_overlap_drops_the_per_step_drain():
-  """Lowered for an H200 (gated + down, K 512 / 256 at block_k 128: 4 and 2 K steps, one
-  round of 2 chunks per stack and step with a2): ov removes each stack's wait(0) per K step;
-  the round waits and the accumulator reads' waits stay; no wgmma is added or dropped."""
-  t = Tuning(rows=8, block_n=64, block_k=128, stages=3, int4_scale_concat=True,
-             int4_acc_chains=2)
+  """Lowered for an H200 (gated il + a2 and down a2, K 512 / 256 at block_k 256: 2 rounds of
+  2 chunks per step): ov removes the wait(0) per K step; the round waits and the accumulator
+  reads' waits stay; no wgmma is added or dropped."""
+  tg = Tuning(rows=8, block_n=64, block_k=256, stages=3, int4_scale_concat=True,
+              int4_interleave_stacks=True, int4_acc_chains=2)
+  td = dataclasses.replace(tg, int4_interleave_stacks=False)
   drained, overlapped = (
-      base._module_op_counts(8, (dataclasses.replace(t, int4_step_overlap=v),) * 2)
+      base._module_op_counts(8, tuple(dataclasses.replace(t, int4_step_overlap=v)
+                                      for t in (tg, td)))
       for v in (False, True))
   commit = "asm:wgmma.commit_group.sync.aligned;"
   assert drained[commit] == overlapped[commit]
   assert drained["asm:{"] == overlapped["asm:{"]
-  # the K loop body is emitted once: gate + up in the gated module, down: 3 wait(0)s fewer
-  assert drained[WAIT] - overlapped[WAIT] == 3
+  # the K loop body is emitted once: one drain in the gated module (il), one in the down
+  assert drained[WAIT] - overlapped[WAIT] == 2
 
 
 NEW_ROWS = {t: bench.case_rows(t)[1:] for t in (1, 16)}  # after each case's control row
@@ -131,23 +165,26 @@ def test_new_bench_rows_interpret_match_reference(t, touched):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [
-    dict(block_k=128, int4_interleave_stacks=True, int4_acc_chains=2, stages=4),
-    dict(block_k=64, int4_interleave_stacks=True, stages=4),
-    dict(block_k=256, int4_interleave_stacks=True, int4_acc_chains=2, stages=3,
-         slots_outer=True),
+@pytest.mark.parametrize("gated,opts", [  # the T=1 / T=16 rows' step shapes (2 rounds each)
+    (True, dict(block_k=128, int4_interleave_stacks=True, stages=4)),
+    (True, dict(block_k=64, stages=4)),
+    (True, dict(block_k=256, int4_interleave_stacks=True, int4_acc_chains=2, stages=3,
+                slots_outer=True)),
+    (False, dict(block_k=256, int4_acc_chains=2, stages=4)),
 ])
-def test_step_overlap_gpu_register_operand_matches_reference(opts):
+def test_step_overlap_gpu_register_operand_matches_reference(gated, opts):
   """ov on the H200's register A operand (its registers and the accumulators in flight across
   the K loop's back edge: what interpret mode cannot check), K-packed + select-free scales,
-  gated split-K through the slots loop and plain, on K2.6-like K."""
+  on K2.6-like K: gated fused and split-K through the slots loop, or plain."""
   from pallas_kernels.grouped_matmul import kpack  # pylint: disable=import-outside-toplevel
   t = Tuning(rows=16, block_n=64, int4_step_overlap=True, int4_scale_concat=True,
              int4_k_packed=True, **base.LEAN, **opts)
   x, q_a, q_b, gs = _operand_sets(2048, 256, 44)
   pack = lambda w: (kpack.pack_int4_k(w[0]), w[1])
-  base._check(grouped_matmul(x, pack(q_a), gs, backend="pallas", tuning=t),
-              grouped_matmul(x, q_a, gs, backend="xla"), sum(SIZES))
+  if not gated:
+    base._check(grouped_matmul(x, pack(q_a), gs, backend="pallas", tuning=t),
+                grouped_matmul(x, q_a, gs, backend="xla"), sum(SIZES))
+    return
   want = gated_grouped_matmul(x, q_a, q_b, gs, backend="xla")
   for tun in (t, dataclasses.replace(t, splits=2, slots=4)):
     base._check(gated_grouped_matmul(x, pack(q_a), pack(q_b), gs, backend="pallas",
