@@ -5,7 +5,8 @@ an SM holds (65536 / (128 x registers rounded up to 8)): notes/int4_small_t.md.
 
   .venv/bin/python scripts/gmm_ptxas_rows.py --cases 1,16 [--ptx_dir DIR]
 
---ptx_dir keeps each kernel's PTX (MOSAIC_GPU_DUMP_TO) for `ptxas -arch=sm_90a` + `nvdisasm -c`.
+--ptx_dir keeps each kernel's PTX (MOSAIC_GPU_DUMP_TO) for `ptxas -arch=sm_90a` + `nvdisasm -c`
+(Mosaic's own SASS dump needs nvdisasm on its path; without it it logs an error and goes on).
 """
 
 import os
@@ -63,7 +64,12 @@ def main(_):
         os.makedirs(env["MOSAIC_GPU_DUMP_TO"], exist_ok=True)
       run = subprocess.run([sys.executable, __file__, f"--compile_row={t}:{index}"], env=env,
                            capture_output=True, text=True, check=False)
-      regs = _registers(run.stdout + run.stderr) or [f"FAILED: {run.stderr[-300:]}"]
+      log = run.stdout + run.stderr
+      if _PTX_DIR.value:  # with a dump folder Mosaic writes the ptxas log there (X.ptxas)
+        folder = env["MOSAIC_GPU_DUMP_TO"]
+        log += "".join(open(os.path.join(folder, f), encoding="utf-8").read()
+                       for f in sorted(os.listdir(folder)) if f.endswith(".ptxas"))
+      regs = _registers(log) or [f"FAILED: {run.stderr[-300:]}"]
       print(f"T={t} {name}: " + ", ".join(regs), flush=True)
 
 
