@@ -7,7 +7,9 @@ instruction mix.
 
   .venv/bin/python scripts/gmm_sass_check.py --ptx_dir DIR --nvdisasm PATH/nvdisasm
 
-nvdisasm is not part of the venv: the pip wheel nvidia-cuda-nvdisasm has one.
+nvdisasm is not part of the venv: the pip wheel nvidia-cuda-nvdisasm has one; installed beside
+the deviceless compiler (WORKSPACE.md "Setup": `pip install --no-deps --target .deviceless
+"nvidia-cuda-nvdisasm>=13,<14"`) it is the default.
 """
 
 import collections
@@ -19,7 +21,11 @@ import subprocess
 from absl import app, flags
 
 _PTX_DIR = flags.DEFINE_string("ptx_dir", None, "gmm_ptxas_rows.py's --ptx_dir.", required=True)
-_NVDISASM = flags.DEFINE_string("nvdisasm", "nvdisasm", "nvdisasm binary.")
+_DEFAULT_NVDISASM = os.path.join(os.path.dirname(__file__), "..", ".deviceless", "nvidia", "cu13",
+                                 "bin", "nvdisasm")
+_NVDISASM = flags.DEFINE_string(
+    "nvdisasm", _DEFAULT_NVDISASM if os.path.exists(_DEFAULT_NVDISASM) else "nvdisasm",
+    "nvdisasm binary (default: .deviceless's, else the PATH's).")
 _PTXAS = flags.DEFINE_string("ptxas", "/usr/local/cuda-13.0/bin/ptxas", "ptxas binary.")
 
 _INS = re.compile(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;")

@@ -134,7 +134,8 @@ run_part() {
   local part=$1 secs=$2
   case $part in
     moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs --durations=12 -m gpu \
-                 tests/kernels/test_grouped_matmul_kernel.py ;;
+                 tests/kernels/test_grouped_matmul_kernel.py \
+                 tests/kernels/test_grouped_matmul_small_t.py ;;
     moe_bench) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.bench \
                  --out "$RAW/bench_moe.jsonl" ;;
     moe_tune) MOSAIC_GPU_DUMP_PTXAS=1 one_gpu timeout "$secs" \
