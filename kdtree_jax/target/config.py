@@ -103,13 +103,16 @@ class TargetConfig:
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
   shared_intermediate_size: int | None = None
-  # fold_norm_weights: target/pack.py's decode layout folds two RMSNorm gains into the one dot
-  # that reads each norm (`pack.fold_norm_gains`): attn_norm into q_a | kv_a ("qkv_a_t_folded")
-  # and the q LoRA norm into q_b ("q_b_t_folded"); the forward then scales the dot's OUTPUT rows
-  # by the norm's rsqrt(mean square + eps) instead of materialising the normalised input (a
-  # one-token step: one elementwise kernel less per norm). Not the kv LoRA norm (its output is
-  # the cache), the MoE input norm (the experts read the normalised x) nor the final norm (the
-  # lm_head is shared with the draft). Pack time only: per-layer params are unaffected.
+  # fold_norm_weights: target/pack.py's decode layout folds three RMSNorm gains into the one dot
+  # that reads each norm (`pack.fold_norm_gains`): attn_norm into q_a | kv_a ("qkv_a_t_folded"),
+  # the q LoRA norm into q_b ("q_b_t_folded") and the dense layer's mlp_norm into gate | up
+  # ("gate_up_t_folded"); the forward then scales the dot's OUTPUT rows by the norm's
+  # rsqrt(mean square + eps) instead of materialising the normalised input (a one-token step:
+  # one elementwise kernel less per norm). A MoE layer's mlp_norm stays (its INT4 experts read
+  # the normalised x); at one token the flag instead broadcasts the experts' rows first and the
+  # router | shared dot reads row 0 (`moe._one_token_moe`: the same values, the normalise fused
+  # into the broadcast). Not the kv LoRA norm (its output is the cache) nor the final norm (the
+  # lm_head is shared with the draft). The folds are pack time (per-layer params unaffected).
   fold_norm_weights: bool = False
 
   def __post_init__(self):

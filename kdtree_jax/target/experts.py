@@ -234,6 +234,7 @@ def one_token_ffn(x_1d, items, w_j, gate_edf, up_edf, down_efd, impl, sizes=None
   order, not expert order: each row is its own work item, so the kernel needs no order; the XLA
   path sorts them); the rows are x broadcast; the combine sums row j x its weight over the local
   choices (element-wise terms, as `combine_pairs`, not a reduction over [S, k, D]).
+  x_1d: [1, D], or its k rows already broadcast [k, D] (moe._one_token_moe).
   sizes: rows per local expert, counted from the items if None (the XLA path's; the kernel
   reads the items only)."""
   k, e_l = items.shape[1], gate_edf.shape[0]

@@ -155,12 +155,10 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
     idx, w = route_local(lambda rp, x: route(rp, cfg, x), p, x_td, mesh)
     _record(routes, idx)
     return experts_ep(p, x_td, idx, w, mesh, impl=cfg.expert_backend).reshape(shape)
-  logits, shared = router_and_shared(p, x_td, wide=_routing_kernel(cfg, x_td.shape[0]))
   if _dense_glue(cfg, x_td.shape[0]) and x_td.shape[0] == 1 and _routing_kernel(cfg, 1):
-    items, w = route_one_token(p, cfg, x_td, logits)  # no XLA glue up to the expert kernels
-    _record(routes, items[:1])
-    y = one_token_ffn(x_td, items, w, p["gate"], p["up"], p["down"], impl=cfg.expert_backend)
-  elif _dense_glue(cfg, x_td.shape[0]):  # (router_impl "pallas" above one token: XLA's rank)
+    return _one_token_moe(p, cfg, x_td, routes).astype(x.dtype).reshape(shape)
+  logits, shared = router_and_shared(p, x_td, wide=_routing_kernel(cfg, x_td.shape[0]))
+  if _dense_glue(cfg, x_td.shape[0]):  # (router_impl "pallas" above one token: XLA's rank)
     rank, scores = route_dense(p, cfg, x_td, logits)
     if routes is not None:  # the ids in top-k order (the same logits and rank, shared by XLA)
       _record(routes, route(p, cfg, x_td, logits)[0])
@@ -175,6 +173,26 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
   if shared is not None:
     y = y + shared.astype(jnp.float32)
   return y.astype(x.dtype).reshape(shape)
+
+
+def _one_token_moe(p, cfg: TargetConfig, x_td, routes):
+  """One token through the routing kernel's path (no XLA glue up to the expert kernels) -> [1, D]
+  f32. With cfg.fold_norm_weights the experts' K rows of x_td [1, D] are broadcast FIRST (behind
+  an optimization barrier, else XLA folds slice(broadcast) back) and the router | shared dot
+  reads row 0: the normalise that made x_td (transformer's mlp_norm) then has the broadcast as
+  its only consumer and fuses into it, where it was its own kernel feeding both (XLA:GPU,
+  deviceless H200 compile of the K2.6 share: one kernel per MoE layer fewer at one token; the
+  same values, so the same routing)."""
+  rows = x_td
+  if cfg.fold_norm_weights:
+    rows = jax.lax.optimization_barrier(
+        jnp.broadcast_to(x_td, (cfg.num_experts_per_tok, x_td.shape[1])))
+    x_td = rows[:1]
+  logits, shared = router_and_shared(p, x_td, wide=True)
+  items, w = route_one_token(p, cfg, x_td, logits)
+  _record(routes, items[:1])
+  y = one_token_ffn(rows, items, w, p["gate"], p["up"], p["down"], impl=cfg.expert_backend)
+  return y if shared is None else y + shared.astype(jnp.float32)
 
 
 def router_and_shared(p, x_td, wide: bool = False):

@@ -39,7 +39,7 @@ mesh. Per layer (the forward reads either layout; see mla.input_dots, mlp.swiglu
     expert's down [Fs, D] as "down_t" [D, Fs] either way; INT4 routed stacks K-packed
     (`int4.pack_k`: the grouped-matmul kernel reads a thread's 8 values with one 32-bit load;
     H200 mlp_tune, sixth session: 1.02-1.08x faster at T = 1, 9, 16, 65), bf16 stacks as stored.
-With cfg.fold_norm_weights (`fold_norm_gains`), two RMSNorm gains go into the dot after them.
+With cfg.fold_norm_weights (`fold_norm_gains`), three RMSNorm gains go into the dot after them.
 """
 
 import jax
@@ -69,9 +69,15 @@ def fold_norm_gains(cfg: TargetConfig, params):
     * attn_norm's gain g into "qkv_a_t" as "qkv_a_t_folded" = qkv_a_t diag(g), attn_norm
       removed: mla.input_dots reads the un-normalised x and scales the dot's output rows by
       rsqrt(mean(x^2) + eps) (`folded_dot_t`);
-    * the q LoRA norm's gain into "q_b_t" as "q_b_t_folded", q_a_norm removed (mla.project_q).
-  Each norm's only consumer is that dot (the kv LoRA norm feeds the cache, the MoE input norm
-  the routed experts, the final norm the lm_head the draft shares: none of those is folded).
+    * the q LoRA norm's gain into "q_b_t" as "q_b_t_folded", q_a_norm removed (mla.project_q);
+    * a dense layer's mlp_norm into its "gate_up_t" as "gate_up_t_folded", mlp_norm removed
+      (transformer._ffn_input passes the raw hidden state, mlp.swiglu scales the dot's output).
+  Each norm's only consumer is that dot. Not folded: the kv LoRA norm (its output is the
+  cache row), the final norm (the lm_head is shared with the draft) and a MoE layer's
+  mlp_norm: its routed experts (INT4: no exact gain fold) read the normalised row, and with the
+  gain folded into the router | shared gate | up dot its output scale became a kernel of its own
+  (XLA:GPU fuses no epilogue into that one-token row reduction: deviceless H200 compile, no
+  kernel fewer); the flag removes that norm's separate kernel another way (moe._one_token_moe).
   The product is rounded once to the weight's dtype (bf16: one more rounding than HF's, which
   rounds the normalised x instead)."""
   if not cfg.fold_norm_weights:
@@ -85,7 +91,18 @@ def _fold_layer(lp):
     attn["qkv_a_t_folded"] = _scale_columns(attn.pop("qkv_a_t"), out.pop("attn_norm"))
   if "q_b_t" in attn and "q_a_norm" in attn:
     attn["q_b_t_folded"] = _scale_columns(attn.pop("q_b_t"), attn.pop("q_a_norm"))
-  return out | {"attn": attn}
+  ffn = _fold_mlp_norm(out)  # pops "mlp_norm" from out where it folds
+  return out | {"attn": attn} | ffn
+
+
+def _fold_mlp_norm(lp):
+  """{"mlp": the dense MLP with mlp_norm's gain folded into its packed gate | up} (the layer's
+  "mlp_norm" popped from lp), or {} (a MoE layer, or gate | up not packed: the norm stays)."""
+  if "mlp_norm" not in lp or "gate_up_t" not in lp.get("mlp", {}):
+    return {}
+  mlp = dict(lp["mlp"])
+  mlp["gate_up_t_folded"] = _scale_columns(mlp.pop("gate_up_t"), lp.pop("mlp_norm"))
+  return {"mlp": mlp}
 
 
 def _scale_columns(w_t, gain):

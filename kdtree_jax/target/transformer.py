@@ -14,13 +14,26 @@ import jax.numpy as jnp
 from kdtree_jax.target.cache import LatentCache
 from kdtree_jax.target.config import TargetConfig
 from kdtree_jax.target import mla
-from kdtree_jax.target.mlp import swiglu
+from kdtree_jax.target import mlp
 from kdtree_jax.target.moe import moe
-from kdtree_jax.target.norm import rms_norm
+from kdtree_jax.target.norm import inv_rms, rms_norm
 
 
 def _ffn(lp, cfg: TargetConfig, x, routes):
-  return swiglu(lp["mlp"], x) if "mlp" in lp else moe(lp["moe"], cfg, x, routes)
+  """The layer's MLP or MoE on _ffn_input's output."""
+  if "moe" in lp:
+    return moe(lp["moe"], cfg, x, routes)
+  if mlp.reads_unnormalised_input(lp["mlp"]):
+    return mlp.swiglu(lp["mlp"], x, inv_rms(x, cfg.rms_norm_eps))
+  return mlp.swiglu(lp["mlp"], x)
+
+
+def _ffn_input(lp, cfg: TargetConfig, x):
+  """The FFN's input: x through mlp_norm, or x itself where the norm's gain is folded into the
+  dense layer's packed gate | up dot (pack.fold_norm_gains; mlp.swiglu applies its scale)."""
+  if mlp.reads_unnormalised_input(lp.get("mlp", {})):
+    return x
+  return rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
 
 
 def _attn_input(lp, cfg: TargetConfig, x):
@@ -59,7 +72,7 @@ def prefill(cfg: TargetConfig, params, cache: LatentCache | None, tokens_bs,
   for i, lp in enumerate(params["layers"]):
     h, rows = mla.prefill_attention(lp["attn"], cfg, _attn_input(lp, cfg, x), positions)
     x = x + h
-    x = x + _ffn(lp, cfg, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), routes)
+    x = x + _ffn(lp, cfg, _ffn_input(lp, cfg, x), routes)
     if latent is not None:
       latent[i] = latent[i].at[:, :s].set(rows.astype(latent[i].dtype))
     if i in tap_layers:
@@ -87,7 +100,7 @@ def decode(cfg: TargetConfig, params, cache: LatentCache, tokens_bn, positions_b
         lp["attn"], cfg, _attn_input(lp, cfg, x), positions_bn, latent[i],
         cache.lengths, tree_mask_bnn, backend=attn_backend)
     x = x + h
-    y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    y = _ffn_input(lp, cfg, x)
     if moe_inputs is not None and "moe" in lp:
       moe_inputs.append(y)
     x = x + _ffn(lp, cfg, y, routes)
