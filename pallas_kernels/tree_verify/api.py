@@ -92,7 +92,8 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
                                      interpret=interpret)
   if t.num_splits > 1 and t.merge == "triton":
     out, lse = merge_triton.merge_splits_triton(out, lse, n * h, q.dtype, interpret=interpret,
-                                                cols=t.merge_cols)
+                                                cols=t.merge_cols,
+                                                loads_first=t.merge_loads_first)
   elif t.num_splits > 1:
     out, lse = combine.merge_splits(out, lse, n * h, q.dtype)
   elif m != n * h:

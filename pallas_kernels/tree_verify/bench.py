@@ -73,10 +73,19 @@ FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64]
 # are 8.6 MB (N=8, N=16). The default's packed row is listed where another packed row would
 # suppress the auto one. The cluster rows come last in their shape: a first run of a new
 # multicast / cluster-barrier path that faults loses the CUDA context for every later row (s7).
+# vn1 (notes/kernel.md "Why N=1, H=8 costs 17 + 3 us"), the ar call (packed mask, against the
+# default's packed row): 128 splits (the same 6-tile critical path and 120 streaming CTAs as 132,
+# the merge one 128-split piece), balanced_splits (59 x 6 + 73 x 5 tiles: all 132 SMs stream),
+# merge_loads_first (the Triton merge's partial loads in flight with its LSE loads), merge_cols=32
+# (128 merge programs instead of 64), and the three together.
+AR_PROBES = ("num_splits=128,mask=packed;balanced_splits=1,mask=packed;"
+             "merge_loads_first=1,mask=packed;merge_cols=32,mask=packed;"
+             "num_splits=128,balanced_splits=1,merge_loads_first=1,mask=packed")
 PROBES = {(1, 16, 8, 46000): ("mask=packed;merge_cols=256;merge_cols=512;cluster_rows=2;"
                               "cluster_rows=2,mask=packed"),
           (1, 8, 8, 46000): "merge_cols=256;merge_cols=512;swap_ab=1",
-          (1, 1, 8, 46000): "mask=packed;swap_ab=0;swap_ab=0,mask=packed;num_splits=66",
+          (1, 1, 8, 46000): ("mask=packed;swap_ab=0;swap_ab=0,mask=packed;num_splits=66;"
+                             + AR_PROBES),
           (1, 64, 8, 46000): "cluster_rows=2;cluster_rows=4",
           (1, 1, 64, 46000): "swap_ab=1",
           (4, 1, 8, 46000): "swap_ab=0;num_splits=66",

@@ -66,11 +66,18 @@ def _row_full(value):
 
 
 def _split_range(length, end, s_idx, t: Tuning):
-  """KV tiles [lo, hi) of this split over the keys [0, end), and the first masked tile."""
+  """KV tiles [lo, hi) of this split over the keys [0, end), and the first masked tile.
+  Default: ceil(tiles / S) tiles a split, the last splits short or empty; balanced_splits: the
+  first tiles % S splits get one tile more than the others (every split streams when tiles >= S)."""
   nt = lax.div(end + (t.block_kv - 1), t.block_kv)
-  chunk = lax.div(nt + (t.num_splits - 1), t.num_splits)
-  lo = jnp.minimum(s_idx * chunk, nt)
-  hi = jnp.minimum(lo + chunk, nt)
+  if t.balanced_splits:
+    base, extra = lax.div(nt, t.num_splits), lax.rem(nt, t.num_splits)
+    lo = s_idx * base + jnp.minimum(s_idx, extra)
+    hi = lo + base + (s_idx < extra).astype(lo.dtype)
+  else:
+    chunk = lax.div(nt + (t.num_splits - 1), t.num_splits)
+    lo = jnp.minimum(s_idx * chunk, nt)
+    hi = jnp.minimum(lo + chunk, nt)
   full_hi = jnp.maximum(jnp.minimum(hi, lax.div(length, t.block_kv)), lo)
   return lo, hi, full_hi
 

@@ -37,17 +37,23 @@ def split_pieces(s):
   return pieces
 
 
-def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref):
-  """o_ref [S, BC] partials of one row, lse_ref [S] their base-2 LSEs -> out [BC], natural LSE."""
+def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, loads_first=False):
+  """o_ref [S, BC] partials of one row, lse_ref [S] their base-2 LSEs -> out [BC], natural LSE.
+  loads_first (Tuning.merge_loads_first): the partial blocks are loaded before the LSEs, so their
+  GMEM round trip overlaps the LSEs' and the weights' reductions instead of following them (the
+  loads do not depend on the weights; a compiler does not move a load above the reductions'
+  barriers). Same arithmetic either way."""
   pieces = split_pieces(lse_ref.shape[0])
+  early = [o_ref[pl.ds(start, size), :] for start, size in pieces] if loads_first else None
   lses = [lse_ref[pl.ds(start, size)] for start, size in pieces]
   m = functools.reduce(jnp.maximum, [jnp.max(x) for x in lses])
   m_safe = jnp.where(m == -jnp.inf, 0.0, m)
   es = [jnp.exp2(x - m_safe) for x in lses]                 # empty splits (-inf): 0
   den = functools.reduce(jnp.add, [jnp.sum(e) for e in es])
-  acc = functools.reduce(jnp.add, [
-      jnp.sum(e[:, None] * o_ref[pl.ds(start, size), :].astype(jnp.float32), axis=0)
-      for e, (start, size) in zip(es, pieces)])
+  block = (lambda k: early[k]) if loads_first else (
+      lambda k: o_ref[pl.ds(pieces[k][0], pieces[k][1]), :])  # default: each load at its use
+  acc = functools.reduce(jnp.add, [jnp.sum(e[:, None] * block(k).astype(jnp.float32), axis=0)
+                                   for k, e in enumerate(es)])
   out_ref[...] = (acc / jnp.where(den > 0, den, 1.0)).astype(out_ref.dtype)
 
   @pl.when(pl.program_id(2) == 0)
@@ -56,16 +62,24 @@ def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref):
     lse_out_ref[...] = jnp.broadcast_to(lse2 * LN2, lse_out_ref.shape)
 
 
-def merge_splits_triton(o_p, lse_p, rows, dtype, interpret=False, cols=BLOCK_COLS):
+def _merge_kernel_loads_first(o_ref, lse_ref, out_ref, lse_out_ref):
+  """_merge_kernel with loads_first (a kernel of its own name in profiles; the default's
+  program is unchanged)."""
+  _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, loads_first=True)
+
+
+def merge_splits_triton(o_p, lse_p, rows, dtype, interpret=False, cols=BLOCK_COLS,
+                        loads_first=False):
   """Same contract as combine.merge_splits: O [B, S, M, R], base-2 LSE [B, S, M] -> (out
   [B, rows, R] in dtype, natural LSE [B, rows]); reads only the first `rows` rows. cols
   (Tuning.merge_cols): value columns per program; fewer, larger programs recompute the row's
-  weights less often and issue longer loads (B x rows x R / cols programs)."""
+  weights less often and issue longer loads (B x rows x R / cols programs). loads_first
+  (Tuning.merge_loads_first): see _merge_kernel."""
   b, s, _, r = o_p.shape
   if not supports(s, r, cols):
     raise ValueError(f"triton merge needs R % {cols} == 0 (cols a power of 2): {o_p.shape=}")
   return pl.pallas_call(
-      _merge_kernel,
+      _merge_kernel_loads_first if loads_first else _merge_kernel,
       grid=(b, rows, r // cols),
       in_specs=[pl.BlockSpec((None, s, None, cols), lambda i, m, j: (i, 0, m, j)),
                 pl.BlockSpec((None, s, None), lambda i, m, j: (i, 0, m))],

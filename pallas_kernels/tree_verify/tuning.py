@@ -12,7 +12,7 @@ KERNELS = ("v2", "v1")  # v2: kernel.py (tree block in the kernel); v1: kernel_v
 SWAP_AB_MAX_ROWS = 8  # default_tuning's swap-AB bound on N*H (the measured shape; see there)
 MERGES = ("xla", "triton")  # v2's split merge: combine.py (XLA, ~3 kernels) or merge_triton.py (1)
 CLUSTER_ROWS = (1, 2, 4)  # Tuning.cluster_rows: off, or row tiles per cluster (multicast KV)
-MERGE_COLS = (64, 128, 256, 512)  # Tuning.merge_cols
+MERGE_COLS = (32, 64, 128, 256, 512)  # Tuning.merge_cols
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,12 @@ class Tuning:
                           # (1 = off); each streamed KV tile is TMA-multicast to all of them, so
                           # a split's tile leaves L2 once instead of once per row tile
   merge_cols: int = 64    # merge="triton": value columns per merge program (a power of 2)
+  balanced_splits: bool = False  # v2: split s gets floor or ceil(tiles / S) KV tiles (every split
+                          # streams) instead of ceil(tiles / S) each with the last splits empty
+                          # (N=1, L=46k: 59 x 6 + 73 x 5 tiles on 132 SMs, not 119 x 6 + 5 on 120)
+  merge_loads_first: bool = False  # merge="triton": each program issues its partial block's loads
+                          # before the LSE loads and reductions (two GMEM round trips in flight
+                          # at once instead of one after the other)
 
   @property
   def partials_dtype(self):
@@ -52,6 +58,8 @@ class Tuning:
                        f"{self.merge_cols=} in {MERGE_COLS}")
     if self.kernel == "v1" and self.cluster_rows != 1:
       raise ValueError(f"{self.cluster_rows=}: clusters are a v2 kernel.py option")
+    if self.kernel == "v1" and self.balanced_splits:
+      raise ValueError("balanced_splits is a v2 option (kernel._split_range)")
     if self.kernel not in KERNELS or self.merge not in MERGES:
       raise ValueError(f"{self.kernel=} must be in {KERNELS}, {self.merge=} in {MERGES}")
 
