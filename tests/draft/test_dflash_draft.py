@@ -592,8 +592,20 @@ def test_packed_io_matches_numpy(tmp_path, heads, kv_heads, qk_in_kernel, option
   cfg = draft.DraftConfig.tiny(block_size=16, num_attention_heads=heads,
                                num_key_value_heads=kv_heads)
   params, W, embed, head = setup(cfg, tmp_path)
-  packed = model.pack_for_decode(params)
-  rng = np.random.default_rng(6)
+  option = OPTIONS.get(options, {})
+  run = packed_kernel_block(
+      cfg, model.pack_for_decode(params), embed, head, seed=6, qk_in_kernel=qk_in_kernel,
+      kernel_tuning=option.get("kernel_tuning", ()),
+      **{k: v for k, v in option.items() if k != "kernel_tuning"})
+  assert "draft_ctx_merge" not in str(jax.make_jaxpr(functools.partial(run, packed_io=False))())
+  check_against_numpy(run, W, cfg, embed, head)
+
+
+def packed_kernel_block(cfg, packed, embed, head, seed, qk_in_kernel, kernel_tuning=(), **kw):
+  """draft_block on `packed` params through the packed kernel I/O (interpret mode, ctx rows over
+  3 programs) after a 2-row context write of random taps (ctx lengths 37 and 5): a partial to
+  call, its inputs on `.ctx` (taps, ctx lengths, block tokens) for check_against_numpy."""
+  rng = np.random.default_rng(seed)
   B, T = 2, 40
   taps = rng.normal(size=(B, T, cfg.n_taps * cfg.hidden_size)).astype(np.float32)
   cache = model.init_draft_cache(cfg, B, 64, jnp.float32)
@@ -603,16 +615,19 @@ def test_packed_io_matches_numpy(tmp_path, heads, kv_heads, qk_in_kernel, option
   run = functools.partial(model.draft_block, packed, cfg, cache, tokens, cache.ctx_len,
                           jnp.asarray(embed), jnp.asarray(head), ctx_impl="interpret",
                           qk_in_kernel=qk_in_kernel,
-                          **{k: v for k, v in OPTIONS.get(options, {}).items()
-                             if k != "kernel_tuning"},
-                          kernel_tuning=(("programs", 3), ("block_k", 16),
-                                         *OPTIONS.get(options, {}).get("kernel_tuning", ())))
+                          kernel_tuning=(("programs", 3), ("block_k", 16), *kernel_tuning), **kw)
   assert "draft_ctx_merge" in str(jax.make_jaxpr(run)())  # the packed path is the one taken
-  assert "draft_ctx_merge" not in str(jax.make_jaxpr(functools.partial(run, packed_io=False))())
+  run.ctx = (taps, np.asarray(cache.ctx_len), np.asarray(tokens))
+  return run
+
+
+def check_against_numpy(run, W, cfg, embed, head):
+  """run()'s block logits equal the float64 numpy draft's per row (f32, 1e-5)."""
+  taps, lengths, tokens = run.ctx
   logits = run()
-  for b, n in enumerate(np.asarray(cache.ctx_len)):
-    ref = np_draft(W, cfg, taps[b, :n].astype(np.float64), np.arange(n), np.asarray(tokens[b]),
-                   n, embed.astype(np.float64), head.astype(np.float64))
+  for b, n in enumerate(lengths):
+    ref = np_draft(W, cfg, taps[b, :n].astype(np.float64), np.arange(n), tokens[b], n,
+                   embed.astype(np.float64), head.astype(np.float64))
     close(logits[b], ref)
 
 

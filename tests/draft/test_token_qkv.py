@@ -17,7 +17,8 @@ import pytest
 
 from kdtree_jax import draft
 from kdtree_jax.draft import model
-from test_dflash_draft import FIXTURES, close, decode_path_logits, np_draft, rand_params, setup
+from test_dflash_draft import (FIXTURES, check_against_numpy, close, decode_path_logits,
+                               np_draft, packed_kernel_block, rand_params, setup)
 
 NAMES = sorted(os.listdir(FIXTURES)) if os.path.isdir(FIXTURES) else []
 
@@ -71,24 +72,9 @@ def test_table_packed_kernel_matches_numpy(tmp_path, qk_in_kernel):
   with the q/k norm + rope in the kernel and in XLA."""
   cfg = draft.DraftConfig.tiny(block_size=16, num_attention_heads=8, num_key_value_heads=2)
   params, W, embed, head = setup(cfg, tmp_path)
-  packed = with_table(params, cfg, embed)
-  rng = np.random.default_rng(7)
-  B, T = 2, 40
-  taps = rng.normal(size=(B, T, cfg.n_taps * cfg.hidden_size)).astype(np.float32)
-  cache = model.init_draft_cache(cfg, B, 64, jnp.float32)
-  cache = model.materialize_context(packed, cfg, cache, jnp.asarray(taps),
-                                    jnp.broadcast_to(jnp.arange(T), (B, T)), jnp.array([37, 5]))
-  tokens = model.make_block(cfg, jnp.array([5, 9]))
-  run = functools.partial(model.draft_block, packed, cfg, cache, tokens, cache.ctx_len,
-                          jnp.asarray(embed), jnp.asarray(head), ctx_impl="interpret",
-                          qk_in_kernel=qk_in_kernel,
-                          kernel_tuning=(("programs", 3), ("block_k", 16)))
-  assert "draft_ctx_merge" in str(jax.make_jaxpr(run)())  # the packed kernel path is taken
-  logits = run()
-  for b, n in enumerate(np.asarray(cache.ctx_len)):
-    ref = np_draft(W, cfg, taps[b, :n].astype(np.float64), np.arange(n), np.asarray(tokens[b]),
-                   n, embed.astype(np.float64), head.astype(np.float64))
-    close(logits[b], ref)
+  run = packed_kernel_block(cfg, with_table(params, cfg, embed), embed, head, seed=7,
+                            qk_in_kernel=qk_in_kernel)
+  check_against_numpy(run, W, cfg, embed, head)
 
 
 def _dots(params, cfg, embed, head):
