@@ -5,7 +5,8 @@ Each call returns or combines per-value K-partials [S, M, N] (S = Tuning.splits,
 and leaves the down partials to the caller, whose weighted combine sums them in one fusion.
 k_packed (INT4): the stacks' K columns are in `kpack.pack_int4_k`'s order (packed once where
 decode weights are laid out); the kernel's tuning follows (`Tuning.int4_k_packed`), the XLA
-reference undoes the permutation. None: as an explicit tuning says, else unpacked.
+reference undoes the permutation (kpairs' with an explicit tuning's `int4_k_interleaved`).
+None: as an explicit tuning says, else unpacked.
 """
 
 import dataclasses
@@ -13,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul import kpack, reference, work
+from pallas_kernels.grouped_matmul import kpack, kpairs, reference, work
 from pallas_kernels.grouped_matmul.tuning import Tuning, default_tuning
 
 BACKENDS = ("auto", "pallas", "interpret", "xla")
@@ -39,9 +40,11 @@ def _check(x_mk, weights, group_sizes):
   return k, n
 
 
-def _reference(x_mk, weights, group_sizes, out_dtype=None, k_packed=False):
+def _reference(x_mk, weights, group_sizes, out_dtype=None, k_packed=False, interleaved=False):
   if len(weights) == 2:
-    q = kpack.pack_int4_k(weights[0]) if k_packed else weights[0]  # its own inverse
+    q = weights[0]
+    if k_packed:  # pack_int4_k is its own inverse; pack_int4_k_pairs is not
+      q = kpairs.unpack_int4_k_pairs(q) if interleaved else kpack.pack_int4_k(q)
     return reference.int4_grouped_matmul_reference(x_mk, q, weights[1], group_sizes, out_dtype)
   return reference.grouped_matmul_reference(x_mk, weights[0], group_sizes, out_dtype)
 
@@ -75,8 +78,8 @@ def _values(x_mk, stacks, group_sizes, backend, tuning, items=None):
   """Per value [S, M, N] K-partials: the kernel's, or the XLA reference's f32 products (S = 1;
   a gated call's reference gives the gate and up products apart)."""
   if backend == "xla":
-    return tuple(_reference(x_mk, st, group_sizes, jnp.float32, tuning.int4_k_packed)[None]
-                 for st in stacks)
+    return tuple(_reference(x_mk, st, group_sizes, jnp.float32, tuning.int4_k_packed,
+                            tuning.int4_k_interleaved)[None] for st in stacks)
   from pallas_kernels.grouped_matmul import kernel  # pylint: disable=import-outside-toplevel
   if items is None:
     items = work.work_list(group_sizes, x_mk.shape[0], tuning.rows)
@@ -182,7 +185,7 @@ def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
       raise ValueError(f"row_groups needs one backend for both calls: {b_gate}, {b_down}")
     order = jnp.argsort(row_groups, stable=True)  # the reference wants rows sorted by expert
     y = expert_mlp(x_mk[order], gate, up, down, group_sizes, backend="xla",
-                   k_packed=t_gate.int4_k_packed)
+                   tunings=(t_gate, t_down), k_packed=t_gate.int4_k_packed)
     return y[:, jnp.argsort(order)]
   if row_groups is not None and items is None:
     raise ValueError("row_groups (rows not sorted by expert) needs the caller's items")

@@ -35,7 +35,8 @@ from kdtree_jax.checkpoint import int4
 from kdtree_jax.target import config as C
 from kdtree_jax.target import experts, moe
 from kdtree_jax.target import params as P
-from pallas_kernels.grouped_matmul import Tuning, expert_mlp, grouped_matmul, kernel, kpack, work
+from pallas_kernels.grouped_matmul import (Tuning, expert_mlp, grouped_matmul, kernel, kpack,
+                                           kpairs, work)
 from pallas_kernels.grouped_matmul.tuning import apply_variant, call_variant, default_tuning
 
 _T = flags.DEFINE_list("tokens", ["1", "9", "17", "33", "65"], "Token counts (verify widths).")
@@ -86,11 +87,15 @@ _D16_OV = "once+ismem+cat+kp+s3+w4+a2+ov"
 _G16_OV = "once+ismem+p2c4+s3+cat+kp+il+a2+ov"
 _D65 = "once+ismem+r8+s2+w16+cat+kp+a2"
 _G65 = "once+ismem+r8+s3+w16+cat+kp"
+# kpi (dq11, kpairs.py): each case's control with the pair-interleaved K-pack (one LOP3 per
+# bf16 pair, no PRMT; the same values), right after it. 16 programs: moe_tune:240.
 MLP_VARIANTS = {
-    1: (f"{_G1}|{_D1}", f"{_G1_OV}|{_D1}+ov", f"{_G1_K64_OV}|{_D1}+ov", f"{_G1_K64}|{_D1}"),
-    16: (f"{_G16}|{_D16}", f"{_G16_OV}+wo|{_D16_OV}+wo", f"{_G16}+wo|{_D16}+wo",
-         f"{_G16_OV}|{_D16_OV}", f"{_G16_OV}+wo|once+ismem+cat+kp+s3+a2+p2c8+ov+wo"),
-    65: (f"{_G65}|{_D65}", f"{_G65}+s4|{_D65}", f"{_G65}|{_D65}+s3"),
+    1: (f"{_G1}|{_D1}", f"{_G1}+kpi|{_D1}+kpi", f"{_G1_OV}|{_D1}+ov", f"{_G1_K64_OV}|{_D1}+ov",
+        f"{_G1_K64}|{_D1}"),
+    16: (f"{_G16}|{_D16}", f"{_G16}+kpi|{_D16}+kpi", f"{_G16_OV}+wo|{_D16_OV}+wo",
+         f"{_G16}+wo|{_D16}+wo", f"{_G16_OV}|{_D16_OV}",
+         f"{_G16_OV}+wo|once+ismem+cat+kp+s3+a2+p2c8+ov+wo"),
+    65: (f"{_G65}|{_D65}", f"{_G65}+kpi|{_D65}+kpi", f"{_G65}+s4|{_D65}", f"{_G65}|{_D65}+s3"),
 }
 
 
@@ -103,8 +108,8 @@ _MLP_VARIANTS = flags.DEFINE_list(
     "mlp_variants", [],
     "mlp_tune: rows for every case: 'promoted' (default_tuning's choice) or tuning.apply_variant "
     "names ('+'-joined changes to both calls' base tunings: once, ismem, cat, kp, il, dqN, aN, "
-    "rN, kBK, sN, nBN, xN[cC], pN[cC], wN, wide, ov, wo; 'default': none; 'GATED|DOWN': one per "
-    "call, same rN); empty: MLP_VARIANTS[T] per case, else promoted (13 programs): "
+    "rN, kBK, sN, nBN, xN[cC], pN[cC], wN, wide, ov, wo, kpi; 'default': none; 'GATED|DOWN': "
+    "one per call, same rN); empty: MLP_VARIANTS[T] per case, else promoted (16 programs): "
     f"{MLP_VARIANTS}.")
 # A row whose output is further than this from the f32 XLA reference (relative L2 error) is
 # wrong, not slow: bf16 inputs and one bf16 rounding of each product give ~2e-3 here.
@@ -284,8 +289,13 @@ def mlp_tunings(name, m, e_l, d, f, interpret=False):
 
 def _packed_for(tg, td, gate, up, down):
   """The stacks each call reads: K-packed (kpack.pack_int4_k, once, where a model would load
-  its weights) for a tuning with int4_k_packed, else as stored."""
-  pack = lambda w, t: (kpack.pack_int4_k(w[0]), w[1]) if t.int4_k_packed else w
+  its weights) for a tuning with int4_k_packed, pair-packed (kpairs.pack_int4_k_pairs) with
+  int4_k_interleaved, else as stored."""
+  def pack(w, t):
+    if not t.int4_k_packed:
+      return w
+    return (kpairs.pack_int4_k_pairs(w[0]) if t.int4_k_interleaved else kpack.pack_int4_k(w[0]),
+            w[1])
   return pack(gate, tg), pack(up, tg), pack(down, td)
 
 

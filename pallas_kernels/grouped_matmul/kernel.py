@@ -25,7 +25,8 @@ waits once for every epilogue part; `Tuning.dequant_batch` dequantises several 6
 per wgmma wait; `Tuning.int4_interleave_stacks` dequantises gate and up chunk by chunk
 together (one wait per chunk pair and step); `Tuning.int4_acc_chains` alternates a stack's
 chunks over independent accumulators; `Tuning.int4_scale_concat` builds a chunk's scales without selects;
-`Tuning.int4_k_packed` reads weight stacks stored by `kpack.pack_int4_k` with 32-bit loads.
+`Tuning.int4_k_packed` reads weight stacks stored by `kpack.pack_int4_k` with 32-bit loads
+(`Tuning.int4_k_interleaved`: stored by `kpairs.pack_int4_k_pairs`, a PRMT-free dequantise).
 `Tuning.int4_step_overlap` keeps a K step's last wgmmas in flight into the next step (the
 pipeline releases slots one step late); `Tuning.slots_outer` dispatches slot columns in order.
 (32-column pieces against a 64-byte-swizzled x tile, the removed `scale_halves`, passed
@@ -42,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import kpack, work
+from pallas_kernels.grouped_matmul import kpack, kpairs, work
 from pallas_kernels.grouped_matmul.tuning import Tuning
 
 CHUNK = 64  # K columns per wgmma call (128-byte swizzle of bf16)
@@ -75,11 +76,14 @@ def _chunk_scales(s_smem, j, shape, group, block_k, concat=False):
   return jnp.where(col < group, row(2 * j), row(2 * j + 1))
 
 
-def _load_int4(q_smem, j, wide: bool, k_packed=False, interpret=False):
+def _load_int4(q_smem, j, wide: bool, k_packed=False, interpret=False, interleaved=False):
   """Chunk j's [BN, 64] int4 in the WGMMA layout: byte loads (2 values each) in that layout, or
   `wide`: 32-bit loads (8 values) in WGMMA_UPCAST_4X, relaid out by in-warp shuffles, or
-  `k_packed` (a kpack.pack_int4_k stack): 32-bit loads relabelled as WGMMA registers."""
+  `k_packed` (a kpack.pack_int4_k stack): 32-bit loads relabelled as WGMMA registers, or with
+  `interleaved` (a kpairs.pack_int4_k_pairs stack): the same loads, already bf16 (exact)."""
   chunk = q_smem.at[:, pl.ds(CHUNK * j, CHUNK)]
+  if k_packed and interleaved:
+    return kpairs.load_chunk(chunk, interpret)
   if k_packed:
     return kpack.load_chunk(chunk, interpret)
   if not wide:
@@ -89,7 +93,8 @@ def _load_int4(q_smem, j, wide: bool, k_packed=False, interpret=False):
 
 
 def _int4_step(accs, x_smem, tiles, w_stage, *, group, block_k, dtype, wide, batch=1,
-               scale_concat=False, k_packed=False, interpret=False, chains=1, drain=True):
+               scale_concat=False, k_packed=False, interpret=False, chains=1, drain=True,
+               interleaved=False):
   """One K step: per 64-column chunk, dequantise W^T in registers and issue wgmma.
 
   tiles: one (q_smem, s_smem) per stack: one stack, or gate and up interleaved
@@ -112,9 +117,9 @@ def _int4_step(accs, x_smem, tiles, w_stage, *, group, block_k, dtype, wide, bat
     ws = []
     for j in range(j0, min(j0 + per_round, n_chunks)):
       for a, (q_smem, s_smem) in enumerate(tiles):
-        q = _load_int4(q_smem, j, wide, k_packed, interpret)
+        q = _load_int4(q_smem, j, wide, k_packed, interpret, interleaved)
         scales = _chunk_scales(s_smem, j, q.shape, group, block_k, scale_concat)
-        w = q.astype(dtype) * scales.astype(dtype)
+        w = q.astype(dtype) * scales.astype(dtype)  # interleaved: q is bf16 already
         if w_stage is not None:  # one stack, one chain: buffer j % (2 batch), as always
           buf = (r % 2) * per_round * len(tiles) + len(ws)
           w_stage[buf] = w
@@ -279,7 +284,8 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret:
             _int4_step(accs, x_smem, tls, w_stage, group=group, block_k=t.block_k, dtype=dtype,
                        wide=t.int4_wide_loads, batch=t.dequant_batch,
                        scale_concat=t.int4_scale_concat, k_packed=t.int4_k_packed,
-                       interpret=interpret, chains=c, drain=not overlap)
+                       interpret=interpret, chains=c, drain=not overlap,
+                       interleaved=t.int4_k_interleaved)
 
         release = dict(delay_release=1) if overlap else {}
         x_spec = plgpu.BlockSpec((pl.Element(t.rows), t.block_k),
@@ -368,6 +374,8 @@ def grouped_matmul_mgpu(x_mk, stacks, items, *, tuning: Tuning, interpret=False)
     raise ValueError(f"unsupported: {x_mk.dtype=} {k=} {n=} {group=} {gated=} {tuning=}")
   if int4:
     stacks = tuple((q, s.astype(x_mk.dtype)) for q, s in stacks)
+  if int4 and tuning.int4_k_interleaved and x_mk.dtype != jnp.bfloat16:
+    raise ValueError(f"int4_k_interleaved dequantises to bf16 (its magic): x is {x_mk.dtype}")
   if int4 and tuning.int4_step_overlap:
     _check_step_overlap(gated, tuning)
   if interpret and int4 and tuning.a_operand == "registers":

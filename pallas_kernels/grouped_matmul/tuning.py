@@ -100,6 +100,12 @@ class Tuning:
     last round's register operands apart from the next step's first round across the loop's
     back edge; with 2 they are apart by construction): e.g. gated il at block_k 128 without
     a2, gated without il at block_k 64, plain or il + a2 at block_k 256.
+  int4_k_interleaved: INT4 with int4_k_packed and bf16 x only: the stacks are stored by
+    `kpairs.pack_int4_k_pairs` instead (each 32-bit word's nibble slots j and j + 4 are one
+    bf16 pair's two values, 16 bits apart), so the i4 -> bf16 conversion is one LOP3 per pair
+    and 3 shifts per word, no PRMT (16 LOP3 + 12 SHF per chunk and thread vs 16 PRMT + 16 LOP3
+    + 4 SHF); exactly the same values. The CALLER must pass pair-packed stacks (the bench
+    does; no model weight is packed so: promoting it needs the decode pack to follow).
   slots_outer: the slot axis is the grid's slowest (CUDA z) instead of its fastest (x): the
     block scheduler dispatches every N tile and split of slot column 0, then of column 1, ...,
     so slot columns with no live item (T=16 gated p2c4: 8 columns, ~4 live) start after the
@@ -122,6 +128,7 @@ class Tuning:
   int4_acc_chains: int = 1
   int4_step_overlap: bool = False
   slots_outer: bool = False
+  int4_k_interleaved: bool = False
 
   def __post_init__(self):
     if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -142,6 +149,8 @@ class Tuning:
       raise ValueError(f"{self.int4_acc_chains=} must be 1 or 2 (2: block_k >= 128)")
     if self.a_operand not in ("registers", "smem"):
       raise ValueError(f"{self.a_operand=} must be 'registers' or 'smem'")
+    if self.int4_k_interleaved and not self.int4_k_packed:
+      raise ValueError("int4_k_interleaved is a layout of K-packed stacks: set int4_k_packed")
 
 
 def _splits(m: int, g: int, k: int, n_tiles: int, block_k: int) -> int:
@@ -223,7 +232,8 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   once: store_once; ismem: items_smem; wide: int4_wide_loads; cat: int4_scale_concat;
   kp: int4_k_packed (the caller packs the weights: bench.mlp_tune does; the model's calls
   take it from the weights, api.py's k_packed); il: int4_interleave_stacks;
-  ov: int4_step_overlap; wo: slots_outer;
+  ov: int4_step_overlap; wo: slots_outer; kpi: int4_k_packed and int4_k_interleaved (the
+  caller packs by kpairs.pack_int4_k_pairs);
   dqN: dequant_batch N; aN: int4_acc_chains N (applied after every other part, at most
   block_k / 64: a one-chunk K step, e.g. the small models' K < 128, keeps one chain);
   rN: rows N (both calls of one work list must share it); kBK: block_k BK; sN: stages N;
@@ -241,6 +251,8 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
       continue
     if part in flags:
       t = dataclasses.replace(t, **{flags[part]: True})
+    elif part == "kpi":
+      t = dataclasses.replace(t, int4_k_packed=True, int4_k_interleaved=True)
     elif m := re.fullmatch(r"x(\d+)(?:c(\d+))?", part):
       t = scale_splits(t, k, n, int(m[1]), int(m[2] or 2))
     elif m := re.fullmatch(r"p(\d+)(?:c(\d+))?", part):

@@ -1,9 +1,10 @@
 """Issue 12's small-T knobs of the grouped expert matmul (notes/int4_small_t.md):
 `Tuning.int4_step_overlap` (variant ov: the pipeline releases slots one step late and a K step
 ends without draining its wgmmas) and `Tuning.slots_outer` (variant wo: the slot axis is the
-grid's slowest). Interpret mode vs the dequantise-first XLA reference (bf16 tolerance), the
-lowered wait counts for an abstract H200, every new bench row lowered at K2.6's share, and (with
-`-m gpu`) the register-operand path, which interpret mode cannot run.
+grid's slowest); on the GPU also `Tuning.int4_k_interleaved` (kpi, test_grouped_matmul_kpairs.py).
+Interpret mode vs the dequantise-first XLA reference (bf16 tolerance), the lowered wait counts
+for an abstract H200, every new bench row lowered at K2.6's share, and (with `-m gpu`) the
+register-operand path, which interpret mode cannot run.
 """
 
 # pylint: disable=protected-access  (the sibling test module's helpers)
@@ -141,7 +142,8 @@ NEW_ROWS = {t: bench.case_rows(t)[1:] for t in (1, 16)}  # after each case's con
 def test_new_bench_rows_lower_for_h200(t):
   """Every new T=1 / T=16 mlp_tune row lowers for an abstract H200 at K2.6's share (48 local
   experts, D 7168, F 2048, INT4): the GPU run spends no time on one that cannot compile."""
-  assert NEW_ROWS[t] and all("+ov" in r or "+wo" in r or "k64" in r for r in NEW_ROWS[t])
+  assert NEW_ROWS[t] and all("+ov" in r or "+wo" in r or "k64" in r or "+kpi" in r
+                            for r in NEW_ROWS[t])
   for name in NEW_ROWS[t]:
     text = base._lower_expert_mlp_h200(8 * t, base._bench_tunings(name, 8 * t))
     assert "gmm_int4_gated_mosaic_gpu" in text and "gmm_int4_mosaic_gpu" in text, name
@@ -159,7 +161,9 @@ def test_new_bench_rows_interpret_match_reference(t, touched):
   _, _, down = base._operands(m, f, d, e_l, 32, seed=42)
   want = pallas_expert_mlp(x, gate, up, down, gs, backend="xla")[0]
   for name in NEW_ROWS[t]:
-    tg, td = bench.mlp_tunings(name.replace("+kp", ""), m, e_l, d, f, interpret=True)
+    # unpacked stacks here: kp and kpi (its values are kp's: test_grouped_matmul_kpairs.py) off
+    plain = name.replace("+kpi", "").replace("+kp", "")
+    tg, td = bench.mlp_tunings(plain, m, e_l, d, f, interpret=True)
     got = pallas_expert_mlp(x, gate, up, down, gs, backend="interpret", tunings=(tg, td))
     base._check(got.sum(axis=0), want, int(gs.sum()))
 
@@ -189,3 +193,36 @@ def test_step_overlap_gpu_register_operand_matches_reference(gated, opts):
   for tun in (t, dataclasses.replace(t, splits=2, slots=4)):
     base._check(gated_grouped_matmul(x, pack(q_a), pack(q_b), gs, backend="pallas",
                                      tuning=tun), want, sum(SIZES))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated,opts", [  # the T=65 / T=1 / T=16 control rows' step shapes
+    (True, dict(rows=8, block_k=256, stages=3)),
+    (False, dict(rows=8, block_k=256, stages=2, int4_acc_chains=2)),
+    (True, dict(rows=8, block_k=128, stages=4, int4_interleave_stacks=True, int4_acc_chains=2,
+                splits=2, slots=4)),
+    (True, dict(rows=16, block_k=256, stages=2, int4_interleave_stacks=True, int4_acc_chains=2,
+                splits=2, slots=4)),
+])
+def test_k_interleaved_gpu_register_operand_equals_k_packed(gated, opts):
+  """kpi (kpairs.py: one LOP3 per bf16 pair, its PTX and register relabel, which interpret mode
+  cannot run) on the H200's register A operand: bit-equal to the kp kernel on the same weights
+  (the same dequantised values into the same wgmmas) and within one bf16 rounding of XLA."""
+  # pylint: disable-next=import-outside-toplevel
+  from pallas_kernels.grouped_matmul import kpack, kpairs
+  t = Tuning(block_n=64, int4_scale_concat=True, int4_k_packed=True, **base.LEAN, **opts)
+  ti = dataclasses.replace(t, int4_k_interleaved=True)
+  x, q_a, q_b, gs = _operand_sets(2048, 256, 46)
+  kp = lambda w: (kpack.pack_int4_k(w[0]), w[1])
+  kpi = lambda w: (kpairs.pack_int4_k_pairs(w[0]), w[1])
+  if gated:
+    run = lambda tun, pack: gated_grouped_matmul(x, pack(q_a), pack(q_b), gs, backend="pallas",
+                                                 tuning=tun)
+    want = gated_grouped_matmul(x, q_a, q_b, gs, backend="xla")
+  else:
+    run = lambda tun, pack: grouped_matmul(x, pack(q_a), gs, backend="pallas", tuning=tun)
+    want = grouped_matmul(x, q_a, gs, backend="xla")
+  rows = sum(SIZES)
+  got = run(ti, kpi)
+  assert (jnp.asarray(got)[:rows] == jnp.asarray(run(t, kp))[:rows]).all()
+  base._check(got, want, rows)
