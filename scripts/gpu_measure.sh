@@ -197,8 +197,9 @@ run_part() {
                 tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
                 --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv= --top 40 --f32_ref \
                 --ctx_impls pallas+block+packed,pallas+block+packed+qkjoin,pallas+block+packed+hg2,pallas+block+packed+expe,pallas+block+packed+msplit2,pallas:p65+block+packed+hg2" ;;
-    draft_tokqkv) one_gpu timeout "$secs" bash -c "timeout 40 python3 -m pytest -q -rs -m gpu \
-                tests/draft/test_token_qkv.py; python3 scripts/bench_draft.py \
+    draft_tokqkv) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
+                tests/draft/test_dflash_draft.py -k packed_io_draft_block_compiled; \
+                python3 scripts/bench_draft.py \
                 --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv= --top 40 --f32_ref \
                 --ctx_impls pallas+block+packed,pallas+block+packed+tokqkv,pallas+block+packed" ;;
     k26_tokqkv) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \

@@ -750,8 +750,9 @@ def test_packed_io_compiled_matches_float64(ctx):
 def test_packed_io_draft_block_compiled_matches_float64(tmp_path):
   """Compiled draft_block (bf16 params and cache, 8 q / 1 kv head of 128, block 16, 3000 ctx
   rows) in its kernel forms (packed_io + qk_in_kernel = the default, packed_io with XLA's q/k
-  norm + rope, the older split I/O, the A/B OPTIONS) against the float64 numpy draft of the
-  same bf16 weights: rel L2 <= 3e-2 each (bf16 activations through 2 layers)."""
+  norm + rope, the older split I/O, the A/B OPTIONS, the default with pack_token_qkv's table)
+  against the float64 numpy draft of the same bf16 weights: rel L2 <= 3e-2 each (bf16
+  activations through 2 layers); the table's form within 1e-2 of the default's."""
   cfg = draft.DraftConfig.tiny(hidden_size=256, num_attention_heads=8, num_key_value_heads=1,
                                head_dim=128, intermediate_size=256, vocab_size=512,
                                mask_token_id=511, block_size=16)
@@ -769,11 +770,17 @@ def test_packed_io_draft_block_compiled_matches_float64(tmp_path):
   tokens = model.make_block(cfg, jnp.array([5]))
   ref = np_draft(W, cfg, to64(taps[0]), np.arange(n), np.asarray(tokens[0]), n, to64(embed),
                  to64(head))
+  run = lambda p, kw: np.asarray(jax.jit(functools.partial(
+      model.draft_block, cfg=cfg, ctx_impl="pallas", **kw))(
+          p, cache=cache, block_tokens_bs=tokens, start_b=cache.ctx_len, embed_vd=bf(embed),
+          head_dv=bf(head))[0], np.float64)
   for kw in (dict(), dict(qk_in_kernel=False), dict(packed_io=False), *OPTIONS.values()):
-    f = jax.jit(functools.partial(model.draft_block, cfg=cfg, ctx_impl="pallas", **kw))
-    got = np.asarray(f(packed, cache=cache, block_tokens_bs=tokens, start_b=cache.ctx_len,
-                       embed_vd=bf(embed), head_dv=bf(head))[0], np.float64)
+    got = run(packed, kw)
     assert np.linalg.norm(got - ref) <= 3e-2 * np.linalg.norm(ref), kw
+  # pack_token_qkv's table (issue 17's A/B): the same bound, and <= 1e-2 of the default form
+  table = run(model.pack_token_qkv(packed, cfg, bf(embed)), dict())
+  assert np.linalg.norm(table - ref) <= 3e-2 * np.linalg.norm(ref)
+  assert np.linalg.norm(table - run(packed, dict())) <= 1e-2 * np.linalg.norm(ref)
 
 
 def test_pack_for_decode_matches():

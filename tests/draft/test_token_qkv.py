@@ -3,9 +3,9 @@
 Every check compares the table path against an independent reference: the torch port of
 z-lab's draft (the fixtures, f32 1e-4 as test_matches_reference_fixture), the float64 numpy
 draft (f32 1e-5, interpret-mode ctx kernel), and the same draft without the table (bf16 1e-2).
+The compiled (GPU) check is in test_dflash_draft.test_packed_io_draft_block_compiled_matches_float64.
 """
 
-import functools
 import json
 import os
 import warnings
@@ -18,7 +18,7 @@ import pytest
 from kdtree_jax import draft
 from kdtree_jax.draft import model
 from test_dflash_draft import (FIXTURES, check_against_numpy, close, decode_path_logits,
-                               np_draft, packed_kernel_block, rand_params, setup)
+                               packed_kernel_block, rand_params, setup)
 
 NAMES = sorted(os.listdir(FIXTURES)) if os.path.isdir(FIXTURES) else []
 
@@ -159,35 +159,3 @@ def test_bench_setup_builds_the_table_when_asked():
   c.bench.pack_draft = False
   with pytest.raises(ValueError, match="pack_draft"):
     bench_setup.load_bench_pair(c, jnp.bfloat16, abstract=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernels: GPU only")
-def test_table_draft_block_compiled_matches_float64(tmp_path):
-  """Compiled draft_block (decode default: packed kernel I/O, q/k norm + rope in the kernel;
-  bf16 params and cache, 8 q / 1 kv head of 128, block 16, 3000 ctx rows) with the table:
-  against the float64 numpy draft of the same bf16 weights rel L2 <= 3e-2 (the compiled forms'
-  bound in test_dflash_draft), against the same program without the table <= 1e-2."""
-  cfg = draft.DraftConfig.tiny(hidden_size=256, num_attention_heads=8, num_key_value_heads=1,
-                               head_dim=128, intermediate_size=256, vocab_size=512,
-                               mask_token_id=511, block_size=16)
-  params, W, embed, head = setup(cfg, tmp_path)
-  bf = lambda t: jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.bfloat16), t)
-  to64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
-  W = {k: to64(v) for k, v in W.items()}
-  plain = model.pack_for_decode(bf(params))
-  table = model.pack_token_qkv(plain, cfg, bf(embed))
-  n = 3000
-  taps = np.random.default_rng(13).normal(size=(1, n, cfg.n_taps * cfg.hidden_size))
-  cache = model.init_draft_cache(cfg, 1, n + 16, jnp.bfloat16)
-  cache = jax.jit(model.materialize_context, static_argnums=1)(
-      plain, cfg, cache, bf(taps), jnp.arange(n)[None], jnp.array([n]))
-  tokens = model.make_block(cfg, jnp.array([5]))
-  ref = np_draft(W, cfg, to64(taps[0]), np.arange(n), np.asarray(tokens[0]), n, to64(embed),
-                 to64(head))
-  f = jax.jit(functools.partial(model.draft_block, cfg=cfg, ctx_impl="pallas"))
-  run = lambda p: np.asarray(f(p, cache=cache, block_tokens_bs=tokens, start_b=cache.ctx_len,
-                               embed_vd=bf(embed), head_dv=bf(head))[0], np.float64)
-  got, want = run(table), run(plain)
-  assert np.linalg.norm(got - ref) <= 3e-2 * np.linalg.norm(ref)
-  assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
