@@ -69,12 +69,18 @@ def logical_order(q):
 
 
 def _relabel(q):
+  return on_upcast_registers(q, relabel_registers, q.dtype)
+
+
+def on_upcast_registers(q, registers_fn, dtype):
+  """registers_fn applied to a WGMMA_UPCAST_4X-loaded chunk's registers (Mosaic fragmented
+  arrays, inline_mgpu), the result an array of `dtype` in the WGMMA layout."""
   @plgpu.inline_mgpu(
       arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
-      return_type=plgpu.ShapeDtypeStruct(q.shape, q.dtype, layout=plgpu.Layout.WGMMA))
-  def relabel(_, words):
-    return relabel_registers(words)
-  return relabel(q)
+      return_type=plgpu.ShapeDtypeStruct(q.shape, dtype, layout=plgpu.Layout.WGMMA))
+  def apply(_, words):
+    return registers_fn(words)
+  return apply(q)
 
 
 def relabel_registers(words: "mgpu.FragmentedArray") -> "mgpu.FragmentedArray":

@@ -36,6 +36,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import llvm
 
+from pallas_kernels.grouped_matmul import kpack
+
 CHUNK = 64
 MASK = 0x000F000F  # a pair's two nibbles at bits 0-3 and 16-19
 MAGIC = 0x43084308  # bf16x2 (136, 136): 0x4300 = 128.0 with the nibble's bit 3 flip (0x0008)
@@ -105,12 +107,7 @@ def load_chunk(chunk_ref, interpret: bool):
 
 
 def _dequantise(q):
-  @plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
-      return_type=plgpu.ShapeDtypeStruct(q.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
-  def dequantise(_, words):
-    return dequantise_registers(words)
-  return dequantise(q)
+  return kpack.on_upcast_registers(q, dequantise_registers, jnp.bfloat16)
 
 
 def _pair(word_i32, j: int):
