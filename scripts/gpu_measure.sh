@@ -74,6 +74,10 @@
 #               CUPTI kernel ms and launches of each, side by side (2 layouts: ~200 s on a bare
 #               machine; 5 layouts did not fit 330 s)
 #   draft_share the same for k26_dflash_share only (bench_k26_full's draft, issue 17's must-show)
+#   target_pdl  target_layout's step with TargetConfig.mosaic_pdl (the Mosaic kernels with
+#               programmatic dependent launch, pallas_kernels/pdl.py) beside packed: wall_ms and
+#               CUPTI kernel ms per step (CUPTI sums overlap under PDL: compare wall_ms;
+#               notes/runtime.md "PDL: who waits")
 #   draft_waves bench_draft.py on k26_dflash_share only: draft_block with the ctx kernel at 1, 2 and
 #               3 programs per SM (memory parallelism of a latency-bound read), no tests (~70 s)
 #   draft_io    the draft's packed-I/O GPU tests (ctx kernel reading the q|k|v dot's output, Triton
@@ -186,6 +190,8 @@ run_part() {
                 --layouts packed --variants "$XLA_VARIANTS" ;;
     target_layout) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
                 --variants default --layouts "$TARGET_LAYOUTS" ;;
+    target_pdl) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
+                --variants default --layouts packed,packed+mosaic_pdl=true ;;
     draft_waves) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 \
                 --drafts k26_dflash_share --out_dir "$RAW" --ctx_impls \
                 pallas:p131:64:8:3+block+packed,pallas:p263:64:8:3+block+packed,pallas:p263:64:4:3+block+packed,pallas:p395:64:4:2+block+packed,pallas:p263:128:8:2+block+packed ;;

@@ -114,6 +114,12 @@ class TargetConfig:
   # into the broadcast). Not the kv LoRA norm (its output is the cache) nor the final norm (the
   # lm_head is shared with the draft). The folds are pack time (per-layer params unaffected).
   fold_norm_weights: bool = False
+  # mosaic_pdl: decode's Mosaic kernels (tree-verify attention, both INT4 expert calls) whose
+  # tuning their API picks are built with Tuning.pdl (programmatic dependent launch:
+  # griddepcontrol.wait before the first input read, launch_dependents after the last load;
+  # pallas_kernels/pdl.py). Same values. Default off until a GPU A/B (notes/runtime.md, "PDL:
+  # who waits": in XLA's graph the custom call is a traced child node, which may void it).
+  mosaic_pdl: bool = False
 
   def __post_init__(self):
     if self.first_k_dense_replace > self.num_hidden_layers:

@@ -17,6 +17,7 @@ from kdtree_jax.target import mla
 from kdtree_jax.target import mlp
 from kdtree_jax.target.moe import moe
 from kdtree_jax.target.norm import inv_rms, rms_norm
+from pallas_kernels import pdl
 
 
 def _ffn(lp, cfg: TargetConfig, x, routes):
@@ -95,15 +96,16 @@ def decode(cfg: TargetConfig, params, cache: LatentCache, tokens_bn, positions_b
   x = params["embed"][tokens_bn]
   taps = {}
   latent = list(cache.latent)
-  for i, lp in enumerate(params["layers"]):
-    h, latent[i] = mla.absorbed_attention(
-        lp["attn"], cfg, _attn_input(lp, cfg, x), positions_bn, latent[i],
-        cache.lengths, tree_mask_bnn, backend=attn_backend)
-    x = x + h
-    y = _ffn_input(lp, cfg, x)
-    if moe_inputs is not None and "moe" in lp:
-      moe_inputs.append(y)
-    x = x + _ffn(lp, cfg, y, routes)
-    if i in tap_layers:
-      taps[i] = x
+  with pdl.model_default(cfg.mosaic_pdl):  # the layers' Mosaic kernels (pallas_kernels/pdl.py)
+    for i, lp in enumerate(params["layers"]):
+      h, latent[i] = mla.absorbed_attention(
+          lp["attn"], cfg, _attn_input(lp, cfg, x), positions_bn, latent[i],
+          cache.lengths, tree_mask_bnn, backend=attn_backend)
+      x = x + h
+      y = _ffn_input(lp, cfg, x)
+      if moe_inputs is not None and "moe" in lp:
+        moe_inputs.append(y)
+      x = x + _ffn(lp, cfg, y, routes)
+      if i in tap_layers:
+        taps[i] = x
   return _head(params, cfg, x), cache.replace(latent=tuple(latent)), _concat_taps(taps, tap_layers)

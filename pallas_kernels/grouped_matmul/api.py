@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul import kpack, kpairs, reference, work
+from pallas_kernels import pdl
 from pallas_kernels.grouped_matmul.tuning import Tuning, default_tuning
 
 BACKENDS = ("auto", "pallas", "interpret", "xla")
@@ -64,8 +65,9 @@ def _plan(x_mk, stacks, group_sizes, backend, tuning, k_packed=None):
     k_packed = bool(tuning and tuning.int4_k_packed)
   if k_packed and not int4:
     raise ValueError("k_packed is for INT4 stacks")
-  tuning = tuning or default_tuning(x_mk.shape[0], stacks[0][0].shape[0], k, n, int4,
-                                    interpret=backend == "interpret", gated=len(stacks) == 2)
+  tuning = tuning or pdl.with_model_default(default_tuning(
+      x_mk.shape[0], stacks[0][0].shape[0], k, n, int4, interpret=backend == "interpret",
+      gated=len(stacks) == 2))  # TargetConfig.mosaic_pdl (pallas_kernels/pdl.py)
   tuning = dataclasses.replace(tuning, int4_k_packed=k_packed)
   group = k // stacks[0][1].shape[1] if int4 else None
   if backend == "auto":

@@ -97,6 +97,12 @@ MLP_VARIANTS = {
          f"{_G16_OV}+wo|once+ismem+cat+kp+s3+a2+p2c8+ov+wo"),
     65: (f"{_G65}|{_D65}", f"{_G65}+kpi|{_D65}+kpi", f"{_G65}+s4|{_D65}", f"{_G65}|{_D65}+s3"),
 }
+# pdl (pdl11, pallas_kernels/pdl.py): the T=1 / T=16 control rows with programmatic dependent
+# launch (both calls), after every other row of the case: 18 programs (16 took moe_tune:240;
+# ~280 s ESTIMATE).
+_PDL_ROWS = {1: f"{_G1}+pdl|{_D1}+pdl", 16: f"{_G16}+pdl|{_D16}+pdl"}
+MLP_VARIANTS = {t: rows + ((_PDL_ROWS[t],) if t in _PDL_ROWS else ())
+                for t, rows in MLP_VARIANTS.items()}
 
 
 def case_rows(t: int) -> tuple[str, ...]:
@@ -109,7 +115,7 @@ _MLP_VARIANTS = flags.DEFINE_list(
     "mlp_tune: rows for every case: 'promoted' (default_tuning's choice) or tuning.apply_variant "
     "names ('+'-joined changes to both calls' base tunings: once, ismem, cat, kp, il, dqN, aN, "
     "rN, kBK, sN, nBN, xN[cC], pN[cC], wN, wide, ov, wo, kpi; 'default': none; 'GATED|DOWN': "
-    "one per call, same rN); empty: MLP_VARIANTS[T] per case, else promoted (16 programs): "
+    "one per call, same rN); empty: MLP_VARIANTS[T] per case, else promoted (18 programs): "
     f"{MLP_VARIANTS}.")
 # A row whose output is further than this from the f32 XLA reference (relative L2 error) is
 # wrong, not slow: bf16 inputs and one bf16 rounding of each product give ~2e-3 here.

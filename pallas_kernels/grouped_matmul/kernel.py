@@ -45,6 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.grouped_matmul import kpack, kpairs, work
 from pallas_kernels.grouped_matmul.tuning import Tuning
+from pallas_kernels import pdl
 
 CHUNK = 64  # K columns per wgmma call (128-byte swizzle of bf16)
 _SWIZZLED = (plgpu.TilingTransform((8, CHUNK)), plgpu.SwizzleTransform(128))
@@ -257,6 +258,7 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret:
   overlap = int4 and t.int4_step_overlap  # bf16 steps always drain (_bf16_step)
 
   def body(work_ref, x_ref, *refs):
+    pdl.wait_for_producers(t.pdl, interpret)  # every input follows: the work list picks weights
     stacks = [refs[i * per_stack:(i + 1) * per_stack] for i in range(n_stacks)]
     rest = refs[n_stacks * per_stack:]
     o_refs, o_smems, extra = rest[:n_out], rest[n_out:2 * n_out], list(rest[2 * n_out:])
@@ -297,6 +299,7 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret:
         plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=[x_spec, *w_specs],
                             max_concurrent_steps=t.stages)(
                                 x_ref, *(r.at[grp] for st in stacks for r in st))
+        pdl.release_dependents(t.pdl, interpret)  # this item's loads are done: the epilogue's left
         return tuple(a[...] for a in acc_refs)
 
       accs = pl.run_scoped(acc_scope, *[plgpu.ACC((t.block_n, t.rows), jnp.float32)] * n_acc)

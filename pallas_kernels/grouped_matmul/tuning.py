@@ -110,6 +110,11 @@ class Tuning:
     block scheduler dispatches every N tile and split of slot column 0, then of column 1, ...,
     so slot columns with no live item (T=16 gated p2c4: 8 columns, ~4 live) start after the
     live ones instead of taking every other CTA slot of the first wave. Same values.
+  pdl: programmatic dependent launch (`pallas_kernels.pdl`): the body waits (griddepcontrol.wait)
+    before its first read of anything (the work list decides which weights to load, so every
+    input: work list, x, weights), so the CTAs can start during the previous kernel's tail, and
+    lets the next kernel launch once its K pipeline is done (before the epilogue). No-op in
+    interpret mode. Same values.
   """
   rows: int = 32
   block_n: int = 128
@@ -122,6 +127,7 @@ class Tuning:
   store_once: bool = False
   dequant_batch: int = 1
   items_smem: bool = False
+  pdl: bool = False
   int4_scale_concat: bool = False
   int4_k_packed: bool = False
   int4_interleave_stacks: bool = False
@@ -241,10 +247,10 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   xN[cC]: scale_splits by N for ~C CTAs per SM (2); pN[cC]: exactly N splits (set_splits;
   after kBK: N must divide the K steps); wN: slots for ~N CTAs per SM (a
   persistent grid: no launched-and-exiting CTAs for dead items ahead of live ones);
-  default: no change."""
+  pdl: pdl (programmatic dependent launch); default: no change."""
   flags = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads",
            "cat": "int4_scale_concat", "kp": "int4_k_packed", "il": "int4_interleave_stacks",
-           "ov": "int4_step_overlap", "wo": "slots_outer"}
+           "ov": "int4_step_overlap", "wo": "slots_outer", "pdl": "pdl"}
   chains = None
   for part in name.split("+"):
     if part == "default":

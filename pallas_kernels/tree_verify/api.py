@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import pdl
 from pallas_kernels.tree_verify import masks
 from pallas_kernels.tree_verify.reference import tree_verify_attention_reference
 from pallas_kernels.tree_verify.tuning import BLOCK_M, default_tuning
@@ -114,6 +115,9 @@ def tree_verify_attention(q, cache, lengths, tree_mask, *, scale, backend="auto"
   """
   _check_shapes(q, cache, lengths, tree_mask)
   backend = resolve_backend(backend, q, value_dim)
+  if tuning is None and backend != "xla" and pdl.model_default_on():  # TargetConfig.mosaic_pdl
+    tuning = pdl.with_model_default(default_tuning(q.shape[0], q.shape[1], q.shape[2],
+                                                   cache.shape[1]))
   if backend == "xla":
     if isinstance(tree_mask, masks.PackedTreeMask):
       raise ValueError("the xla backend takes the bool tree mask, not a PackedTreeMask")

@@ -78,14 +78,17 @@ FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64]
 # the merge one 128-split piece), balanced_splits (59 x 6 + 73 x 5 tiles: all 132 SMs stream),
 # merge_loads_first (the Triton merge's partial loads in flight with its LSE loads), merge_cols=32
 # (128 merge programs instead of 64), and the three together.
+# pdl11 (pallas_kernels/pdl.py): pdl=1 (programmatic dependent launch: griddepcontrol.wait
+# before the first input read, launch_dependents after the last load) in the model's packed form
+# at the ar and DDTree 15 shapes; before the cluster rows at 1x16x8 (those stay last, above).
 AR_PROBES = ("num_splits=128,mask=packed;balanced_splits=1,mask=packed;"
              "merge_loads_first=1,mask=packed;merge_cols=32,mask=packed;"
              "num_splits=128,balanced_splits=1,merge_loads_first=1,mask=packed")
-PROBES = {(1, 16, 8, 46000): ("mask=packed;merge_cols=256;merge_cols=512;cluster_rows=2;"
-                              "cluster_rows=2,mask=packed"),
+PROBES = {(1, 16, 8, 46000): ("mask=packed;merge_cols=256;merge_cols=512;pdl=1,mask=packed;"
+                              "cluster_rows=2;cluster_rows=2,mask=packed"),
           (1, 8, 8, 46000): "merge_cols=256;merge_cols=512;swap_ab=1",
           (1, 1, 8, 46000): ("mask=packed;swap_ab=0;swap_ab=0,mask=packed;num_splits=66;"
-                             + AR_PROBES),
+                             + AR_PROBES + ";pdl=1,mask=packed"),
           (1, 64, 8, 46000): "cluster_rows=2;cluster_rows=4",
           (1, 1, 64, 46000): "swap_ab=1",
           (4, 1, 8, 46000): "swap_ab=0;num_splits=66",

@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import pdl
 from pallas_kernels.tree_verify import masks
 from pallas_kernels.tree_verify.tuning import BLOCK_M, SMEM_BYTES, Tuning
 
@@ -142,6 +143,8 @@ def _memory_wg(c):
                             **_multicast(t))
     if t.prefetch:
       _prefetch_after_load(c, i, n)
+
+  pdl.release_dependents(t.pdl, c.interpret)  # the split's last KV load is issued
 
   @pl.loop(jnp.maximum(c.hi - c.lo - t.stages, 0), c.hi - c.lo)
   def _drain(i):
@@ -354,6 +357,7 @@ def _compute_wg(c, w):
   plgpu.barrier_wait(c.q_bar)
   acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, c.r // 2), jnp.float32), plgpu.Layout.WGMMA)
   acc, m, l = _loop(c, w, acc)
+  pdl.release_dependents(c.t.pdl, c.interpret)  # past the last mask-word load: epilogue left
   inv, lse2 = final_stats(m, l)
   if c.t.shared_p and w == 0:
     c.stat_smem.at[1][...] = inv
@@ -368,6 +372,7 @@ def _make_body(t: Tuning, n, l, r, window, scale_log2, dtype, interpret):
 
   def body(len_ref, q_ref, kv_ref, words_ref, o_ref, lse_ref, union, stat_smem, lse_smem, q_bar,
            kv_bar, free_bar, wg_bar, p_ready, p_free):
+    pdl.wait_for_producers(t.pdl, interpret)  # lengths, Q, cache rows, mask words: all below
     (q_smem, kv_smem, p_smem), (o_smem,) = union
     m_idx, s_idx, b = row_tile_index(t), lax.axis_index("s"), lax.axis_index("b")
     length = jnp.clip(len_ref[b], 0, l)  # l: the cache's rows before any pad (never visible)

@@ -28,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import pdl
 from pallas_kernels.tree_verify import kernel as k
 from pallas_kernels.tree_verify import masks
 from pallas_kernels.tree_verify.tuning import BLOCK_M, SMEM_BYTES, Tuning
@@ -169,6 +170,7 @@ def _compute_wg(c, w):
   plgpu.barrier_wait(c.q_bar)
   acc = plgpu.layout_cast(jnp.zeros((c.r // 2, c.window), jnp.float32), plgpu.Layout.WGMMA)
   acc, m, l = _loop(c, w, acc)
+  pdl.release_dependents(c.t.pdl, c.interpret)  # past the last mask-word load: epilogue left
   inv, lse2 = k.final_stats(m, l)
   if w == 0:
     c.stat_smem.at[1][...] = inv
@@ -183,6 +185,7 @@ def _make_body(t: Tuning, n, l, r, window, scale_log2, dtype, interpret):
 
   def body(len_ref, q_ref, kv_ref, words_ref, o_ref, lse_ref, union, stat_smem, q_bar, kv_bar,
            free_bar, wg_bar, p_ready, p_free):
+    pdl.wait_for_producers(t.pdl, interpret)  # lengths, Q, cache rows, mask words: all below
     (q_smem, kv_smem, p_smem), (o_smem,) = union
     # One buffer for the three [M] statistics (one 1 KiB alignment, not three): LSE in row 0 (a
     # TMA source: at the buffer's aligned start), alpha in row 1, 1 / l in row 2.

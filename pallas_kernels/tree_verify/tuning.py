@@ -39,6 +39,12 @@ class Tuning:
   merge_loads_first: bool = False  # merge="triton": each program issues its partial block's loads
                           # before the LSE loads and reductions (two GMEM round trips in flight
                           # at once instead of one after the other)
+  pdl: bool = False       # v2 (kernel.py, kernel_swap.py): programmatic dependent launch
+                          # (pallas_kernels.pdl): griddepcontrol.wait before the first read of
+                          # lengths / Q / cache / mask words (all of them: the step writes this
+                          # step's cache rows), launch_dependents once a warpgroup's last load is
+                          # issued (memory wg: last KV tile; compute wgs: after the tile loop,
+                          # before the epilogue). No-op in interpret mode
 
   @property
   def partials_dtype(self):
@@ -58,6 +64,8 @@ class Tuning:
                        f"{self.merge_cols=} in {MERGE_COLS}")
     if self.kernel == "v1" and self.cluster_rows != 1:
       raise ValueError(f"{self.cluster_rows=}: clusters are a v2 kernel.py option")
+    if self.kernel == "v1" and self.pdl:
+      raise ValueError("pdl is a v2 option (kernel.py / kernel_swap.py)")
     if self.kernel == "v1" and self.balanced_splits:
       raise ValueError("balanced_splits is a v2 option (kernel._split_range)")
     if self.kernel not in KERNELS or self.merge not in MERGES:
