@@ -26,4 +26,5 @@ def get_config():
           profile_ctx=46000, profile_budgets=[15, 7, 31, 63],  # phase tables (ar first, always)
           prompt_len=1024, reps=10, compile_box_s=240.0,
           pack_draft=True,  # the draft's decode layout (False: per-layer weights, A/B)
-          draft_token_qkv=False))  # True: draft.model.pack_token_qkv's layer-0 table (A/B)
+          draft_token_qkv=False,  # True: draft.model.pack_token_qkv's layer-0 table (A/B)
+          tree_impl="xla"))  # 'pallas': DDTree's builder as one Triton program (A/B)

@@ -12,10 +12,12 @@ from kdtree_jax.loader import load_draft, load_target, load_target_for_decode
 
 def bench_spec(c, mode, budget=None) -> SpecConfig:
   """The decode spec of `mode` (ddtree at `budget`, default bench.budget), with the config's
-  forced acceptance (random weights accept nothing)."""
+  forced acceptance (random weights accept nothing) and DDTree builder (bench.tree_impl, default
+  'xla'; 'pallas' is the one-kernel builder's A/B)."""
   return SpecConfig(mode=mode, budget=budget or c.bench.budget, block_size=c.block_size,
                     max_new_tokens=4096, attn_backend=c.attn_backend,
-                    target_choice=forced_accept.target_choice(c.forced_accept))
+                    target_choice=forced_accept.target_choice(c.forced_accept),
+                    tree_impl=c.bench.get("tree_impl", "xla"))
 
 
 def load_bench_pair(c, dtype, abstract):

@@ -132,9 +132,16 @@ def _lexrank(tie, ok):
   return jnp.sum(before, axis=1, dtype=jnp.int32)
 
 
-def build_ddtree(draft_logits_jv: jax.Array, budget: int):
+TREE_IMPLS = ("xla", "pallas", "interpret")
+
+
+def build_ddtree(draft_logits_jv: jax.Array, budget: int, impl: str = "xla"):
   """Best-first DDTree of n = budget nodes (N = n + 1 with the root) -> (node_tokens [N-1],
   node_depths [N-1], parents [N], visibility [N, N]).
+
+  impl: 'xla' (default: the sorts below), 'pallas' (everything after `topk_logprobs` as one
+  Pallas Triton program, pallas_kernels.ddtree_build; the same result node for node) or
+  'interpret' (that kernel in Pallas interpret mode, for CPU tests).
 
   Vectorised, no pop loop: the heap pops nodes in (score desc, rank tuple asc) order, so the
   tree is the first n prefixes in that order. The best n prefixes of depth d are among the
@@ -145,7 +152,12 @@ def build_ddtree(draft_logits_jv: jax.Array, budget: int):
   J, V = draft_logits_jv.shape
   _check_budget(budget, J)
   n, K = budget, min(budget, V)
+  if impl not in TREE_IMPLS:
+    raise ValueError(f"{impl=} is not one of {TREE_IMPLS}")
   lp_jk, ids_jk = topk_logprobs(draft_logits_jv, K)
+  if impl != "xla":
+    from pallas_kernels import ddtree_build  # pylint: disable=import-outside-toplevel
+    return ddtree_build.build_from_topk(lp_jk, ids_jk, n, interpret=impl == "interpret")
   first = jnp.arange(n)
   ok = first < K
   hi = jnp.where(ok, lp_jk[0, jnp.minimum(first, K - 1)], -jnp.inf)

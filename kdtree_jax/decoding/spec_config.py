@@ -7,6 +7,7 @@ from kdtree_jax.cli import UsageError
 from kdtree_jax.decoding.sampling import SamplingConfig, target_choice as own_choice
 
 MODES = ("ar", "chain", "ddtree")
+TREE_IMPLS = ("xla", "pallas", "interpret")  # kdtree_jax.tree.TREE_IMPLS
 # budget="auto": tree node counts compiled (8k - 1 nodes: with the root, x 8 heads = 64k rows).
 AUTO_NODE_COUNTS = (7, 15, 31, 63)
 
@@ -28,6 +29,11 @@ class SpecConfig:
   # budget='auto' only: a decoding.budget.AutoBudget (node counts, cost table, acceptance
   # calibration); None = default node counts and the analytic cost of the run's own target.
   auto: Any = None
+  # DDTree's builder after the top-k (kdtree_jax.tree.build_ddtree impl): 'xla' (sorts: 56
+  # kernels per step at budget 15 / block 16, deviceless H200) or 'pallas' (one Pallas Triton
+  # program + 2 pad fusions, the same tree node for node; the GPU A/B decides; 'interpret' runs
+  # that kernel in Pallas interpret mode, for CPU tests).
+  tree_impl: str = "xla"
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -44,6 +50,9 @@ class SpecConfig:
     if self.mode != "ar" and self.block_size < 2:
       raise UsageError("draft.block_size", f"{self.block_size} is too small; mode "
                        f"{self.mode!r} drafts block_size - 1 >= 1 tokens per step")
+    if self.tree_impl not in TREE_IMPLS:
+      raise UsageError("tree_impl", f"{self.tree_impl!r} is not a tree builder; choose one of "
+                       f"{', '.join(TREE_IMPLS)}")
     if self.max_new_tokens < 1:
       raise UsageError("max_new_tokens", f"{self.max_new_tokens} is too small; it must be >= 1")
 

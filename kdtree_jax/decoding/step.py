@@ -65,7 +65,8 @@ def tree_phase(spec: SpecConfig, draft_logits_bjv, batch: int) -> Tree:
                 jnp.full((batch, 1), -1, jnp.int32), jnp.ones((batch, 1, 1), bool))
   if spec.mode == "chain":
     return Tree(*jax.vmap(ddtree.build_chain)(draft_logits_bjv))
-  return Tree(*jax.vmap(lambda x: ddtree.build_ddtree(x, spec.max_budget))(draft_logits_bjv))
+  build = lambda x: ddtree.build_ddtree(x, spec.max_budget, impl=spec.tree_impl)
+  return Tree(*jax.vmap(build)(draft_logits_bjv))
 
 
 def verify_phase(tcfg, tparams, spec: SpecConfig, state: DecodeState, tree: Tree, tap_layers,

@@ -1,0 +1,119 @@
+"""The one-kernel DDTree builder (pallas_kernels.ddtree_build, build_ddtree(impl=...)) against the
+XLA build_ddtree (itself tested against the published heap in test_ddtree.py): node for node in
+interpret mode on random logits with exact ties, masked (-inf) logits and exhaustion (budget >
+the valid nodes), a mutation that must fail, lowering for an abstract H200, and the option's
+plumbing (SpecConfig.tree_impl, bench.tree_impl)."""
+
+import functools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdtree_jax import tree
+from kdtree_jax.cli import UsageError
+from kdtree_jax.decoding.spec_config import SpecConfig
+from pallas_kernels import ddtree_build
+
+
+def _logits(seed, batch, depth, vocab):
+  """[B, J, V] logits: Gaussian rows, integer-rounded rows (many exact ties), rows repeated
+  across depths, constant rows (every candidate tied) and rows with masked (-inf) columns."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(batch, depth, vocab)).astype(np.float32) * 3
+  kind = np.arange(batch) % 5
+  x[kind == 1] = np.round(x[kind == 1])
+  x[kind == 2] = np.round(x[kind == 2, :1])                        # every depth the same row
+  x[kind == 3] = 0.5
+  masked = rng.random(x.shape) < 0.4
+  x[kind == 4] = np.where(masked[kind == 4], -np.inf, np.round(x[kind == 4]))
+  x[kind == 4, :, 0] = 1.0                                         # no row fully masked
+  return jnp.asarray(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _builders(budget):
+  """(xla, interpret) jitted batch builders for one budget."""
+  mk = lambda impl: jax.jit(jax.vmap(lambda x: tree.build_ddtree(x, budget, impl=impl)))
+  return mk("xla"), mk("interpret")
+
+
+def _mismatch(budget, logits):
+  """The names of the outputs where the kernel differs from the XLA builder."""
+  xla, kern = _builders(budget)
+  names = ("tokens", "depths", "parents", "vis")
+  return [name for name, a, b in zip(names, xla(logits), kern(logits))
+          if a.shape != b.shape or a.dtype != b.dtype or not np.array_equal(a, b)]
+
+
+# block 8 (J = 7): every padding boundary up to 63; block 16 (J = 15): the bench's budgets and
+# boundaries (each budget is one interpret-mode compile, ~10-20 s on this CPU).
+@pytest.mark.parametrize("budget,block,vocab", [
+    (b, 8, 40) for b in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63)] + [
+    (b, 16, 40) for b in (1, 7, 15, 16, 31, 63)] + [
+    (15, 16, 3), (63, 8, 2), (31, 16, 5)])                          # exhaustion: tiny V
+def test_kernel_equals_xla(budget, block, vocab):
+  logits = _logits(budget * 100 + block + vocab, 10, block - 1, vocab)
+  assert _mismatch(budget, logits) == []
+
+
+def test_tie_order_mutation_fails(monkeypatch):
+  """The tie order flipped (the level's tie key and the global rank tuples compared descending:
+  every integer key after the padding flag negated) must change trees."""
+  honest = ddtree_build._beats
+
+  def flipped(keys_a, keys_b, idx_a, idx_b):
+    neg = lambda keys: keys[:1] + [-x if jnp.issubdtype(x.dtype, jnp.integer) else x
+                                   for x in keys[1:]]
+    return honest(neg(keys_a), neg(keys_b), idx_a, idx_b)
+
+  monkeypatch.setattr(ddtree_build, "_beats", flipped)
+  logits = _logits(7, 10, 7, 40)
+  fn = jax.jit(jax.vmap(lambda x: tree.build_ddtree(x, 15, impl="interpret")))
+  ref = jax.jit(jax.vmap(lambda x: tree.build_ddtree(x, 15)))
+  assert any(not np.array_equal(a, b) for a, b in zip(ref(logits), fn(logits)))
+
+
+def _lower_h200(budget, block, vocab, batch=1, impl="pallas"):
+  """The lowered module of the batched builder for an abstract H200."""
+  f = jax.vmap(lambda x: tree.build_ddtree(x, budget, impl=impl))
+  h200 = jax.sharding.AbstractDevice("NVIDIA H200", None, "cuda")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                abstract_device=h200)):
+    return jax.jit(f).trace(jax.ShapeDtypeStruct((batch, block - 1, vocab), jnp.bfloat16)).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("budget,block", [(15, 16), (7, 8), (63, 16)])
+def test_lowers_for_h200(budget, block):
+  """One Triton call and no sort (the XLA builder's levels and assembly are sorts)."""
+  text = _lower_h200(budget, block, 20480)
+  assert text.count("__gpu$xla.gpu.triton") == 1
+  assert "stablehlo.sort" not in text
+  assert "stablehlo.sort" in _lower_h200(budget, block, 20480, impl="xla")
+
+
+def test_spec_option():
+  assert SpecConfig().tree_impl == "xla"
+  assert SpecConfig(tree_impl="pallas").tree_impl == "pallas"
+  with pytest.raises(UsageError, match="tree builder"):
+    SpecConfig(tree_impl="triton")
+  with pytest.raises(ValueError, match="impl"):
+    tree.build_ddtree(jnp.zeros((3, 5)), 4, impl="sort")
+
+
+def test_bench_spec_reads_tree_impl():
+  from kdtree_jax.bench_setup import bench_spec
+  from kdtree_jax.cli import load_config_file
+  c = load_config_file(str(pathlib.Path(__file__).parents[2] / "configs" / "bench_k26_core.py"))
+  assert bench_spec(c, "ddtree").tree_impl == "xla"
+  c.bench.tree_impl = "pallas"
+  assert bench_spec(c, "ddtree").tree_impl == "pallas"
+
+
+def test_padding_helpers():
+  assert [ddtree_build.pow2(x) for x in (1, 2, 3, 15, 16, 17, 64)] == [1, 2, 4, 16, 16, 32, 64]
+  bits, per = ddtree_build.digit_packing(15)
+  assert (1 << bits) >= 15 + 2 and bits * per <= 31
