@@ -117,3 +117,13 @@ def test_padding_helpers():
   assert [ddtree_build.pow2(x) for x in (1, 2, 3, 15, 16, 17, 64)] == [1, 2, 4, 16, 16, 32, 64]
   bits, per = ddtree_build.digit_packing(15)
   assert (1 << bits) >= 15 + 2 and bits * per <= 31
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Triton kernel needs a GPU")
+@pytest.mark.parametrize("budget,block", [(1, 16), (7, 8), (15, 16), (31, 16), (63, 16)])
+def test_compiled_kernel_equals_xla_on_gpu(budget, block):
+  """On a GPU: impl='pallas' (the compiled Triton program) == the XLA builder, node for node."""
+  logits = _logits(budget + block, 10, block - 1, 40)
+  fn = jax.jit(jax.vmap(lambda x: tree.build_ddtree(x, budget, impl="pallas")))
+  xla, _ = _builders(budget)
+  assert all(np.array_equal(a, b) for a, b in zip(xla(logits), fn(logits)))
