@@ -97,6 +97,10 @@
 #               bench_draft.py on k26_dflash_share at 46k, draft_block only: today's default
 #               beside +tokqkv (layer 0's q|k|v rows looked up, no layer-0 q|k|v dot; same
 #               floor), rel L2 vs the default and vs f32, kernels per call; draft_tokqkv:150
+#   k26_tree    the DDTree builder as one Triton program (pallas_kernels/ddtree_build.py): its GPU
+#               tests, then k26_ddtree with bench.tree_impl=pallas (the tree phase row, 0.237 ms in
+#               s9, and the ddtree loop at 46k; compare with k26_ddtree on the same warm machine:
+#               k26_ddtree:360 then k26_tree:420)
 #   k26_tokqkv  k26_ddtree with bench.draft_token_qkv=true (the ddtree 15 phase table and loop
 #               at 46k with the table; compare with k26_ddtree in the same call): k26_tokqkv:360
 #   draft_tests the compiled draft_block GPU tests of the packed forms only (~45 s)
@@ -208,6 +212,11 @@ run_part() {
                 python3 scripts/bench_draft.py \
                 --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv= --top 40 --f32_ref \
                 --ctx_impls pallas+block+packed,pallas+block+packed+tokqkv,pallas+block+packed" ;;
+    k26_tree) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
+                tests/decoding/test_tree_kernel.py; python3 scripts/bench_k26_full.py \
+                --out_dir $RAW --config configs/bench_k26_core.py \
+                --config.bench.phase_modes=ddtree --config.bench.tree_impl=pallas \
+                --time_budget_s $(( secs - 80 ))" ;;
     k26_tokqkv) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --config.bench.phase_modes=ddtree \
                 --config.bench.draft_token_qkv=true --time_budget_s $(( secs - 20 )) ;;
