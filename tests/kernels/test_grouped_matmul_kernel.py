@@ -653,7 +653,7 @@ def test_bench_mlp_variants_lower_for_h200():
     for name in bench.case_rows(t):
       assert "mosaic_gpu" in _lower_expert_mlp_h200(8 * t, _bench_tunings(name, 8 * t)), (t, name)
       rows += 1
-  assert rows <= 16  # one compile each: moe_tune stays inside its 240 s
+  assert rows <= 18  # one compile each: moe_tune stays inside its ~300 s (WORKSPACE queue)
 
 
 @pytest.mark.gpu
