@@ -27,18 +27,18 @@ import tempfile
 import time
 
 from absl import app, flags
+from ml_collections import config_flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kdtree_jax import deviceless  # pylint: disable=wrong-import-position
 
-_CONFIG = flags.DEFINE_string("config", os.path.join(os.path.dirname(__file__), "..", "configs",
-                                                     "bench_k26_full.py"), "Bench config file.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "bench_k26_full.py"),
+    "Bench config (any field: --config.bench.tree_impl=pallas, as in every script).")
 _MODES = flags.DEFINE_list("modes", ["ar", "ddtree"], "Loop modes (ddtree at --budget).")
 _BUDGET = flags.DEFINE_integer("budget", None, "DDTree budget (default: the config's bench.budget).")
 _LAYERS = flags.DEFINE_list("layers", [], "Target depths to compile (default: the config's); two "
                             "depths A < B print the per-layer difference (B - A) / (B - A).")
-_SET = flags.DEFINE_multi_string("set", [], "Run-config overrides 'path=value' (e.g. "
-                                 "bench.pack_draft=false).")
 _FIELDS = flags.DEFINE_list("target_fields", [], "TargetConfig fields 'name=value' set on the "
                             "packed target (e.g. fold_norm_weights=true: pack-time folds applied).")
 _OPTIONS = flags.DEFINE_list("options", [], "XLA compiler options 'name=value' added to the "
@@ -53,6 +53,7 @@ _PLUGIN = flags.DEFINE_string("plugin_dir", deviceless.DEFAULT_PLUGIN_DIR, "Wher
 
 
 def _value(text):
+  """An XLA option's value: bool, int, float or the text."""
   low = text.lower()
   if low in ("true", "false"):
     return low == "true"
@@ -65,15 +66,8 @@ def _value(text):
 
 
 def _config(layers):
-  from kdtree_jax.cli import load_config_file  # pylint: disable=import-outside-toplevel
-  c = load_config_file(_CONFIG.value)
-  for item in _SET.value:
-    path, _, text = item.partition("=")
-    *parents, leaf = path.split(".")
-    node = c
-    for p in parents:
-      node = node[p]
-    node[leaf] = _value(text)
+  """The run config (command-line overrides applied) at `layers` target layers if given."""
+  c = _CONFIG.value.copy_and_resolve_references()
   if layers:
     c.target.layers = int(layers)
   return c
