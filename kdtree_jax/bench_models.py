@@ -50,10 +50,12 @@ def k26_dflash_share(tcfg, shards: int = 8) -> DraftConfig:
 
 def load_target(c, dtype, mesh=None):
   """(TargetConfig, params) of a `k26_share` run-config entry (fields: layers, shards,
-  int4_experts, seed)."""
+  int4_experts, seed; int4_k_interleaved: TargetConfig's, the decode pack's expert layout, for
+  the GPU A/B `--config.target.int4_k_interleaved=true`)."""
   if mesh is not None:
     raise ValueError(f"preset {c.preset!r} is one GPU's share of K2.6; run it without --mesh")
-  cfg = k26_share(c.get("layers", 61), c.get("shards", 8))
+  cfg = k26_share(c.get("layers", 61), c.get("shards", 8)).replace(
+      int4_k_interleaved=bool(c.get("int4_k_interleaved", False)))
   return cfg, params_lib.init_params(jax.random.key(c.seed), cfg, dtype,
                                      int4_experts=c.get("int4_experts", True))
 

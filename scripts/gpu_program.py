@@ -40,7 +40,9 @@ _BUDGET = flags.DEFINE_integer("budget", None, "DDTree budget (default: the conf
 _LAYERS = flags.DEFINE_list("layers", [], "Target depths to compile (default: the config's); two "
                             "depths A < B print the per-layer difference (B - A) / (B - A).")
 _FIELDS = flags.DEFINE_list("target_fields", [], "TargetConfig fields 'name=value' set on the "
-                            "packed target (e.g. fold_norm_weights=true: pack-time folds applied).")
+                            "packed target (pack-time fields applied, pack.apply_pack_fields: "
+                            "fold_norm_weights=true folds, int4_k_interleaved=true pair-packs "
+                            "the experts).")
 _OPTIONS = flags.DEFINE_list("options", [], "XLA compiler options 'name=value' added to the "
                              "run's command-buffer options.")
 _NO_GRAPHS = flags.DEFINE_bool("no_command_buffers", False, "Compile without command buffers.")
@@ -94,7 +96,7 @@ def compile_loop(target, c, mode, dump):
   from kdtree_jax.pair import Pair  # pylint: disable=import-outside-toplevel
   from kdtree_jax import throughput  # pylint: disable=import-outside-toplevel
   from kdtree_jax.config_overrides import with_overrides  # pylint: disable=import-outside-toplevel
-  from kdtree_jax.target.pack import fold_norm_gains  # pylint: disable=import-outside-toplevel
+  from kdtree_jax.target.pack import apply_pack_fields  # pylint: disable=import-outside-toplevel
   dtype = DTYPES[c.dtype]
   spec = bench_spec(c, mode, _BUDGET.value)
   t0 = time.time()
@@ -102,7 +104,7 @@ def compile_loop(target, c, mode, dump):
     tcfg, tp, dcfg, dp = load_bench_pair(c, dtype, abstract=True)
     if _FIELDS.value:
       tcfg = with_overrides(tcfg, _FIELDS.value, "--target_fields")
-      tp = jax.eval_shape(lambda p: fold_norm_gains(tcfg, p), tp)
+      tp = jax.eval_shape(lambda p: apply_pack_fields(tcfg, p), tp)
     state = jax.eval_shape(lambda: bench_state(
         tcfg, dcfg, spec, 1, max(c.bench.ctxs), dtype,
         steps=throughput.loop_state_steps(c.bench.gen)))

@@ -25,7 +25,7 @@ from kdtree_jax.decoding.spec_config import SpecConfig
 from kdtree_jax.loader import DTYPES, load_draft, load_target
 from kdtree_jax.pair import Pair
 from kdtree_jax.config_overrides import with_overrides
-from kdtree_jax.target.pack import fold_norm_gains, layout_params
+from kdtree_jax.target.pack import apply_pack_fields, layout_params
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "bench_k26_full.py")
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Bench config.")
@@ -106,13 +106,18 @@ def make_layouts(tcfg, tp, names):
   """{name: (target config, params)} for --layouts: `pack.layout_params` of the names' bases
   (one copy of the routed experts among them), a name 'BASE+field=value...' being BASE's params
   with those TargetConfig fields set (`config_overrides`, e.g. packed+lean_glue=false); a
-  pack-time field (fold_norm_weights) applied to the base's params (`pack.fold_norm_gains`: new
-  folded attention weights, every other array shared)."""
-  params = layout_params(tcfg, tp, {n.split("+")[0] for n in names})
+  pack-time field applied to the base's params (`pack.apply_pack_fields`: fold_norm_weights'
+  new folded attention weights; int4_k_interleaved's pair-packed experts, donating the base's
+  stacks where no other name reads that base (two copies of K2.6's experts do not fit an
+  H200: packed beside packed+int4_k_interleaved=true needs two runs); every other array
+  shared)."""
+  bases = [n.split("+")[0] for n in names]
+  params = layout_params(tcfg, tp, set(bases))
   out = {}
-  for n in names:
+  for n, base in zip(names, bases):
     cfg = with_overrides(tcfg, n.split("+")[1:], f"--layouts {n!r}")
-    out[n] = (cfg, fold_norm_gains(cfg, params[n.split("+")[0]]))
+    alone = n != base and bases.count(base) == 1
+    out[n] = (cfg, apply_pack_fields(cfg, params[base], donate_experts=alone))
   return out
 
 

@@ -8,9 +8,13 @@ experts take ~520 GB, not 2 TB. On a GPU the grouped matmul dequantises inside t
 XLA reference dequantises in front of the matmul.
 HF compressed-tensors stores `weight_packed` int32 [out, in/8] (low nibble first, value - 8)
 with `weight_scale` bf16 [out, in/32]; `from_hf` converts one expert.
-K-packed stacks (`k_packed`, made by `pack_k` where decode weights are laid out): `packed`'s
-columns permuted inside each 64-column block (`kpack.pack_int4_k`, its own inverse) so the
-kernel reads a thread's 8 values with one 32-bit load; the logical weight is unchanged.
+K layouts (`k_layout`, static; made by `pack_k` where decode weights are laid out): "plain"
+(K order, as loaded and saved), "kpack" (`packed`'s columns permuted inside each 64-column block,
+`kpack.pack_int4_k`, its own inverse: the kernel reads a thread's 8 values with one 32-bit load)
+or "kpairs" (`kpairs.pack_int4_k_pairs`: the same 32-bit loads with each bf16 pair's two nibbles
+16 bits apart, the kernel's PRMT-free dequantise, `Tuning.int4_k_interleaved`). Either K-packed
+layout only permutes columns inside each 32-column scale group: the logical weight and the
+scales are unchanged, and `dequantize` undoes the permutation exactly.
 """
 
 import flax.struct
@@ -20,18 +24,36 @@ import ml_dtypes
 import numpy as np
 
 from kdtree_jax.checkpoint import quant
-from pallas_kernels.grouped_matmul import kpack
+from pallas_kernels.grouped_matmul import kpack, kpairs
 from pallas_kernels.grouped_matmul import reference as kernel_reference
+
+
+K_LAYOUTS = ("plain", "kpack", "kpairs")
 
 
 @flax.struct.dataclass
 class Int4Weight:
   """Int4 expert stack: packed int4 [E, out, in], scale [E, in/Q, out]; `shape` is [E, in, out].
-  k_packed: `packed`'s in-columns are in kpack's order (static: the kernel's tuning follows it)."""
+  k_layout: the order of `packed`'s in-columns, one of K_LAYOUTS (static: the kernel's tuning
+  follows it, `target.grouped_matmul.k_layout`)."""
 
   packed: jax.Array
   scale: jax.Array
-  k_packed: bool = flax.struct.field(pytree_node=False, default=False)
+  k_layout: str = flax.struct.field(pytree_node=False, default="plain")
+
+  def __post_init__(self):
+    if self.k_layout not in K_LAYOUTS:
+      raise ValueError(f"Int4Weight.k_layout={self.k_layout!r} must be one of {K_LAYOUTS}")
+
+  @property
+  def k_packed(self) -> bool:
+    """Stored K-packed for the kernel's 32-bit loads ("kpack" or "kpairs"): Tuning.int4_k_packed."""
+    return self.k_layout != "plain"
+
+  @property
+  def k_pairs(self) -> bool:
+    """Stored pair-interleaved ("kpairs"): Tuning.int4_k_interleaved."""
+    return self.k_layout == "kpairs"
 
   @property
   def shape(self):
@@ -75,23 +97,49 @@ def from_hf(weight_packed, weight_scale, shape) -> tuple[np.ndarray, np.ndarray]
   return q.T, np.asarray(weight_scale, np.float32).T
 
 
+def k_order(packed, layout: str):
+  """int4 [..., in] stored in `layout` -> the same columns in K order (the permutation undone)."""
+  if layout == "kpack":
+    return kpack.pack_int4_k(packed)  # its own inverse
+  if layout == "kpairs":
+    return kpairs.unpack_int4_k_pairs(packed)
+  if layout != "plain":
+    raise ValueError(f"unknown K layout {layout!r}; known: {K_LAYOUTS}")
+  return packed
+
+
 def dequantize(w: Int4Weight, dtype=jnp.bfloat16):
   """[E, in, out] in dtype: q * scale, rounded once to dtype (as the kernel does in registers)."""
-  packed = kpack.pack_int4_k(w.packed) if w.k_packed else w.packed  # the permutation undone
-  return kernel_reference.dequantize(packed, w.scale, dtype)
+  return kernel_reference.dequantize(k_order(w.packed, w.k_layout), w.scale, dtype)
 
 
-_PACK_K_DONATED = jax.jit(kpack.pack_int4_k, donate_argnums=0)
+def _relaid(packed, source: str, layout: str):
+  """int4 [..., in] stored in `source` -> stored in `layout` (one jitted pass)."""
+  q = k_order(packed, source)
+  if layout == "kpack":
+    return kpack.pack_int4_k(q)
+  return kpairs.pack_int4_k_pairs(q) if layout == "kpairs" else q
 
 
-def pack_k(w: Int4Weight, donate: bool = False) -> Int4Weight:
-  """The same weight K-packed for the kernel's 32-bit loads (`Tuning.int4_k_packed`); a stack
-  already K-packed, or whose in-dim is not a multiple of kpack.CHUNK, is returned as it is.
-  donate: w.packed's buffer goes to the copy (deleted), so a loaded model is not held twice."""
-  if w.k_packed or w.packed.shape[-1] % kpack.CHUNK:
+_RELAID_DONATED = jax.jit(_relaid, static_argnums=(1, 2), donate_argnums=0)
+
+
+def pack_k(w: Int4Weight, donate: bool = False, layout: str = "kpack") -> Int4Weight:
+  """The same weight stored in K layout `layout` (default "kpack": the kernel's 32-bit loads,
+  `Tuning.int4_k_packed`; "kpairs": pair-interleaved as well, `Tuning.int4_k_interleaved`;
+  "plain": K order). A stack already in `layout`, or whose in-dim is not a multiple of the
+  packs' 64-column block, is returned as it is (a stack in the other K-packed layout is
+  re-laid). donate: w.packed's buffer goes to the copy (deleted), so a loaded model is not held
+  twice."""
+  if layout not in K_LAYOUTS:
+    raise ValueError(f"unknown K layout {layout!r}; known: {K_LAYOUTS}")
+  if w.k_layout == layout or w.packed.shape[-1] % kpack.CHUNK:
     return w
-  packed = (_PACK_K_DONATED if donate else kpack.pack_int4_k)(w.packed)
-  return Int4Weight(packed, w.scale, k_packed=True)
+  if donate:
+    packed = _RELAID_DONATED(w.packed, w.k_layout, layout)
+  else:
+    packed = _relaid(w.packed, w.k_layout, layout)
+  return Int4Weight(packed, w.scale, k_layout=layout)
 
 
 def random_int4(key, shape_eio, std, group=32) -> Int4Weight:

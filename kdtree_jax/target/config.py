@@ -120,6 +120,13 @@ class TargetConfig:
   # pallas_kernels/pdl.py). Same values. Default off until a GPU A/B (notes/runtime.md, "PDL:
   # who waits": in XLA's graph the custom call is a traced child node, which may void it).
   mosaic_pdl: bool = False
+  # int4_k_interleaved: target/pack.py's decode layout stores the INT4 routed stacks
+  # pair-interleaved ("kpairs", `kpairs.pack_int4_k_pairs`) instead of K-packed ("kpack"), and
+  # the expert calls then run the kernel's PRMT-free dequantise (Tuning.int4_k_interleaved,
+  # variant `kpi`: the same bf16 values, -8 SASS per 64-column chunk and thread; deviceless).
+  # The tuning follows the weights' layout (target/grouped_matmul.py). Pack time (per-layer
+  # params are unaffected). Default off until a GPU A/B (notes/int4_dequant_pairs.md).
+  int4_k_interleaved: bool = False
 
   def __post_init__(self):
     if self.first_k_dense_replace > self.num_hidden_layers:

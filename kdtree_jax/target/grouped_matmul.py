@@ -21,12 +21,26 @@ def expert_operands(w) -> tuple:
   return (w.packed, w.scale) if isinstance(w, Int4Weight) else (w,)
 
 
+def k_layout(*ws) -> str:
+  """The K layout (`int4.K_LAYOUTS`) these expert stacks share: "plain" for bf16 stacks, else
+  the INT4 stacks' (`int4.pack_k`); stacks of one call in different layouts are a ValueError."""
+  layouts = {w.k_layout if isinstance(w, Int4Weight) else "plain" for w in ws}
+  if len(layouts) > 1:
+    raise ValueError(f"expert stacks of one call must share one K layout (int4.pack_k), got "
+                     f"{sorted(layouts)}")
+  return layouts.pop()
+
+
 def k_packed(*ws) -> bool:
-  """Whether these INT4 stacks are K-packed (`int4.pack_k`): all or none of them."""
-  flags = {isinstance(w, Int4Weight) and w.k_packed for w in ws}
-  if len(flags) > 1:
-    raise ValueError("expert stacks of one call must all be K-packed (int4.pack_k) or none")
-  return flags.pop()
+  """Whether these INT4 stacks are K-packed (`int4.pack_k`: "kpack" or "kpairs"): all or none."""
+  return k_layout(*ws) != "plain"
+
+
+def layout_args(*ws) -> dict:
+  """The kernel API's layout arguments for these stacks: k_packed (Tuning.int4_k_packed) and
+  k_interleaved (Tuning.int4_k_interleaved: exactly when they are pair-packed, "kpairs")."""
+  layout = k_layout(*ws)
+  return {"k_packed": layout != "plain", "k_interleaved": layout == "kpairs"}
 
 
 def grouped_matmul(x_td, w, group_sizes, impl="auto"):
@@ -36,13 +50,13 @@ def grouped_matmul(x_td, w, group_sizes, impl="auto"):
   "interpret" (the kernel on CPU, tests), "xla" (the reference); the kernel's API checks it.
   """
   return kernel_grouped_matmul(x_td, expert_operands(w), group_sizes, backend=impl,
-                               k_packed=k_packed(w))
+                               **layout_args(w))
 
 
 def gated_grouped_matmul(x_td, gate_edf, up_edf, group_sizes, impl="auto"):
   """silu(x @ gate[g]) * (x @ up[g]) per group: one kernel call on a GPU (fused epilogue)."""
   return kernel_gated_matmul(x_td, expert_operands(gate_edf), expert_operands(up_edf),
-                             group_sizes, backend=impl, k_packed=k_packed(gate_edf, up_edf))
+                             group_sizes, backend=impl, **layout_args(gate_edf, up_edf))
 
 
 def expert_mlp(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto", group_ends=None,
@@ -55,11 +69,11 @@ def expert_mlp(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto", group
   return kernel_expert_mlp(x_td, expert_operands(gate_edf), expert_operands(up_edf),
                            expert_operands(down_efd), group_sizes, backend=impl,
                            group_ends=group_ends, items=items, row_groups=row_groups,
-                           h_rows=h_rows, k_packed=k_packed(gate_edf, up_edf, down_efd))
+                           h_rows=h_rows, **layout_args(gate_edf, up_edf, down_efd))
 
 
 def work_rows(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto") -> int | None:
   """R of the work list `expert_mlp` builds (x_td may be a ShapeDtypeStruct); None on XLA."""
   return kernel_work_rows(x_td, expert_operands(gate_edf), expert_operands(up_edf),
                           expert_operands(down_efd), group_sizes, backend=impl,
-                          k_packed=k_packed(gate_edf, up_edf, down_efd))
+                          **layout_args(gate_edf, up_edf, down_efd))

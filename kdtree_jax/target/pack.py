@@ -38,7 +38,8 @@ mesh. Per layer (the forward reads either layout; see mla.input_dots, mlp.swiglu
     expert's weights to f32 (twice the bytes), so only the shared gate | up is packed; the shared
     expert's down [Fs, D] as "down_t" [D, Fs] either way; INT4 routed stacks K-packed
     (`int4.pack_k`: the grouped-matmul kernel reads a thread's 8 values with one 32-bit load;
-    H200 mlp_tune, sixth session: 1.02-1.08x faster at T = 1, 9, 16, 65), bf16 stacks as stored.
+    H200 mlp_tune, sixth session: 1.02-1.08x faster at T = 1, 9, 16, 65), pair-interleaved as
+    well with cfg.int4_k_interleaved (`expert_k_layout`), bf16 stacks as stored.
 With cfg.fold_norm_weights (`fold_norm_gains`), three RMSNorm gains go into the dot after them.
 """
 
@@ -154,7 +155,7 @@ def pack_layer(cfg: TargetConfig, lp, out_major: bool = True, donate_experts: bo
   if "mlp" in lp:
     out["mlp"] = _pack_gate_up(lp["mlp"])
   if "moe" in lp:
-    out["moe"] = _pack_moe(lp["moe"], out_major, donate_experts)
+    out["moe"] = _pack_moe(cfg, lp["moe"], out_major, donate_experts)
   return out
 
 
@@ -215,9 +216,43 @@ def _pack_gate_up(p, down_t=False):
   return {"gate_up_t": _cat_t([p["gate"], p["up"]])} | down
 
 
-def _pack_moe(p, out_major=True, donate_experts=False):
-  p = p | {n: int4.pack_k(p[n], donate=donate_experts) for n in ("gate", "up", "down")
-           if isinstance(p.get(n), int4.Int4Weight)}
+def expert_k_layout(cfg: TargetConfig) -> str:
+  """The K layout decode's INT4 routed stacks are stored in (`int4.K_LAYOUTS`): "kpairs" with
+  cfg.int4_k_interleaved (the kernel's PRMT-free dequantise), else "kpack"."""
+  return "kpairs" if cfg.int4_k_interleaved else "kpack"
+
+
+def _pack_experts(cfg: TargetConfig, p, donate_experts=False):
+  """p with its INT4 routed stacks (gate, up, down) in `expert_k_layout(cfg)`."""
+  layout = expert_k_layout(cfg)
+  return p | {n: int4.pack_k(p[n], donate=donate_experts, layout=layout)
+              for n in ("gate", "up", "down") if isinstance(p.get(n), int4.Int4Weight)}
+
+
+def relayout_experts(cfg: TargetConfig, params, donate_experts=False):
+  """`params` with every K-packed INT4 routed stack in `expert_k_layout(cfg)` (a new pytree;
+  stacks already so, and plain ones, are shared: per-layer params stay per-layer): a packed
+  model whose cfg changed the layout field afterwards (gpu_program --target_fields,
+  probe_xla_options --layouts packed+...)."""
+  layout = expert_k_layout(cfg)
+
+  def moe(p):
+    return p | {n: int4.pack_k(w, donate=donate_experts, layout=layout) for n, w in p.items()
+                if isinstance(w, int4.Int4Weight) and w.k_packed}
+  layers = [lp | {"moe": moe(lp["moe"])} if "moe" in lp else lp for lp in params["layers"]]
+  return params | {"layers": layers}
+
+
+def apply_pack_fields(cfg: TargetConfig, params, donate_experts=False):
+  """Packed `params` as `pack_for_decode(cfg, ...)` would lay them out for cfg's pack-time
+  fields, from a model packed under other values of them: the experts' K layout
+  (int4_k_interleaved, `relayout_experts`: a second copy of every re-laid stack unless
+  donate_experts) and the norm folds (fold_norm_weights, `fold_norm_gains`)."""
+  return fold_norm_gains(cfg, relayout_experts(cfg, params, donate_experts))
+
+
+def _pack_moe(cfg: TargetConfig, p, out_major=True, donate_experts=False):
+  p = _pack_experts(cfg, p, donate_experts)
   if "shared" not in p:
     return p
   shared = p["shared"]

@@ -5,8 +5,11 @@ Each call returns or combines per-value K-partials [S, M, N] (S = Tuning.splits,
 and leaves the down partials to the caller, whose weighted combine sums them in one fusion.
 k_packed (INT4): the stacks' K columns are in `kpack.pack_int4_k`'s order (packed once where
 decode weights are laid out); the kernel's tuning follows (`Tuning.int4_k_packed`), the XLA
-reference undoes the permutation (kpairs' with an explicit tuning's `int4_k_interleaved`).
-None: as an explicit tuning says, else unpacked.
+reference undoes the permutation. k_interleaved (with k_packed): in
+`kpairs.pack_int4_k_pairs`' order instead (`Tuning.int4_k_interleaved`, the PRMT-free
+dequantise). None: as an explicit tuning says, else unpacked. An explicit tuning whose
+int4_k_interleaved disagrees with a given k_interleaved is refused (it would read the stacks
+in the wrong order); a default tuning follows the stacks.
 """
 
 import dataclasses
@@ -50,9 +53,27 @@ def _reference(x_mk, weights, group_sizes, out_dtype=None, k_packed=False, inter
   return reference.grouped_matmul_reference(x_mk, weights[0], group_sizes, out_dtype)
 
 
-def _plan(x_mk, stacks, group_sizes, backend, tuning, k_packed=None):
+def _layout(tuning, k_packed, k_interleaved):
+  """(int4_k_packed, int4_k_interleaved) of a call: as given (None: an explicit tuning's, else
+  False); a given k_interleaved that an explicit tuning contradicts is a ValueError."""
+  if k_packed is None:
+    k_packed = bool(tuning and tuning.int4_k_packed)
+  if k_interleaved is None:
+    k_interleaved = bool(tuning and tuning.int4_k_interleaved)
+  elif tuning is not None and tuning.int4_k_interleaved != k_interleaved:
+    raise ValueError(
+        f"the stacks are {'' if k_interleaved else 'not '}pair-interleaved (k_interleaved="
+        f"{k_interleaved}) but the explicit tuning has int4_k_interleaved="
+        f"{tuning.int4_k_interleaved}: it would read them in the wrong K order")
+  if k_interleaved and not k_packed:
+    raise ValueError("k_interleaved is a K-packed layout (kpairs.pack_int4_k_pairs): pass "
+                     "k_packed=True with it")
+  return k_packed, k_interleaved
+
+
+def _plan(x_mk, stacks, group_sizes, backend, tuning, k_packed=None, k_interleaved=None):
   """Checks the operands; returns (backend, tuning) with "auto" and the default tuning resolved,
-  its int4_k_packed = k_packed (None: an explicit tuning's, else False)."""
+  its int4_k_packed / int4_k_interleaved the stacks' layout (`_layout`)."""
   shapes = [_check(x_mk, st, group_sizes) for st in stacks]
   if len(set(shapes)) != 1 or len({len(st) for st in stacks}) != 1:
     raise ValueError(f"gate and up stacks differ: {[[w.shape for w in st] for st in stacks]}")
@@ -61,14 +82,13 @@ def _plan(x_mk, stacks, group_sizes, backend, tuning, k_packed=None):
     raise ValueError(f"{backend=} must be one of {BACKENDS}")
   from pallas_kernels.grouped_matmul import kernel  # pylint: disable=import-outside-toplevel
   int4 = len(stacks[0]) == 2
-  if k_packed is None:
-    k_packed = bool(tuning and tuning.int4_k_packed)
+  k_packed, k_interleaved = _layout(tuning, k_packed, k_interleaved)
   if k_packed and not int4:
     raise ValueError("k_packed is for INT4 stacks")
   tuning = tuning or pdl.with_model_default(default_tuning(
       x_mk.shape[0], stacks[0][0].shape[0], k, n, int4, interpret=backend == "interpret",
       gated=len(stacks) == 2))  # TargetConfig.mosaic_pdl (pallas_kernels/pdl.py)
-  tuning = dataclasses.replace(tuning, int4_k_packed=k_packed)
+  tuning = dataclasses.replace(tuning, int4_k_packed=k_packed, int4_k_interleaved=k_interleaved)
   group = k // stacks[0][1].shape[1] if int4 else None
   if backend == "auto":
     ok = jax.default_backend() == "gpu" and kernel.supports(x_mk, k, n, group, tuning)
@@ -111,7 +131,7 @@ def _gated_value(vals, dtype, rows=None):
 
 
 def grouped_matmul(x_mk, weights, group_sizes, *, backend="auto", tuning: Tuning | None = None,
-                   k_packed: bool | None = None):
+                   k_packed: bool | None = None, k_interleaved: bool | None = None):
   """out[rows of expert g] = x[rows of g] @ W[g]; rows of x sorted by expert.
 
   weights: (w [G, K, N],) bf16 / f16, or (q int4 [G, N, K], scale [G, K/S, N]) for INT4 experts.
@@ -120,14 +140,15 @@ def grouped_matmul(x_mk, weights, group_sizes, *, backend="auto", tuning: Tuning
   on a GPU when the shapes suit it). An expert with no rows costs the kernel no weight bytes.
   """
   weights = tuple(weights)
-  backend, tuning = _plan(x_mk, [weights], group_sizes, backend, tuning, k_packed)
+  backend, tuning = _plan(x_mk, [weights], group_sizes, backend, tuning, k_packed, k_interleaved)
   (val,) = _values(x_mk, [weights], group_sizes, backend, tuning)
   return val.astype(jnp.float32).sum(axis=0).astype(x_mk.dtype) if val.shape[0] > 1 else \
       val[0].astype(x_mk.dtype)
 
 
 def gated_grouped_matmul(x_mk, gate, up, group_sizes, *, backend="auto",
-                         tuning: Tuning | None = None, k_packed: bool | None = None):
+                         tuning: Tuning | None = None, k_packed: bool | None = None,
+                         k_interleaved: bool | None = None):
   """silu(x @ gate[g]) * (x @ up[g]) per expert, one kernel call (two accumulators).
 
   gate, up: weight tuples as in `grouped_matmul`. Both paths apply the SiLU-multiply to the f32
@@ -136,17 +157,19 @@ def gated_grouped_matmul(x_mk, gate, up, group_sizes, *, backend="auto",
   call; their sums and the SiLU-multiply are one XLA fusion.
   """
   stacks = [tuple(gate), tuple(up)]
-  backend, tuning = _plan(x_mk, stacks, group_sizes, backend, tuning, k_packed)
+  backend, tuning = _plan(x_mk, stacks, group_sizes, backend, tuning, k_packed, k_interleaved)
   return _gated_value(_values(x_mk, stacks, group_sizes, backend, tuning), x_mk.dtype)
 
 
-def _plan_mlp(x_mk, stacks, down, group_sizes, backend, tunings, k_packed=None):
+def _plan_mlp(x_mk, stacks, down, group_sizes, backend, tunings, k_packed=None,
+              k_interleaved=None):
   """(gated call's backend and tuning, down call's backend and tuning) of `expert_mlp`."""
   t_gate, t_down = tunings or (None, None)
-  b_gate, t_gate = _plan(x_mk, stacks, group_sizes, backend, t_gate, k_packed)
+  b_gate, t_gate = _plan(x_mk, stacks, group_sizes, backend, t_gate, k_packed, k_interleaved)
   h_shape = jax.ShapeDtypeStruct((x_mk.shape[0], down[0].shape[2 if len(down) == 2 else 1]),
                                  x_mk.dtype)
-  b_down, t_down = _plan(h_shape, [down], group_sizes, backend, t_down, k_packed)
+  b_down, t_down = _plan(h_shape, [down], group_sizes, backend, t_down, k_packed,
+                         k_interleaved)
   if t_gate.rows != t_down.rows:
     raise ValueError(f"gate and down tunings must share rows: {t_gate.rows} vs {t_down.rows}")
   return b_gate, t_gate, b_down, t_down
@@ -154,17 +177,19 @@ def _plan_mlp(x_mk, stacks, down, group_sizes, backend, tunings, k_packed=None):
 
 def work_rows(x_mk, gate, up, down, group_sizes, *, backend="auto",
               tunings: tuple[Tuning, Tuning] | None = None,
-              k_packed: bool | None = None) -> int | None:
+              k_packed: bool | None = None, k_interleaved: bool | None = None) -> int | None:
   """R of the work list `expert_mlp` builds for these operands (x_mk: an array or a
   ShapeDtypeStruct), or None where XLA runs both calls (no work list)."""
   b_gate, t_gate, b_down, _ = _plan_mlp(x_mk, [tuple(gate), tuple(up)], tuple(down),
-                                        group_sizes, backend, tunings, k_packed)
+                                        group_sizes, backend, tunings, k_packed,
+                                        k_interleaved)
   return None if "xla" == b_gate == b_down else t_gate.rows
 
 
 def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
                tunings: tuple[Tuning, Tuning] | None = None, group_ends=None, items=None,
-               row_groups=None, h_rows=None, k_packed: bool | None = None):
+               row_groups=None, h_rows=None, k_packed: bool | None = None,
+               k_interleaved: bool | None = None):
   """down[g] applied to silu(x @ gate[g]) * (x @ up[g]) per expert -> [S, M, N] f32 K-partials.
 
   One work list for both calls (their tunings share R). The caller sums over S, ideally inside
@@ -180,14 +205,15 @@ def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
   stacks = [tuple(gate), tuple(up)]
   down = tuple(down)
   b_gate, t_gate, b_down, t_down = _plan_mlp(x_mk, stacks, down, group_sizes, backend, tunings,
-                                             k_packed)
+                                             k_packed, k_interleaved)
   m = x_mk.shape[0]
   if row_groups is not None and "xla" in (b_gate, b_down):
     if b_gate != b_down:
       raise ValueError(f"row_groups needs one backend for both calls: {b_gate}, {b_down}")
     order = jnp.argsort(row_groups, stable=True)  # the reference wants rows sorted by expert
     y = expert_mlp(x_mk[order], gate, up, down, group_sizes, backend="xla",
-                   tunings=(t_gate, t_down), k_packed=t_gate.int4_k_packed)
+                   tunings=(t_gate, t_down), k_packed=t_gate.int4_k_packed,
+                   k_interleaved=t_gate.int4_k_interleaved)
     return y[:, jnp.argsort(order)]
   if row_groups is not None and items is None:
     raise ValueError("row_groups (rows not sorted by expert) needs the caller's items")

@@ -53,8 +53,11 @@ _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout array
 
 
 def supports(x_mk, k: int, n: int, group: int | None, t: Tuning) -> bool:
-  """bf16/f16 x; K a multiple of block_k x splits; N of block_n; INT4 group 32 or a multiple of 64."""
-  return (x_mk.dtype in (jnp.bfloat16, jnp.float16) and k % (t.block_k * t.splits) == 0
+  """bf16/f16 x (bf16 with int4_k_interleaved: its dequantise is bf16's); K a multiple of
+  block_k x splits; N of block_n; INT4 group 32 or a multiple of 64."""
+  dtypes = (jnp.bfloat16,) if group is not None and t.int4_k_interleaved else (
+      jnp.bfloat16, jnp.float16)
+  return (x_mk.dtype in dtypes and k % (t.block_k * t.splits) == 0
           and n % t.block_n == 0 and (group is None or group == 32 or group % CHUNK == 0))
 
 
@@ -373,12 +376,12 @@ def grouped_matmul_mgpu(x_mk, stacks, items, *, tuning: Tuning, interpret=False)
   n = stacks[0][0].shape[1] if int4 else stacks[0][0].shape[2]
   group = k // stacks[0][1].shape[1] if int4 else None
   gated = len(stacks) == 2
+  if int4 and tuning.int4_k_interleaved and x_mk.dtype != jnp.bfloat16:
+    raise ValueError(f"int4_k_interleaved dequantises to bf16 (its magic): x is {x_mk.dtype}")
   if not supports(x_mk, k, n, group, tuning):
     raise ValueError(f"unsupported: {x_mk.dtype=} {k=} {n=} {group=} {gated=} {tuning=}")
   if int4:
     stacks = tuple((q, s.astype(x_mk.dtype)) for q, s in stacks)
-  if int4 and tuning.int4_k_interleaved and x_mk.dtype != jnp.bfloat16:
-    raise ValueError(f"int4_k_interleaved dequantises to bf16 (its magic): x is {x_mk.dtype}")
   if int4 and tuning.int4_step_overlap:
     _check_step_overlap(gated, tuning)
   if interpret and int4 and tuning.a_operand == "registers":

@@ -105,7 +105,8 @@ class Tuning:
     bf16 pair's two values, 16 bits apart), so the i4 -> bf16 conversion is one LOP3 per pair
     and 3 shifts per word, no PRMT (16 LOP3 + 12 SHF per chunk and thread vs 16 PRMT + 16 LOP3
     + 4 SHF); exactly the same values. The CALLER must pass pair-packed stacks (the bench
-    does; no model weight is packed so: promoting it needs the decode pack to follow).
+    does; the model's decode pack does with TargetConfig.int4_k_interleaved, and its calls
+    set this from the weights' layout: api.py's k_interleaved).
   slots_outer: the slot axis is the grid's slowest (CUDA z) instead of its fastest (x): the
     block scheduler dispatches every N tile and split of slot column 0, then of column 1, ...,
     so slot columns with no live item (T=16 gated p2c4: 8 columns, ~4 live) start after the
