@@ -46,11 +46,10 @@
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
 #   k26_core    the same with the phase tables of ar and ddtree 15, loops at 46k only (a bare
 #               machine: ~130 s of compile, ~80-110 s per table: k26_core:450)
-#   k26_conc    k26_loops' graph loops beside the same with the graph's nodes ordered by buffer
-#               dependencies instead of one chain (`_opts` rows;
-#               xla_gpu_command_buffer_scheduling_mode=CONCURRENT; XLA's default LHS chains every
-#               kernel to the previous: notes/runtime.md): do independent kernels (q / kv paths,
-#               shared vs routed experts) gain from running side by side (k26_conc:300)
+#   k26_conc    k26_loops' graph loops (CONCURRENT scheduling: runtime.RuntimeConfig's default
+#               since 2026-12-05, measured ar 5.186 -> 4.944 ms/step) beside the same with XLA's
+#               default LHS chain, every kernel after the previous (`_opts` rows;
+#               xla_gpu_command_buffer_scheduling_mode=LHS; notes/runtime.md) (k26_conc:300)
 #   k26_tput    k26_full without phase tables: compile + throughput vs context (4k..128k) of ar,
 #               chain, ddtree 15 (ar + ddtree took 383 s of a bare machine, chain cut: k26_tput:580)
 #   k26_chain   k26_tput for chain only (configs/bench_k26_chain.py; the rows s9's k26_tput
@@ -182,7 +181,7 @@ run_part() {
                 --time_budget_s $(( secs - 20 )) ;;
     k26_conc) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_loops.py \
-                --ab_loop_options=xla_gpu_command_buffer_scheduling_mode=CONCURRENT \
+                --ab_loop_options=xla_gpu_command_buffer_scheduling_mode=LHS \
                 --time_budget_s $(( secs - 20 )) ;;
     k26_tput) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_tput.py --time_budget_s $(( secs - 20 )) ;;

@@ -13,7 +13,7 @@ new GPU part compiles) before a GPU A/B:
   pip install --no-deps --target .deviceless jax-cuda13-pjrt==0.11.2 jax-cuda13-plugin==0.11.2
   python scripts/gpu_program.py --modes ar,ddtree --layers 3,4
   python scripts/gpu_program.py --modes ar --layers 3,4 --target_fields fold_norm_weights=true
-  python scripts/gpu_program.py --modes ar --options xla_gpu_command_buffer_scheduling_mode=CONCURRENT
+  python scripts/gpu_program.py --modes ar --options xla_gpu_command_buffer_scheduling_mode=LHS
 
 Compile on 2 CPU cores: ~10-20 s per program at 3-4 layers, ~40-60 s at 61.
 """

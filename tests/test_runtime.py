@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 import jax.numpy as jnp
 
 from kdtree_jax import runtime
@@ -16,9 +17,19 @@ def test_default_is_on_and_replaces_an_earlier_value():
   assert runtime.RuntimeConfig().command_buffers is True
   flags = runtime.xla_flags_with("--xla_foo=1 --xla_gpu_enable_command_buffer=FUSION", False)
   assert flags.split() == ["--xla_foo=1", "--xla_gpu_enable_command_buffer="]
-  on = runtime.xla_flags_with("--xla_gpu_graph_min_graph_size=5", True).split()
+  on = runtime.xla_flags_with("--xla_gpu_graph_min_graph_size=5 "
+                              "--xla_gpu_command_buffer_scheduling_mode=LHS", True).split()
   assert on == [f"--xla_gpu_enable_command_buffer={runtime.COMMAND_BUFFER_TYPES}",
-                "--xla_gpu_graph_min_graph_size=1"]
+                "--xla_gpu_graph_min_graph_size=1",
+                "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"]
+  assert runtime.xla_flags_with("", True, "LHS").split()[-1] == (
+      "--xla_gpu_command_buffer_scheduling_mode=LHS")
+
+
+def test_scheduling_mode_is_checked():
+  assert runtime.RuntimeConfig().command_buffer_scheduling == "CONCURRENT"
+  with pytest.raises(ValueError, match="command_buffer_scheduling"):
+    runtime.RuntimeConfig(command_buffer_scheduling="concurrent")
 
 
 def _setup_in_a_fresh_process(*args):
@@ -36,9 +47,12 @@ def _setup_in_a_fresh_process(*args):
 
 def test_scripts_default_to_command_buffers():
   on = [f"--xla_gpu_enable_command_buffer={runtime.COMMAND_BUFFER_TYPES}",
-        "--xla_gpu_graph_min_graph_size=1", "True"]
+        "--xla_gpu_graph_min_graph_size=1", "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
+        "True"]
   assert _setup_in_a_fresh_process() == on
   assert _setup_in_a_fresh_process("--command_buffers") == on
+  lhs = _setup_in_a_fresh_process("--command_buffer_scheduling=LHS")
+  assert lhs == on[:2] + ["--xla_gpu_command_buffer_scheduling_mode=LHS", "True"]
   assert _setup_in_a_fresh_process("--nocommand_buffers") == [
       "--xla_gpu_enable_command_buffer=", "False"]
 
