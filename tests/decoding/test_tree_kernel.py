@@ -119,7 +119,7 @@ def test_padding_helpers():
   assert (1 << bits) >= 15 + 2 and bits * per <= 31
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Triton kernel needs a GPU")
+@pytest.mark.gpu  # skipped without a GPU by tests/conftest.py; `-m gpu` selects it
 @pytest.mark.parametrize("budget,block", [(1, 16), (7, 8), (15, 16), (31, 16), (63, 16)])
 def test_compiled_kernel_equals_xla_on_gpu(budget, block):
   """On a GPU: impl='pallas' (the compiled Triton program) == the XLA builder, node for node."""
