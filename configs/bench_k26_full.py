@@ -15,7 +15,7 @@ from kdtree_jax import run_config
 def get_config():
   return run_config.bench_config(
       run_config.model_ref(preset="k26_share", seed=0, layers=61, shards=8, int4_experts=True,
-                           int4_k_interleaved=False),  # True: pair-packed experts (A/B, kpi)
+                           int4_k_interleaved=True),  # False: K-packed experts (the A/B, no kpi)
       run_config.model_ref(preset="k26_dflash_share", seed=1, shards=8),
       tokenizer="none", dtype="bfloat16", attn_backend="auto", block_size=16, budget=15,
       mode="ddtree",  # plan_memory.py: the verify width it plans activations for

@@ -55,7 +55,8 @@ def load_target(c, dtype, mesh=None):
   if mesh is not None:
     raise ValueError(f"preset {c.preset!r} is one GPU's share of K2.6; run it without --mesh")
   cfg = k26_share(c.get("layers", 61), c.get("shards", 8)).replace(
-      int4_k_interleaved=bool(c.get("int4_k_interleaved", False)))
+      int4_k_interleaved=bool(c.get("int4_k_interleaved",
+                                    model_config.TargetConfig.int4_k_interleaved)))
   return cfg, params_lib.init_params(jax.random.key(c.seed), cfg, dtype,
                                      int4_experts=c.get("int4_experts", True))
 

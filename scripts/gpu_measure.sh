@@ -102,9 +102,9 @@
 #               k26_ddtree:360 then k26_tree:420)
 #   k26_tokqkv  k26_ddtree with bench.draft_token_qkv=true (the ddtree 15 phase table and loop
 #               at 46k with the table; compare with k26_ddtree in the same call): k26_tokqkv:360
-#   k26_kpi     k26_core with target.int4_k_interleaved=true (the experts pair-packed: the INT4
-#               kernels' PRMT-free dequantise, kpi); compare with k26_core on the same warm
-#               machine: k26_core:450 then k26_kpi:450
+#   k26_nokpi   k26_core with target.int4_k_interleaved=false (the experts K-packed, without the
+#               INT4 kernels' PRMT-free dequantise kpi, the default since 2026-12-05); compare
+#               with k26_core on the same warm machine: k26_core:450 then k26_nokpi:450
 #   draft_tests the compiled draft_block GPU tests of the packed forms only (~45 s)
 #   draft       the draft ctx kernel's GPU tests, then scripts/bench_draft.py: the two draft phases of
 #               both drafts (k26_dflash_share first; each draft's rows written when it is done),
@@ -214,8 +214,8 @@ run_part() {
                 python3 scripts/bench_draft.py \
                 --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv= --top 40 --f32_ref \
                 --ctx_impls pallas+block+packed,pallas+block+packed+tokqkv,pallas+block+packed" ;;
-    k26_kpi) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
-                --config configs/bench_k26_core.py --config.target.int4_k_interleaved=true \
+    k26_nokpi) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+                --config configs/bench_k26_core.py --config.target.int4_k_interleaved=false \
                 --time_budget_s $(( secs - 20 )) ;;
     k26_tree) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/decoding/test_tree_kernel.py; python3 scripts/bench_k26_full.py \

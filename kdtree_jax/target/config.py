@@ -125,8 +125,11 @@ class TargetConfig:
   # the expert calls then run the kernel's PRMT-free dequantise (Tuning.int4_k_interleaved,
   # variant `kpi`: the same bf16 values, -8 SASS per 64-column chunk and thread; deviceless).
   # The tuning follows the weights' layout (target/grouped_matmul.py). Pack time (per-layer
-  # params are unaffected). Default off until a GPU A/B (notes/int4_dequant_pairs.md).
-  int4_k_interleaved: bool = False
+  # params are unaffected). On by default since the H200 A/B of 2026-12-05 (one run,
+  # results/h200/2026-12-05/s11_moe_tune.log, the expert FFN's gated + down calls): T=65 (36
+  # experts) 298.0 -> 286.8 us, 72.7 -> 75.6% of copy; T=16 53.3 -> 53.2, T=1 22.7 -> 22.8
+  # (unchanged); bit-equal to kpack on the GPU (test_grouped_matmul_small_t, 4 cases).
+  int4_k_interleaved: bool = True
 
   def __post_init__(self):
     if self.first_k_dense_replace > self.num_hidden_layers:
