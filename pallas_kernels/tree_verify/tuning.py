@@ -10,6 +10,7 @@ SMEM_BYTES = 232448  # sm90 dynamic shared memory per CTA (227 KiB)
 MIN_TILES_PER_SPLIT = 2  # a split below this pays its Q load and epilogue for too little streaming
 KERNELS = ("v2", "v1")  # v2: kernel.py (tree block in the kernel); v1: kernel_v1.py (tree in XLA)
 SWAP_AB_MAX_ROWS = 8  # default_tuning's swap-AB bound on N*H (the measured shape; see there)
+SWAP_AB_MAX_SPLITS = 128  # default_tuning's split cap at those rows (measured; see there)
 MERGES = ("xla", "triton")  # v2's split merge: combine.py (XLA, ~3 kernels) or merge_triton.py (1)
 CLUSTER_ROWS = (1, 2, 4)  # Tuning.cluster_rows: off, or row tiles per cluster (multicast KV)
 MERGE_COLS = (32, 64, 128, 256, 512)  # Tuning.merge_cols
@@ -102,5 +103,12 @@ def default_tuning(b, n, h, l, kernel="v2"):
   # swap-AB (kernel_swap.py) where the 64-row Q tile would hold at most 8 real rows (ar at one
   # GPU's 8 heads): H200, L=46000, N=1, H=8 (WORKSPACE.md, fifth session): 21.4 vs 23.6 us (bool
   # mask), 20.3 vs 22.5 (packed mask), same rel err 1.2e-3; unmeasured at 9..63 rows.
-  return Tuning(num_splits=splits, merge="triton" if splits > 1 else "xla",
-                swap_ab=n * h <= SWAP_AB_MAX_ROWS)
+  # At those rows (ar's one token), splits capped at 128 with every split streaming (balanced)
+  # and the merge's partial loads issued first: H200, L=46000, N=1, H=8, packed mask, one run
+  # (2026-12-05, results/h200/2026-12-05/s11_verify_probes.log): 20.3 -> 19.3 us (each alone
+  # 19.6 / 20.1 / 19.7), rel err 1.18e-3 vs 1.22e-3; unmeasured elsewhere, so only there.
+  swap = n * h <= SWAP_AB_MAX_ROWS
+  if swap:
+    splits = min(splits, SWAP_AB_MAX_SPLITS)
+  return Tuning(num_splits=splits, merge="triton" if splits > 1 else "xla", swap_ab=swap,
+                balanced_splits=swap and splits > 1, merge_loads_first=swap and splits > 1)

@@ -312,7 +312,12 @@ class TestKernelSmall:
     np.testing.assert_array_equal(np.asarray(f(), np.float32), np.asarray(f(), np.float32))
 
   def test_default_tuning_fills_the_sms(self):
-    assert default_tuning(1, 1, 8, 46000).num_splits == 132
+    # one GPU's 8 heads at one token: capped at 128 splits, balanced, merge loads first (the
+    # measured combination); 132 wherever more rows fill a Q tile
+    t = default_tuning(1, 1, 8, 46000)
+    assert (t.num_splits, t.balanced_splits, t.merge_loads_first) == (128, True, True)
+    assert default_tuning(1, 1, 16, 46000).num_splits == 132
+    assert not default_tuning(1, 1, 16, 46000).balanced_splits
     assert default_tuning(4, 1, 8, 46000).num_splits == 33
     assert default_tuning(1, 16, 8, 46000).num_splits == 66
     assert default_tuning(1, 64, 64, 46000).num_splits == 2
