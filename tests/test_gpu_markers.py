@@ -16,10 +16,11 @@ def _gpu_only_tests_without_marker(path: pathlib.Path, root: pathlib.Path = TEST
   source = path.read_text()
   missing = []
   for node in ast.walk(ast.parse(source)):
-    if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test"):
+    if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test")
+            or isinstance(node, ast.ClassDef) and node.name.startswith("Test")):
       continue
     decorators = _decorator_sources(node, source)
-    gpu_only = any("skipif" in d and "default_backend()" in d and "gpu" in d for d in decorators)
+    gpu_only = any("skipif" in d and "gpu" in d.lower() for d in decorators)
     if gpu_only and not any(d.replace(" ", "") == "pytest.mark.gpu" for d in decorators):
       missing.append(f"{path.relative_to(root)}::{node.name}")
   return missing
@@ -39,5 +40,8 @@ def test_the_check_finds_an_unmarked_gpu_test(tmp_path):
                       'def test_a():\n  pass\n'
                       '@pytest.mark.gpu\n'
                       '@pytest.mark.skipif(jax.default_backend() != "gpu", reason="GPU")\n'
-                      'def test_b():\n  pass\n')
-  assert _gpu_only_tests_without_marker(unmarked, tmp_path) == ["test_x.py::test_a"]
+                      'def test_b():\n  pass\n'
+                      '@pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")\n'
+                      'class TestC:\n  def test_c(self):\n    pass\n')
+  assert _gpu_only_tests_without_marker(unmarked, tmp_path) == ["test_x.py::test_a",
+                                                               "test_x.py::TestC"]
