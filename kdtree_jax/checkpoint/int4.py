@@ -51,11 +51,6 @@ class Int4Weight:
     return self.k_layout != "plain"
 
   @property
-  def k_pairs(self) -> bool:
-    """Stored pair-interleaved ("kpairs"): Tuning.int4_k_interleaved."""
-    return self.k_layout == "kpairs"
-
-  @property
   def shape(self):
     e, dout, din = self.packed.shape
     return (e, din, dout)

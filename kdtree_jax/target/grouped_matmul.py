@@ -31,11 +31,6 @@ def k_layout(*ws) -> str:
   return layouts.pop()
 
 
-def k_packed(*ws) -> bool:
-  """Whether these INT4 stacks are K-packed (`int4.pack_k`: "kpack" or "kpairs"): all or none."""
-  return k_layout(*ws) != "plain"
-
-
 def layout_args(*ws) -> dict:
   """The kernel API's layout arguments for these stacks: k_packed (Tuning.int4_k_packed) and
   k_interleaved (Tuning.int4_k_interleaved: exactly when they are pair-packed, "kpairs")."""
