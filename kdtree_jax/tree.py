@@ -24,6 +24,8 @@ Deviations (documented, tested):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -132,16 +134,17 @@ def _lexrank(tie, ok):
   return jnp.sum(before, axis=1, dtype=jnp.int32)
 
 
-TREE_IMPLS = ("xla", "pallas", "interpret")
+TREE_IMPLS = ("auto", "xla", "pallas", "interpret")
 
 
-def build_ddtree(draft_logits_jv: jax.Array, budget: int, impl: str = "xla"):
+def build_ddtree(draft_logits_jv: jax.Array, budget: int, impl: str = "auto"):
   """Best-first DDTree of n = budget nodes (N = n + 1 with the root) -> (node_tokens [N-1],
   node_depths [N-1], parents [N], visibility [N, N]).
 
-  impl: 'xla' (default: the sorts below), 'pallas' (everything after `topk_logprobs` as one
-  Pallas Triton program, pallas_kernels.ddtree_build; the same result node for node) or
-  'interpret' (that kernel in Pallas interpret mode, for CPU tests).
+  impl: 'auto' (default: 'pallas' where the program is lowered for a CUDA GPU, 'xla' elsewhere;
+  `jax.lax.platform_dependent`), 'xla' (the sorts below), 'pallas' (everything after
+  `topk_logprobs` as one Pallas Triton program, pallas_kernels.ddtree_build; the same result
+  node for node) or 'interpret' (that kernel in Pallas interpret mode, for CPU tests).
 
   Vectorised, no pop loop: the heap pops nodes in (score desc, rank tuple asc) order, so the
   tree is the first n prefixes in that order. The best n prefixes of depth d are among the
@@ -155,9 +158,19 @@ def build_ddtree(draft_logits_jv: jax.Array, budget: int, impl: str = "xla"):
   if impl not in TREE_IMPLS:
     raise ValueError(f"{impl=} is not one of {TREE_IMPLS}")
   lp_jk, ids_jk = topk_logprobs(draft_logits_jv, K)
-  if impl != "xla":
-    from pallas_kernels import ddtree_build  # pylint: disable=import-outside-toplevel
-    return ddtree_build.build_from_topk(lp_jk, ids_jk, n, interpret=impl == "interpret")
+  if impl == "xla":
+    return _build_from_topk(lp_jk, ids_jk, n)
+  from pallas_kernels import ddtree_build  # pylint: disable=import-outside-toplevel
+  kernel = functools.partial(ddtree_build.build_from_topk, n=n)
+  if impl == "auto":
+    return jax.lax.platform_dependent(lp_jk, ids_jk, cuda=kernel,
+                                      default=functools.partial(_build_from_topk, n=n))
+  return kernel(lp_jk, ids_jk, interpret=impl == "interpret")
+
+
+def _build_from_topk(lp_jk, ids_jk, n):
+  """The XLA builder (the sorts of `build_ddtree`'s docstring) from the top-K per depth."""
+  J, K = lp_jk.shape
   first = jnp.arange(n)
   ok = first < K
   hi = jnp.where(ok, lp_jk[0, jnp.minimum(first, K - 1)], -jnp.inf)

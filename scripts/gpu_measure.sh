@@ -96,10 +96,13 @@
 #               bench_draft.py on k26_dflash_share at 46k, draft_block only: today's default
 #               beside +tokqkv (layer 0's q|k|v rows looked up, no layer-0 q|k|v dot; same
 #               floor), rel L2 vs the default and vs f32, kernels per call; draft_tokqkv:150
-#   k26_tree    the DDTree builder as one Triton program (pallas_kernels/ddtree_build.py): its GPU
-#               tests, then k26_ddtree with bench.tree_impl=pallas (the tree phase row, 0.237 ms in
-#               s9, and the ddtree loop at 46k; compare with k26_ddtree on the same warm machine:
-#               k26_ddtree:360 then k26_tree:420)
+#   k26_tree    the DDTree builder's A/B: its GPU tests (the one Triton program, the default on a GPU
+#               since 2026-12-05: bench.tree_impl=auto), then k26_ddtree with bench.tree_impl=xla
+#               (the sorts: tree phase 0.237 vs 0.104 ms and the ddtree loop at 46k, H200 s11;
+#               compare with k26_ddtree on the same warm machine: k26_ddtree:360 then k26_tree:420)
+# Every k26_* part runs K2.6's 61-layer one-GPU share: 77.7 GB of weights, more than an H100's
+# XLA pool (75% of 80 GB): on an H100 bench_setup stops it at once with that figure; call the
+# device tool with needs_h200=true for these parts.
 #   k26_tokqkv  k26_ddtree with bench.draft_token_qkv=true (the ddtree 15 phase table and loop
 #               at 46k with the table; compare with k26_ddtree in the same call): k26_tokqkv:360
 #   k26_nokpi   k26_core with target.int4_k_interleaved=false (the experts K-packed, without the
@@ -220,7 +223,7 @@ run_part() {
     k26_tree) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/decoding/test_tree_kernel.py; python3 scripts/bench_k26_full.py \
                 --out_dir $RAW --config configs/bench_k26_core.py \
-                --config.bench.phase_modes=ddtree --config.bench.tree_impl=pallas \
+                --config.bench.phase_modes=ddtree --config.bench.tree_impl=xla \
                 --time_budget_s $(( secs - 80 ))" ;;
     k26_tokqkv) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --config.bench.phase_modes=ddtree \

@@ -20,11 +20,21 @@ GB = 1e9
 
 
 def _nbytes(aval) -> int:
+  """Bytes of one array: sub-byte dtypes packed (INT4 experts are 4 bits each: XLA packs two per
+  byte on the GPU, where a byte per element would double K2.6's 76 GB one-GPU share)."""
   shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
   if shape is None or dtype is None:
     return 0
-  itemsize = getattr(dtype, "itemsize", None)  # PRNG key dtypes have one, numpy cannot read them
-  return int(np.prod(shape, dtype=np.int64)) * (itemsize or np.dtype(dtype).itemsize)
+  count = int(np.prod(shape, dtype=np.int64))
+  try:
+    return (count * jax.dtypes.itemsize_bits(dtype) + 7) // 8
+  except (TypeError, ValueError):  # PRNG key dtypes: numpy cannot read them, jax has an itemsize
+    return count * (getattr(dtype, "itemsize", None) or np.dtype(dtype).itemsize)
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of every array (or ShapeDtypeStruct) leaf of a pytree, as `_nbytes` counts them."""
+  return sum(_nbytes(leaf) for leaf in jax.tree.leaves(tree))
 
 
 def largest_intermediate(jaxpr) -> tuple[int, str]:
@@ -61,8 +71,7 @@ class MemoryBound:
 
 def bound_of(traced, devices: int) -> MemoryBound:
   """The bound of a `jax.jit(...).trace(...)` result."""
-  inputs = sum(_nbytes(a) for a in jax.tree.leaves(traced.in_avals))
-  outputs = sum(_nbytes(a) for a in jax.tree.leaves(traced.out_avals))
+  inputs, outputs = tree_bytes(traced.in_avals), tree_bytes(traced.out_avals)
   largest, what = largest_intermediate(traced.jaxpr)
   return MemoryBound(inputs, outputs, largest, what, max(devices, 1))
 
@@ -91,3 +100,15 @@ def check_fits(traced, devices: int, limit_gb: float, field: str):
                      f"{have / GB:.2f} GB; lower --config.budget, --config.max_len or "
                      "--config.max_new_tokens, or shard it with --config.mesh")
   return bound
+
+
+def check_weights_fit(weights, what: str, remedy: str, limit_gb: float = 0.0) -> float:
+  """`weights` (arrays or ShapeDtypeStructs) -> their bytes, or SystemExit naming `what`, the
+  device's figure and `remedy` when they alone exceed one device's memory: seconds before the
+  allocation that would otherwise fail (the allocator retries for minutes before it gives up)."""
+  need = tree_bytes(weights)
+  have, source = device_memory_bytes(limit_gb)
+  if need > have:
+    raise SystemExit(f"error: {what} needs {need / GB:.3g} GB of weights alone, but {source} is "
+                     f"{have / GB:.3g} GB; {remedy}")
+  return need

@@ -95,8 +95,22 @@ def test_lowers_for_h200(budget, block):
   assert "stablehlo.sort" in _lower_h200(budget, block, 20480, impl="xla")
 
 
+def test_auto_is_the_kernel_on_a_gpu_and_xla_elsewhere():
+  """impl='auto' (the default) lowers for CUDA to the one Triton call (no sort) and runs the XLA
+  builder on this CPU (the same trees; the kernel's Triton lowering never runs here)."""
+  text = _lower_h200(15, 16, 20480, impl="auto")
+  assert text.count("__gpu$xla.gpu.triton") == 1
+  assert "stablehlo.sort" not in text
+  logits = _logits(11, 10, 15, 40)
+  xla, _ = _builders(15)
+  auto = jax.jit(jax.vmap(lambda x: tree.build_ddtree(x, 15)))
+  cpu_text = auto.lower(logits).as_text()
+  assert "triton" not in cpu_text and "stablehlo.sort" in cpu_text
+  assert all(np.array_equal(a, b) for a, b in zip(xla(logits), auto(logits)))
+
+
 def test_spec_option():
-  assert SpecConfig().tree_impl == "xla"
+  assert SpecConfig().tree_impl == "auto"
   assert SpecConfig(tree_impl="pallas").tree_impl == "pallas"
   with pytest.raises(UsageError, match="tree builder"):
     SpecConfig(tree_impl="triton")
@@ -108,9 +122,9 @@ def test_bench_spec_reads_tree_impl():
   from kdtree_jax.bench_setup import bench_spec
   from kdtree_jax.cli import load_config_file
   c = load_config_file(str(pathlib.Path(__file__).parents[2] / "configs" / "bench_k26_core.py"))
+  assert bench_spec(c, "ddtree").tree_impl == "auto"
+  c.bench.tree_impl = "xla"
   assert bench_spec(c, "ddtree").tree_impl == "xla"
-  c.bench.tree_impl = "pallas"
-  assert bench_spec(c, "ddtree").tree_impl == "pallas"
 
 
 def test_padding_helpers():

@@ -3,6 +3,7 @@ exit status 2 (usage) or 1 (data), and no traceback; every run says why it stopp
 
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -147,6 +148,37 @@ def test_memory_bound_counts_the_largest_intermediate():
   assert bound.per_device == 300 * 8 * 4 + 300 * 300 * 4
   with pytest.raises(ValueError, match="budget"):
     memory_bound.check_fits(jax.jit(f).trace(x), 1, limit_gb=100e3 / 1e9, field="budget")
+
+
+def test_memory_bound_counts_int4_packed_and_keys():
+  """INT4 as XLA stores it on the GPU (two per byte: K2.6's experts), bf16 2 bytes, an odd INT4
+  count rounded up, PRNG keys by their own itemsize."""
+  leaves = [jax.ShapeDtypeStruct((48, 2048, 7168), jnp.int4),
+            jax.ShapeDtypeStruct((3,), jnp.int4), jnp.zeros((5, 7), jnp.bfloat16),
+            jax.random.key(0)]
+  assert memory_bound.tree_bytes(leaves) == 48 * 2048 * 7168 // 2 + 2 + 5 * 7 * 2 + 8
+
+
+def test_weights_that_cannot_fit_fail_before_allocating():
+  weights = {"w": jax.ShapeDtypeStruct((1000, 1000), jnp.bfloat16)}  # 2 MB
+  assert memory_bound.check_weights_fit(weights, "x", "y", limit_gb=1.0) == 2e6
+  with pytest.raises(SystemExit, match=r"K2\.6 share needs 0\.002 GB .* is 0\.001 GB; use an H200"):
+    memory_bound.check_weights_fit(weights, "the K2.6 share", "use an H200", limit_gb=1e-3)
+
+
+def test_bench_pair_too_big_for_the_device_stops_before_allocating(monkeypatch):
+  """K2.6's 61-layer one-GPU share (INT4 experts packed) on an H100's default 75% XLA pool: the
+  error names the 77.7 GB it needs (target 76.2 + draft 1.4, counted here independently of the
+  loader: 60 MoE layers x 48 experts x 3 INT4 [2048, 7168] matrices alone are 63.4 GB)."""
+  from kdtree_jax import bench_setup  # pylint: disable=import-outside-toplevel
+  c = cli.load_config_file(str(pathlib.Path(__file__).parents[2] / "configs" /
+                               "bench_k26_full.py"))
+  assert 60 * 48 * 3 * 2048 * 7168 / 2 / 1e9 == pytest.approx(63.4, abs=0.05)
+  monkeypatch.setattr(memory_bound, "device_memory_bytes",
+                      lambda limit_gb=0.0: (0.75 * 79.6e9, "NVIDIA H100 80GB HBM3 memory"))
+  with pytest.raises(SystemExit, match=r"61-layer target \+ draft\) needs 77\.7 GB of weights "
+                     r"alone, but NVIDIA H100 80GB HBM3 memory is 59\.7 GB; .*H200"):
+    bench_setup.load_bench_pair(c, jnp.bfloat16, abstract=False)
 
 
 def test_length_warnings_name_the_limit():
