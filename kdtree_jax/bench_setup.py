@@ -48,9 +48,15 @@ def load_bench_pair(c, dtype, abstract):
   shapes = jax.eval_shape(build)
   if abstract:
     return box["tcfg"], shapes[0], box["dcfg"], shapes[1]
-  memory_bound.check_weights_fit(
-      shapes, f"the bench pair ({box['tcfg'].num_hidden_layers}-layer target + draft)",
-      "run it on a larger GPU (K2.6's one-GPU share: an H200, 141 GB; on the device tool "
-      "needs_h200=true) or fewer layers (--config.target.layers)")
+  check_pair_fits(shapes, box["tcfg"].num_hidden_layers)
   tp, dp = jax.block_until_ready(build())
   return box["tcfg"], tp, box["dcfg"], dp
+
+
+def check_pair_fits(weights, layers: int):
+  """SystemExit before any allocation when the pair's weights (arrays or ShapeDtypeStructs)
+  alone exceed one device's memory, naming both figures and the way out."""
+  memory_bound.check_weights_fit(
+      weights, f"the bench pair ({layers}-layer target + draft)",
+      "run it on a larger GPU (K2.6's one-GPU share: an H200, 141 GB; on the device tool "
+      "needs_h200=true) or fewer layers (--config.target.layers)")

@@ -100,9 +100,8 @@
 #               since 2026-12-05: bench.tree_impl=auto), then k26_ddtree with bench.tree_impl=xla
 #               (the sorts: tree phase 0.237 vs 0.104 ms and the ddtree loop at 46k, H200 s11;
 #               compare with k26_ddtree on the same warm machine: k26_ddtree:360 then k26_tree:420)
-# Every k26_* part runs K2.6's 61-layer one-GPU share: 77.7 GB of weights, more than an H100's
-# XLA pool (75% of 80 GB): on an H100 bench_setup stops it at once with that figure; call the
-# device tool with needs_h200=true for these parts.
+# Every k26_* part runs K2.6's 61-layer one-GPU share (77.7 GB of weights) on an H200; on a
+# smaller GPU the first 32 layers (K26_LAYERS below): numbers of record need needs_h200=true.
 #   k26_tokqkv  k26_ddtree with bench.draft_token_qkv=true (the ddtree 15 phase table and loop
 #               at 46k with the table; compare with k26_ddtree in the same call): k26_tokqkv:360
 #   k26_nokpi   k26_core with target.int4_k_interleaved=false (the experts K-packed, without the
@@ -133,6 +132,16 @@ source "$(dirname "$0")/gpu_env.sh"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/kdtree_xla_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 quiet() { grep -v "^[IW][0-9]\{4\}" ; }
+# K2.6's 61-layer one-GPU share is 77.7 GB of weights: it needs an H200 (an H100's XLA pool is
+# 59.7 GB; bench_setup stops such a run before allocating). On a GPU under 120 GB every k26_* and
+# probe_xla_options part runs the first 32 layers instead (~41 GB + caches), and says so: those
+# ms/step are 32-layer numbers for A/Bs within one call, never the step of record.
+GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+K26_LAYERS=""
+if [ -n "$GPU_MIB" ] && [ "$GPU_MIB" -lt 120000 ] 2>/dev/null; then
+  K26_LAYERS="--config.target.layers=32"
+  echo "== ${GPU_MIB} MiB GPU: k26_* / probe_xla_options parts run 32 of K2.6's 61 layers"
+fi
 one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
 # target_layout's layouts, the first the baseline: the next TargetConfig A/B goes here as
 # packed,packed+FIELD=VALUE. Open: fold_norm_weights (attn_norm's gain folded into q_a | kv_a,
@@ -173,34 +182,34 @@ run_part() {
                 python3 -m pallas_kernels.tree_verify.bench --full_grid --budget_s=$(( secs / 2 )) \
                 --json_out=$RAW/bench_verify_attention.jsonl" ;;
     k26_full) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
-                --time_budget_s $(( secs - 20 )) ;;
+                --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
     k26_core) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
-                --config configs/bench_k26_core.py --time_budget_s $(( secs - 20 )) ;;
+                --config configs/bench_k26_core.py --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
     k26_cmdbuf) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --ab_loop_modes=ddtree \
-                --time_budget_s $(( secs - 20 )) ;;
+                --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
     k26_pdl) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_loops.py --ab_loop_options=xla_gpu_enable_pdl=false \
-                --time_budget_s $(( secs - 20 )) ;;
+                --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
     k26_conc) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_loops.py \
                 --ab_loop_options=xla_gpu_command_buffer_scheduling_mode=LHS \
-                --time_budget_s $(( secs - 20 )) ;;
+                --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
     k26_tput) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
-                --config configs/bench_k26_tput.py --time_budget_s $(( secs - 20 )) ;;
+                --config configs/bench_k26_tput.py --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
     k26_chain) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
-                --config configs/bench_k26_chain.py --time_budget_s $(( secs - 20 )) ;;
+                --config configs/bench_k26_chain.py --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
     k26_loops) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
-                --config configs/bench_k26_loops.py --time_budget_s $(( secs - 20 )) ;;
+                --config configs/bench_k26_loops.py --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
     k26_ddtree) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --config.bench.phase_modes=ddtree \
-                --time_budget_s $(( secs - 20 )) ;;
+                --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
     xla_options) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
-                --layouts packed --variants "$XLA_VARIANTS" ;;
+                --layouts packed --variants "$XLA_VARIANTS" $K26_LAYERS ;;
     target_layout) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
-                --variants default --layouts "$TARGET_LAYOUTS" ;;
+                --variants default --layouts "$TARGET_LAYOUTS" $K26_LAYERS ;;
     target_pdl) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
-                --variants default --layouts packed,packed+mosaic_pdl=true ;;
+                --variants default --layouts packed,packed+mosaic_pdl=true $K26_LAYERS ;;
     draft_waves) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 \
                 --drafts k26_dflash_share --out_dir "$RAW" --ctx_impls \
                 pallas:p131:64:8:3+block+packed,pallas:p263:64:8:3+block+packed,pallas:p263:64:4:3+block+packed,pallas:p395:64:4:2+block+packed,pallas:p263:128:8:2+block+packed ;;
@@ -219,15 +228,15 @@ run_part() {
                 --ctx_impls pallas+block+packed,pallas+block+packed+tokqkv,pallas+block+packed" ;;
     k26_nokpi) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --config.target.int4_k_interleaved=false \
-                --time_budget_s $(( secs - 20 )) ;;
+                --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
     k26_tree) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/decoding/test_tree_kernel.py; python3 scripts/bench_k26_full.py \
                 --out_dir $RAW --config configs/bench_k26_core.py \
                 --config.bench.phase_modes=ddtree --config.bench.tree_impl=xla \
-                --time_budget_s $(( secs - 80 ))" ;;
+                --time_budget_s $(( secs - 80 )) $K26_LAYERS" ;;
     k26_tokqkv) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
                 --config configs/bench_k26_core.py --config.bench.phase_modes=ddtree \
-                --config.bench.draft_token_qkv=true --time_budget_s $(( secs - 20 )) ;;
+                --config.bench.draft_token_qkv=true --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
     draft_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed ;;
     draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \

@@ -19,6 +19,7 @@ import jax
 from ml_collections import config_flags
 
 from kdtree_jax import profiling, runtime, timing
+from kdtree_jax.bench_setup import check_pair_fits
 from kdtree_jax.bench_state import clone
 from kdtree_jax import forced_accept
 from kdtree_jax.decoding.spec_config import SpecConfig
@@ -124,8 +125,16 @@ def make_layouts(tcfg, tp, names):
 def main(_):
   c = _CONFIG.value
   dtype = DTYPES[c.dtype]
-  tcfg, tp = load_target(c.target, dtype)
-  dcfg, dp = load_draft(c.draft, tcfg, dtype)
+  box = {}
+
+  def load():
+    box["tcfg"], tp = load_target(c.target, dtype)
+    box["dcfg"], dp = load_draft(c.draft, box["tcfg"], dtype)
+    return tp, dp
+
+  check_pair_fits(jax.eval_shape(load), box["tcfg"].num_hidden_layers)  # before allocating
+  tp, dp = load()
+  tcfg, dcfg = box["tcfg"], box["dcfg"]
   pairs = {name: Pair(cfg, lp, dcfg, dp)
            for name, (cfg, lp) in make_layouts(tcfg, tp, _LAYOUTS.value).items()}
   del tp  # the layouts hold what they need (packed: the loaded non-expert arrays are freed)
