@@ -69,7 +69,7 @@
 #   target_layout  the same fused step (ar, ddtree 15), default options, target packed beside
 #               TargetConfig A/Bs on it (probe_xla_options --layouts packed+field=value; one copy
 #               of the experts; edit TARGET_LAYOUTS below for the A/B at hand; open now:
-#               fold_norm_weights):
+#               o_proj_k_splits 4 and 8, 3 layouts: give it ~330 s):
 #               CUPTI kernel ms and launches of each, side by side (2 layouts: ~200 s on a bare
 #               machine; 5 layouts did not fit 330 s)
 #   draft_share the same for k26_dflash_share only (bench_k26_full's draft, issue 17's must-show)
@@ -144,13 +144,16 @@ if [ -n "$GPU_MIB" ] && [ "$GPU_MIB" -lt 120000 ] 2>/dev/null; then
 fi
 one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
 # target_layout's layouts, the first the baseline: the next TargetConfig A/B goes here as
-# packed,packed+FIELD=VALUE. Open: fold_norm_weights (attn_norm's gain folded into q_a | kv_a,
-# the q LoRA norm's into q_b; the deviceless H200 compile of a 2-layer K2.6-share step: 2 kernels
-# per layer fewer at one token, the same count at 16; the folded layout adds ~2 GB of attention
-# weights beside packed's). The last, the one-token add + RMSNorm as one launch, measured no
-# faster and was removed: WORKSPACE.md; the one before, the pair-layout launch, lost: notes/moe.md
+# packed,packed+FIELD=VALUE. Open: o_proj_k_splits (issue 13: the attention's out_proj dot,
+# 16 x 7168 x 1024, as S partial dots summed in f32 above one row; XLA left it unsplit, 8.9 us
+# per layer for a ~3.1 us byte floor in s11_k26_tree.log; deviceless H200 ddtree 15: the
+# partials' reduce fuses into the residual add, +1 kernel per layer (29 -> 30), ar unchanged;
+# no new weights: the layouts share packed's arrays). Still open, queued after it:
+# packed,packed+fold_norm_weights=true (2 kernels per layer fewer at one token, the same at 16;
+# ~2 GB more attention weights). The one-token add + RMSNorm as one launch measured no faster
+# and was removed: WORKSPACE.md; the pair-layout launch lost: notes/moe.md
 XLA_VARIANTS="default,block_level,heroless,all_triton"  # xla_options' option sets (probe_xla_options VARIANTS)
-TARGET_LAYOUTS="packed,packed+fold_norm_weights=true"
+TARGET_LAYOUTS="packed,packed+o_proj_k_splits=4,packed+o_proj_k_splits=8"
 
 run_part() {
   local part=$1 secs=$2
