@@ -148,10 +148,10 @@ one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
 # 16 x 7168 x 1024, as S partial dots summed in f32 above one row; XLA left it unsplit, 8.9 us
 # per layer for a ~3.1 us byte floor in s11_k26_tree.log; deviceless H200 ddtree 15: the
 # partials' reduce fuses into the residual add, +1 kernel per layer (29 -> 30), ar unchanged;
-# no new weights: the layouts share packed's arrays). Still open, queued after it:
-# packed,packed+fold_norm_weights=true (2 kernels per layer fewer at one token, the same at 16;
-# ~2 GB more attention weights). The one-token add + RMSNorm as one launch measured no faster
-# and was removed: WORKSPACE.md; the pair-layout launch lost: notes/moe.md
+# no new weights: the layouts share packed's arrays). Measured before it: fold_norm_weights
+# (H200 s11: ar 5.533 -> 5.456 ms of kernels, DDTree 15 10.921 -> 11.045: not promoted); the
+# one-token add + RMSNorm as one launch measured no faster and was removed: WORKSPACE.md; the
+# pair-layout launch lost: notes/moe.md
 XLA_VARIANTS="default,block_level,heroless,all_triton"  # xla_options' option sets (probe_xla_options VARIANTS)
 TARGET_LAYOUTS="packed,packed+o_proj_k_splits=4,packed+o_proj_k_splits=8"
 
