@@ -95,6 +95,13 @@ class TargetConfig:
   # s6_moe_layer.log): T=16 235.5 vs 240.1 us with the routing kernel; at one token it was 1 us
   # slower (43.8 vs 42.8), so one token keeps the plain path whatever this says.
   lean_glue: bool = True
+  # work_list_kernel: with lean_glue, above one token (T*K <= 512), the index glue between the
+  # routing and the expert kernels (each pair's sorted row and order, rows per expert, their
+  # cumsum, the work list: three dependent small XLA reduce fusions, ~1.5 us each on the H200 in
+  # DDTree 15's verify, results/h200/2026-12-05/s11_k26_tree.log) as ONE Pallas Triton program
+  # (`target/work_list_kernel.py`; interpret mode off a GPU). The same integers. Default off
+  # until a GPU A/B; one token keeps its own path whatever this says.
+  work_list_kernel: bool = False
   # router_impl: the routing after the router logits (sigmoid, bias, top-k, weights): "xla" (a
   # few fused reductions), "pallas" (one Pallas kernel, `target/route_kernel.py`, where
   # n_group == 1 and T is small; elsewhere "xla" runs) or "auto": "pallas" on a GPU, else "xla"
