@@ -5,8 +5,12 @@
 # cut off before that, raw/ comes back as it is).
 #   bash scripts/gpu_measure.sh OUT_DIR PART[:SECONDS] ...
 # Parts (single-GPU parts see GPU 0 only):
+#   worklist_tests  TargetConfig.work_list_kernel's tests (tests/target/test_work_list_kernel.py,
+#               fast set): on a GPU the bit-exact cases run the compiled Triton kernel against
+#               XLA's glue (~1 min ESTIMATE): worklist_tests:120
 #   moe_tests   grouped-matmul kernel GPU tests (bf16 + INT4, every code path once, the promoted
-#               INT4 tunings at K2.6's T=1/16/65 shapes; ~14 Mosaic compiles: moe_tests:120; the
+#               INT4 tunings at K2.6's T=1/16/65 shapes; ~14 Mosaic compiles: 186 s on a bare H100
+#               (s12; 150 s timed out): moe_tests:240; the
 #               old shape x path grid needs --gpu-full-grid, not run here)
 #   moe_bench   pallas_kernels/grouped_matmul/bench.py: routed FFN per T, tuning sweep, whole MoE layer
 #   moe_tune    pallas_kernels/grouped_matmul/bench.py --parts mlp_tune: the INT4 expert FFN's gated
@@ -153,11 +157,15 @@ one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
 # one-token add + RMSNorm as one launch measured no faster and was removed: WORKSPACE.md; the
 # pair-layout launch lost: notes/moe.md
 XLA_VARIANTS="default,block_level,heroless,all_triton"  # xla_options' option sets (probe_xla_options VARIANTS)
-TARGET_LAYOUTS="packed,packed+o_proj_k_splits=4,packed+o_proj_k_splits=8"
+# Also open: work_list_kernel (the MoE layer's index glue above one token as one Triton program:
+# deviceless ddtree 15 29 -> 27 kernels per layer; its compiled test is the worklist_tests part).
+TARGET_LAYOUTS="packed,packed+o_proj_k_splits=4,packed+work_list_kernel=true"
 
 run_part() {
   local part=$1 secs=$2
   case $part in
+    worklist_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m "not slow" \
+                 tests/target/test_work_list_kernel.py ;;
     moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs --durations=12 -m gpu \
                  tests/kernels/test_grouped_matmul_kernel.py \
                  tests/kernels/test_grouped_matmul_small_t.py ;;
