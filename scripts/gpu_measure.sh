@@ -23,12 +23,12 @@
 #               own dump switch, set for this part's process; each row's first call is
 #               printed before its logs); per-call Mosaic us,
 #               wrong rows marked FAIL; 6 programs: moe_tune:170
-#   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 16, 1: one MoE layer
-#               of bench_k26_full per kernel, sorted vs auto (dense at T=1, else sorted) with
-#               the one-kernel routing (router_impl=pallas), the lean glue (lean_glue=true) and
-#               both (rows of one T together, T=16 first; 10 programs);
+#   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 65, 16, 9, 1: one
+#               MoE layer of bench_k26_full per kernel with today's defaults (`auto`: the dense
+#               glue at T=1, the lean glue and the routing kernel above) vs its weight-streaming
+#               floor (issue 12's whole-layer row; 4 programs);
 #               each variant's optimized HLO in raw/moe_layer_hlo/; first the routing kernel's
-#               fast tests compiled for the GPU (<= 90 s): moe_layer:300
+#               fast tests compiled for the GPU (<= 90 s): moe_layer:240
 #   dense_dots  pallas_kernels/grouped_matmul/dense_bench.py: the few-row dense dots (q_a | kv_a,
 #               o, router | shared gate | up, q_b, shared down) at M = 16, 1: XLA's pack.dot_t vs
 #               our Mosaic grouped kernel as a dense dot (G = 1 expert of all M rows, [1, K, N]
@@ -177,8 +177,7 @@ run_part() {
     moe_layer) one_gpu timeout "$secs" bash -c "timeout 90 python3 -m pytest -q -rs -m 'not slow' \
                  tests/target/test_route_kernel.py; \
                  python3 -m pallas_kernels.grouped_matmul.bench --parts layer \
-                 --tokens 16,1 --layer_variants \
-                 sorted,auto,auto+router_impl=pallas,auto+lean_glue=true,auto+router_impl=pallas+lean_glue=true \
+                 --tokens 65,16,9,1 --layer_variants auto \
                  --hlo_dir $RAW/moe_layer_hlo --out $RAW/bench_moe_layer.jsonl" ;;
     dense_dots) one_gpu timeout "$secs" python3 -m pallas_kernels.grouped_matmul.dense_bench \
                  --dots_budget_s $(( secs - 20 )) --dots_out "$RAW/bench_dense_dots.jsonl" ;;
