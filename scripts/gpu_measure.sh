@@ -5,9 +5,6 @@
 # cut off before that, raw/ comes back as it is).
 #   bash scripts/gpu_measure.sh OUT_DIR PART[:SECONDS] ...
 # Parts (single-GPU parts see GPU 0 only):
-#   worklist_tests  TargetConfig.work_list_kernel's tests (tests/target/test_work_list_kernel.py,
-#               fast set): on a GPU the bit-exact cases run the compiled Triton kernel against
-#               XLA's glue (~1 min ESTIMATE): worklist_tests:120
 #   moe_tests   grouped-matmul kernel GPU tests (bf16 + INT4, every code path once, the promoted
 #               INT4 tunings at K2.6's T=1/16/65 shapes; ~14 Mosaic compiles: 186 s on a bare H100
 #               (s12; 150 s timed out): moe_tests:240; the
@@ -72,8 +69,8 @@
 #               baseline), CUPTI kernel ms and launches each (4 sets: ~300 s on a bare machine)
 #   target_layout  the same fused step (ar, ddtree 15), default options, target packed beside
 #               TargetConfig A/Bs on it (probe_xla_options --layouts packed+field=value; one copy
-#               of the experts; edit TARGET_LAYOUTS below for the A/B at hand; open now:
-#               o_proj_k_splits 4 and 8, 3 layouts: give it ~330 s):
+#               of the experts; edit TARGET_LAYOUTS below for the A/B at hand (none open now:
+#               packed alone; 3 layouts fit ~330 s):
 #               CUPTI kernel ms and launches of each, side by side (2 layouts: ~200 s on a bare
 #               machine; 5 layouts did not fit 330 s)
 #   draft_share the same for k26_dflash_share only (bench_k26_full's draft, issue 17's must-show)
@@ -148,24 +145,17 @@ if [ -n "$GPU_MIB" ] && [ "$GPU_MIB" -lt 120000 ] 2>/dev/null; then
 fi
 one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
 # target_layout's layouts, the first the baseline: the next TargetConfig A/B goes here as
-# packed,packed+FIELD=VALUE. Open: o_proj_k_splits (issue 13: the attention's out_proj dot,
-# 16 x 7168 x 1024, as S partial dots summed in f32 above one row; XLA left it unsplit, 8.9 us
-# per layer for a ~3.1 us byte floor in s11_k26_tree.log; deviceless H200 ddtree 15: the
-# partials' reduce fuses into the residual add, +1 kernel per layer (29 -> 30), ar unchanged;
-# no new weights: the layouts share packed's arrays). Measured before it: fold_norm_weights
-# (H200 s11: ar 5.533 -> 5.456 ms of kernels, DDTree 15 10.921 -> 11.045: not promoted); the
-# one-token add + RMSNorm as one launch measured no faster and was removed: WORKSPACE.md; the
-# pair-layout launch lost: notes/moe.md
+# packed,packed+FIELD=VALUE. None open. Measured and removed (H100 s13, 32 layers, DDTree 15
+# CUPTI kernel ms): o_proj_k_splits=4 (6.772 -> 6.971) and work_list_kernel (6.772 -> 7.133):
+# WORKSPACE.md. Before them: fold_norm_weights (H200 s11: ar 5.533 -> 5.456 ms of kernels,
+# DDTree 15 10.921 -> 11.045: not promoted); the one-token add + RMSNorm as one launch measured
+# no faster and was removed: WORKSPACE.md; the pair-layout launch lost: notes/moe.md
 XLA_VARIANTS="default,block_level,heroless,all_triton"  # xla_options' option sets (probe_xla_options VARIANTS)
-# Also open: work_list_kernel (the MoE layer's index glue above one token as one Triton program:
-# deviceless ddtree 15 29 -> 27 kernels per layer; its compiled test is the worklist_tests part).
-TARGET_LAYOUTS="packed,packed+o_proj_k_splits=4,packed+work_list_kernel=true"
+TARGET_LAYOUTS="packed"
 
 run_part() {
   local part=$1 secs=$2
   case $part in
-    worklist_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m "not slow" \
-                 tests/target/test_work_list_kernel.py ;;
     moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs --durations=12 -m gpu \
                  tests/kernels/test_grouped_matmul_kernel.py \
                  tests/kernels/test_grouped_matmul_small_t.py ;;

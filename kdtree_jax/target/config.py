@@ -16,7 +16,6 @@ import os
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
-O_PROJ_SPLIT_COLUMNS = 16  # TargetConfig.o_proj_k_splits: each partial dot's K, a multiple of this
 WRAPPER_MODEL_TYPES = ("kimi_k25",)
 
 
@@ -95,13 +94,6 @@ class TargetConfig:
   # s6_moe_layer.log): T=16 235.5 vs 240.1 us with the routing kernel; at one token it was 1 us
   # slower (43.8 vs 42.8), so one token keeps the plain path whatever this says.
   lean_glue: bool = True
-  # work_list_kernel: with lean_glue, above one token (T*K <= 512), the index glue between the
-  # routing and the expert kernels (each pair's sorted row and order, rows per expert, their
-  # cumsum, the work list: three dependent small XLA reduce fusions, ~1.5 us each on the H200 in
-  # DDTree 15's verify, results/h200/2026-12-05/s11_k26_tree.log) as ONE Pallas Triton program
-  # (`target/work_list_kernel.py`; interpret mode off a GPU). The same integers. Default off
-  # until a GPU A/B; one token keeps its own path whatever this says.
-  work_list_kernel: bool = False
   # router_impl: the routing after the router logits (sigmoid, bias, top-k, weights): "xla" (a
   # few fused reductions), "pallas" (one Pallas kernel, `target/route_kernel.py`, where
   # n_group == 1 and T is small; elsewhere "xla" runs) or "auto": "pallas" on a GPU, else "xla"
@@ -138,18 +130,6 @@ class TargetConfig:
   # experts) 298.0 -> 286.8 us, 72.7 -> 75.6% of copy; T=16 53.3 -> 53.2, T=1 22.7 -> 22.8
   # (unchanged); bit-equal to kpack on the GPU (test_grouped_matmul_small_t, 4 cases).
   int4_k_interleaved: bool = True
-  # o_proj_k_splits: S > 1 writes the packed attention output projection (mla.out_proj over
-  # "o_t" [D, H * Dv]) as S partial dots over K / S columns each (`pack.split_k_dot_t`: one
-  # batched dot_general of f32 partials [S, ..., D], summed in f32 and rounded once), the shape
-  # XLA's autotuner gives the q_a | kv_a and router dots as its own split-K, which it did not
-  # choose for o (H200, 61-layer DDTree 15 verify at 46k, results/h200/2026-12-05/
-  # s11_k26_tree.log: 8.9 us per layer for 14.7 MB, ~34% of its byte floor, unsplit). 1 = the
-  # single dot (today's program, unchanged HLO). K / S must be a whole multiple of 16 columns
-  # (`o_proj_split_choices`). One row (ar) keeps the single dot whatever S is; the per-layer
-  # o [H, Dv, D] (no pack, e.g. under a mesh) is unaffected. Deviceless H200 (ddtree 15):
-  # the partials' reduce fuses into the residual add, and the add leaves the next RMSNorm's
-  # fusion: +1 kernel per layer. Default 1 until a GPU A/B (gpu_measure.sh target_layout).
-  o_proj_k_splits: int = 1
 
   def __post_init__(self):
     if self.first_k_dense_replace > self.num_hidden_layers:
@@ -170,12 +150,6 @@ class TargetConfig:
       raise ValueError(f"{self.moe_glue=} must be 'auto', 'sorted' or 'dense'")
     if self.router_impl not in ("auto", "xla", "pallas"):
       raise ValueError(f"{self.router_impl=} must be 'auto', 'xla' or 'pallas'")
-    if self.o_proj_k_splits not in self.o_proj_split_choices:
-      allowed = ", ".join(map(str, self.o_proj_split_choices))
-      raise ValueError(
-          f"o_proj_k_splits={self.o_proj_k_splits!r} must split out_proj's K = "
-          f"num_attention_heads * v_head_dim = {self.o_proj_k} into equal parts of a multiple "
-          f"of {O_PROJ_SPLIT_COLUMNS} columns; allowed: {allowed} (1 = no split)")
 
   # ---- derived shapes -------------------------------------------------------------------
   @property
@@ -186,20 +160,6 @@ class TargetConfig:
   def cache_dim(self) -> int:
     """Width of one latent cache row: normalized c_kv (R) + rotated k_pe (P); 576 for K2."""
     return self.kv_lora_rank + self.qk_rope_head_dim
-
-  @property
-  def o_proj_k(self) -> int:
-    """The contracted width of the attention's output projection o: H * Dv."""
-    return self.num_attention_heads * self.v_head_dim
-
-  @property
-  def o_proj_split_choices(self) -> tuple[int, ...]:
-    """The values o_proj_k_splits may take: S dividing o_proj_k into parts of a multiple of
-    O_PROJ_SPLIT_COLUMNS columns (a bf16 tensor-core MMA's K step and Triton's smallest block_k;
-    any split is valid numerically: the same f32 sums in another order)."""
-    k = self.o_proj_k
-    return (1,) + tuple(s for s in range(2, k // O_PROJ_SPLIT_COLUMNS + 1)
-                        if k % s == 0 and (k // s) % O_PROJ_SPLIT_COLUMNS == 0)
 
   @property
   def experts_held(self) -> int:

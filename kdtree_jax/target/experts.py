@@ -5,7 +5,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kdtree_jax.target import work_list_kernel as wlk
 from kdtree_jax.target.grouped_matmul import expert_mlp, work_rows
 from pallas_kernels.grouped_matmul import work
 
@@ -14,20 +13,16 @@ from pallas_kernels.grouped_matmul import work
 COMPARE_SORT_MAX_PAIRS = 2048
 
 
-def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto", lean=False,
-               work_list_kernel=False):
+def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto", lean=False):
   """Experts [e0, e0 + E_l) on the (token, slot) pairs routed to them, dropless -> [T, D] f32.
 
   Pairs are sorted by expert (pairs for other experts go last and contribute 0), run through
   the gated grouped matmul (gate and up in one call, SiLU-multiply fused) and the down grouped
   matmul on one work list, then each token gathers its K rows, weighted (one fusion, no scatter).
   lean: `_lean_expert_ffn` (TargetConfig.lean_glue), the same values in fewer launches and bytes.
-  work_list_kernel: with lean, above one token (`work_list_kernel.supports`), its index glue as
-  one Pallas Triton program (TargetConfig.work_list_kernel), the same values.
   """
   if lean and idx_tk.size <= COMPARE_SORT_MAX_PAIRS:
-    return _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl,
-                            work_list_kernel)
+    return _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl)
   order, rank, sizes, ends, mine = sorted_pair_layout(idx_tk, gate_edf.shape[0], e0)
   y = expert_mlp(x_td[order // idx_tk.shape[1]], gate_edf, up_edf, down_efd, sizes, impl,
                  group_ends=ends)
@@ -78,44 +73,27 @@ def _order_terms(rank):
   return jnp.where(rank[None, :] == pair[:, None], pair[None, :], 0)
 
 
-def _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl,
-                     work_list_kernel=False):
+def _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl):
   """`expert_ffn` (same kernels, same values) with less glue around the two kernel calls:
   - the pairs' order and the work list's items-per-expert cumsum are ONE masked reduction
     (`_order_and_item_ends`: 3 dependent index reductions before the kernels, not 4);
   - the pass that sums the gated call's K-split partials reads the live rows only (rows past
     the live count take row 0: the down call computes them but stores none);
   - the combine's gathers of non-local pairs read row 0 (masked to 0 as before), so it reads
-    ~the live rows of the down partials instead of all T*K rows of each split.
-  work_list_kernel (T > 1, `work_list_kernel.supports`): those index reductions as one Pallas
-  Triton program (`work_list_kernel.pair_glue`), the same integers."""
+    ~the live rows of the down partials instead of all T*K rows of each split."""
   t, k = idx_tk.shape
   m, e_l = t * k, gate_edf.shape[0]
-  x_rows = jax.ShapeDtypeStruct((m, x_td.shape[1]), x_td.dtype)
-  rows = work_rows(x_rows, gate_edf, up_edf, down_efd, jax.ShapeDtypeStruct((e_l,), jnp.int32),
-                   impl)
-  if work_list_kernel and wlk.supports(t, k):
-    order, pair_rows, sizes, ends, h_rows, items = wlk.pair_glue(idx_tk, e_l, e0, rows)
-  else:
-    order, pair_rows, sizes, ends, h_rows, items = _xla_pair_glue(idx_tk, e_l, e0, rows)
-  _, mine = _pair_keys(idx_tk, e_l, e0)  # (elementwise: fuses into the combine)
-  y = expert_mlp(x_td[order // k], gate_edf, up_edf, down_efd, sizes, impl, group_ends=ends,
-                 items=None if items is None else lambda r: _same_rows(items, r, rows),
-                 h_rows=h_rows)
-  return combine_pairs(y, pair_rows, mine, w_tk)
-
-
-def _xla_pair_glue(idx_tk, e_l, e0, rows):
-  """`work_list_kernel.pair_glue`'s values in XLA: (order [M], each local pair's sorted row (0
-  for the others) [M], sizes [E_l], ends [E_l], the down input's gated rows [M], the work list
-  [4, I] or None where rows is None)."""
-  m = idx_tk.size
   key, mine = _pair_keys(idx_tk, e_l, e0)
   rank, sizes, ends = _pair_counts(key, e_l)
+  x_rows = jax.ShapeDtypeStruct((m, x_td.shape[1]), x_td.dtype)
+  rows = work_rows(x_rows, gate_edf, up_edf, down_efd, sizes, impl)
   order, upto = _order_and_item_ends(rank, sizes, ends, rows)
   items = None if rows is None else work.work_list(sizes, m, rows, ends, items_upto=upto)
   row = jnp.arange(m, dtype=jnp.int32)
-  return order, jnp.where(mine, rank, 0), sizes, ends, jnp.where(row < ends[-1], row, 0), items
+  y = expert_mlp(x_td[order // k], gate_edf, up_edf, down_efd, sizes, impl, group_ends=ends,
+                 items=None if items is None else lambda r: _same_rows(items, r, rows),
+                 h_rows=jnp.where(row < ends[-1], row, 0))
+  return combine_pairs(y, jnp.where(mine, rank, 0), mine, w_tk)
 
 
 def _same_rows(items, r, rows):

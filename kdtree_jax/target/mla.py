@@ -20,7 +20,7 @@ import pallas_kernels
 from kdtree_jax import sharding
 from kdtree_jax.target.config import TargetConfig
 from kdtree_jax.target.norm import inv_rms, rms_norm
-from kdtree_jax.target.pack import dot_t, folded_dot_t, split_k_dot_t
+from kdtree_jax.target.pack import dot_t, folded_dot_t
 from kdtree_jax.target import rope
 from kdtree_jax.target.rope import apply_rope, cos_sin
 from pallas_kernels.tree_verify.api import resolve_backend
@@ -137,7 +137,7 @@ def prefill_attention(p, cfg: TargetConfig, x_bsd, positions_bs):
   s = jnp.where(causal, s, -jnp.inf)
   probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
   o = jnp.einsum("bhqs,bshv->bqhv", probs, v)
-  return out_proj(p, cfg, o), rows
+  return out_proj(p, o), rows
 
 
 def absorbed_attention(p, cfg: TargetConfig, x_bnd, positions_bn, layer_cache_blc, lengths_b,
@@ -155,20 +155,14 @@ def absorbed_attention(p, cfg: TargetConfig, x_bnd, positions_bn, layer_cache_bl
   layer_cache_blc = write_rows(layer_cache_blc, rows, lengths_b)
   u = verify_attention(cfg, q, layer_cache_blc, lengths_b, tree_mask_bnn, backend)
   o = unabsorb_u(p, cfg, u.astype(x_bnd.dtype))
-  return out_proj(p, cfg, o), layer_cache_blc
+  return out_proj(p, o), layer_cache_blc
 
 
-def out_proj(p, cfg: TargetConfig, o_bnhv):
+def out_proj(p, o_bnhv):
   """The heads' values [B, N, H, Dv] through o -> [B, N, D]: over p["o_t"] [D, H * Dv] (packed,
-  out-major: the heads flattened, contracting the weight's minor dim), else o [H, Dv, D].
-  Above one row, cfg.o_proj_k_splits > 1 writes the packed dot as that many partial dots
-  summed in f32 (pack.split_k_dot_t). One row keeps the single dot whatever it says: XLA:GPU
-  strength-reduces it to a multiply + row reduction, parallel over D already (split, the
-  deviceless H200 ar program had the same kernel count or one more per layer)."""
+  out-major: the heads flattened, contracting the weight's minor dim), else o [H, Dv, D]."""
   if "o_t" in p:
-    o = o_bnhv.reshape(*o_bnhv.shape[:-2], -1)
-    splits = cfg.o_proj_k_splits if math.prod(o.shape[:-1]) > 1 else 1
-    return split_k_dot_t(o, p["o_t"], splits)
+    return dot_t(o_bnhv.reshape(*o_bnhv.shape[:-2], -1), p["o_t"])
   return jnp.einsum("bnhv,hvd->bnd", o_bnhv, p["o"])
 
 

@@ -140,25 +140,6 @@ def dot_t(x, w_t, **kw):
   return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())), **kw)
 
 
-def split_k_dot_t(x, w_t, splits: int):
-  """dot_t(x, w_t) as `splits` partial dots over K / splits columns each (TargetConfig.
-  o_proj_k_splits): x [..., K] -> [..., S, K / S] and w_t [N, K] -> [N, S, K / S] (free
-  reshapes: K is minor in both), ONE dot_general batched over S giving f32 partials
-  [S, ..., N], summed over S in f32 and rounded once to the dot's output dtype. The shape of
-  XLA's own split-K (its autotuner's partial-sum fusion + reduce), written out because it did
-  not pick one for out_proj's N = 7168. splits == 1: dot_t itself (the same HLO as before)."""
-  if splits == 1:
-    return dot_t(x, w_t)
-  k, n, lead = x.shape[-1], w_t.shape[0], x.ndim - 1
-  if k % splits or w_t.shape[1] != k:
-    raise ValueError(f"split_k_dot_t: K = {k} (w_t {w_t.shape}) is not {splits} equal parts")
-  xs = x.reshape(*x.shape[:-1], splits, k // splits)
-  ws = w_t.reshape(n, splits, k // splits)
-  partials = jax.lax.dot_general(xs, ws, (((lead + 1,), (2,)), ((lead,), (1,))),
-                                 preferred_element_type=jnp.float32)  # [S, ..., N]
-  return jnp.sum(partials, axis=0).astype(jnp.result_type(x.dtype, w_t.dtype))
-
-
 def folded_dot_t(x, w_folded_t, inv_rms):
   """rms_norm(x, g) @ w^T over w_folded_t = w diag(g) (`fold_norm_gains`): x @ w_folded_t^T
   accumulated in f32, times inv_rms [..., 1] (the norm's rsqrt, per row), rounded once to x's
