@@ -141,8 +141,9 @@ def build_ddtree(draft_logits_jv: jax.Array, budget: int, impl: str = "auto"):
   """Best-first DDTree of n = budget nodes (N = n + 1 with the root) -> (node_tokens [N-1],
   node_depths [N-1], parents [N], visibility [N, N]).
 
-  impl: 'auto' (default: 'pallas' where the program is lowered for a CUDA GPU, 'xla' elsewhere;
-  `jax.lax.platform_dependent`), 'xla' (the sorts below), 'pallas' (everything after
+  impl: 'auto' (default: 'pallas' where the program is lowered for a CUDA GPU and the budget is
+  one the kernel was measured fast at (`ddtree_build.suits_auto`: up to 34 nodes at K = n), 'xla'
+  elsewhere; `jax.lax.platform_dependent`), 'xla' (the sorts below), 'pallas' (everything after
   `topk_logprobs` as one Pallas Triton program, pallas_kernels.ddtree_build; the same result
   node for node) or 'interpret' (that kernel in Pallas interpret mode, for CPU tests).
 
@@ -162,6 +163,8 @@ def build_ddtree(draft_logits_jv: jax.Array, budget: int, impl: str = "auto"):
     return _build_from_topk(lp_jk, ids_jk, n)
   from pallas_kernels import ddtree_build  # pylint: disable=import-outside-toplevel
   kernel = functools.partial(ddtree_build.build_from_topk, n=n)
+  if impl == "auto" and not ddtree_build.suits_auto(n, K):
+    return _build_from_topk(lp_jk, ids_jk, n)
   if impl == "auto":
     return jax.lax.platform_dependent(lp_jk, ids_jk, cuda=kernel,
                                       default=functools.partial(_build_from_topk, n=n))

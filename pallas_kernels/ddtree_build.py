@@ -1,5 +1,6 @@
 """DDTree's level loop and assembly (`kdtree_jax.tree.build_ddtree` after `topk_logprobs`) as ONE
-Pallas Triton program (opt-in: build_ddtree(..., impl="pallas"); not yet timed on a GPU).
+Pallas Triton program (build_ddtree's `auto` builder on a GPU up to AUTO_MAX_PADDED_CANDIDATES;
+`impl="pallas"` at any budget).
 
 The XLA build is ~45 kernels per step at budget 15 / block 16 (a sort and an update fusion per
 level, then a global sort, scatters and gathers): launches, not work. Here one program holds
@@ -18,7 +19,7 @@ kept nodes: [Cp, Cp] candidate compares), a loop over the survivors' levels coun
 ranks ([np, Jp, np] compares a step), a loop over levels gathers them into tree order, then the
 parents and visibility ([Np, Np]) are compared out. At budget 15 / block 16: Cp = 64 (C = 45),
 Jp = np = 16, Np = 32; at budget 63: Cp = 512 (C = 273), the [Cp, Cp] compare is 256k entries
-(register spills; its GPU time is not measured).
+per level: measured 10x slower than the XLA builder there (AUTO_MAX_PADDED_CANDIDATES).
 
 Letters: n budget, K = min(n, V) top-k per depth, J depths, C static (parent, rank) candidate
 pairs per level, N = n + 1 tree indices (root 0); a `p` suffix is the padded (power-of-2) size.
@@ -229,6 +230,20 @@ def _visibility(t, depth, ok, keys, bits, per):
     shift = bits * (per - jnp.clip(dep_j - m * per, 0, per))
     vis = vis & ((key[:, None] >> shift) == (key[None, :] >> shift))
   return vis | (t[:, None] == t[None, :])
+
+
+# The largest padded candidate count Cp = pow2(C) at which build_ddtree's `auto` takes this
+# kernel on a GPU (above it, XLA's sorts). Measured on an H100 (2026-12-05, thirteenth session,
+# `bash scripts/gpu_measure.sh $OUT pair:330`: the trained pair's decode loop, f32, the kernel at
+# every budget): budget 31 / 32 (Cp 128) 0.600 / 0.643 ms per step, budget 63 (Cp 512) 5.921 ms
+# per step, where the XLA builder's step took 0.898 ms (H200, 2026-12-01). Cp 256 (budgets 35-57
+# at K = n) is not measured, so it stays on XLA.
+AUTO_MAX_PADDED_CANDIDATES = 128
+
+
+def suits_auto(n: int, k: int) -> bool:
+  """Whether build_ddtree's `auto` takes this kernel for n nodes and top-k k (on a GPU)."""
+  return pow2(len(candidate_pairs(n, k)[0])) <= AUTO_MAX_PADDED_CANDIDATES
 
 
 def candidate_pairs(n, k):

@@ -30,7 +30,8 @@ class SpecConfig:
   # calibration); None = default node counts and the analytic cost of the run's own target.
   auto: Any = None
   # DDTree's builder after the top-k (kdtree_jax.tree.build_ddtree impl): 'auto' (the default:
-  # 'pallas' where the step is lowered for a CUDA GPU, 'xla' elsewhere), 'xla' (sorts: 56
+  # 'pallas' where the step is lowered for a CUDA GPU at budgets up to 34 nodes, 'xla' elsewhere
+  # and above: the kernel at budget 63 took 5.9 ms per step on an H100), 'xla' (sorts: 56
   # kernels per step at budget 15 / block 16, deviceless H200) or 'pallas' (one Pallas Triton
   # program + 2 pad fusions, the same tree node for node: tree phase 0.237 -> 0.104 ms, K2.6's
   # 61-layer DDTree 15 loop 9.857 -> 9.643 ms/step, H200 2026-12-05; GPU test 5 passed on the
