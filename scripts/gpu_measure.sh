@@ -115,8 +115,10 @@
 #               kernel tuning (--ctx_impls); 48 s with 4 impls + 1 ctx form, ~3-4 min now: draft:300
 #   calibrate   scripts/calibrate_step_cost.py on configs/bench_k26_full.py
 #   pair        the trained pair (k2tiny): the step cost of every candidate program calibrated
-#               here (switch widths, fixed widths, chain, ar; <= 140 s), then measured tok/s of
-#               ar / chain / ddtree 1..63 / switch / auto (scripts/bench_pair.py); pair:240
+#               here (switch widths, fixed widths, chain, ar; <= 220 s: a cold cache needed more
+#               than 140 on an H100), then measured tok/s of ar / chain / ddtree 1..63 / switch /
+#               auto (scripts/bench_pair.py; without a calibration it says so and uses the shipped
+#               configs/k2tiny.step_cost.json, not the analytic floor); pair:480 cold
 #   sharding    scripts/check_sharding_gpu.py over all visible GPUs (2 on nvidia-h200-x2)
 #   multiprocess  two processes of one GPU each (jax.distributed, NCCL) vs one process, 2 GPUs
 #   train_pair  train the k2tiny target, then its draft (configs/k2tiny.py, ~7 min with
@@ -248,11 +250,13 @@ run_part() {
                  --config configs/bench_k26_full.py --nofixed_programs --out_dir "$RAW" ;;
     pair) local t0 left
           t0=$(date +%s)
-          one_gpu timeout 140 python3 scripts/calibrate_step_cost.py --config configs/k2tiny.py \
+          one_gpu timeout 220 python3 scripts/calibrate_step_cost.py --config configs/k2tiny.py \
             --ctx 16,128,256 --steps 4,32 --auto_programs switch --out_dir "$RAW/pair"
           left=$(( secs - $(date +%s) + t0 ))
+          local cost="$RAW/pair/step_cost.json"
+          [ -f "$cost" ] || { echo "== pair: no calibration came back; bench_pair uses the shipped table"; cost=""; }
           one_gpu timeout $(( left > 20 ? left : 20 )) python3 scripts/bench_pair.py \
-            --step_cost "$RAW/pair/step_cost.json" --out "$RAW/pair.jsonl" ;;
+            --step_cost "$cost" --out "$RAW/pair.jsonl" ;;
     sharding) timeout "$secs" python3 scripts/check_sharding_gpu.py --meshes ";tensor=2;expert=2" \
                 --out "$RAW/sharding.jsonl" ;;
     multiprocess) timeout "$secs" bash scripts/check_multiprocess_gpu.sh "$RAW" ;;
