@@ -168,7 +168,7 @@ def verdict(rows) -> str:
       mod, ms = sw["modelled_ms_per_step"], sw["ms_per_step"]
       out.append(f"{ps}: switch modelled {mod:.3f} ms/step vs measured {ms:.3f} "
                  f"({100 * (mod / ms - 1):+.1f}%; measured includes each prompt's prefill)")
-  return "\n".join(out)
+  return "\n".join(out + step_cost.step_cliffs(rows))
 
 
 def main(_):

@@ -319,3 +319,26 @@ def k26_models(calibration_json: str | None = None) -> dict:
     one = load_calibration(calibration_json)
   eight = AnalyticCost(tcfg, dcfg, dataclasses.replace(share, collectives=True))
   return {"1gpu": one, "8gpu": PlusCollectives(one, eight)}
+
+
+# A fixed-budget DDTree step that costs more than this many times the next smaller budget's
+# (budgets here at most double) is flagged SUSPECT: the verify and the builder grow with the node
+# count far slower than that on this pair (H100, 2026-12-05: budget 1 -> 31 took 0.38 -> 0.60
+# ms/step), and a jump meant a path fell off its fast form (the Triton builder at budget 63:
+# 5.92 ms after 0.60 at 31; ddtree_build.AUTO_MAX_PADDED_CANDIDATES).
+CLIFF_FACTOR = 2.0
+
+
+def step_cliffs(rows, factor: float = CLIFF_FACTOR) -> list[str]:
+  """SUSPECT lines for fixed-budget DDTree rows whose ms/step exceeds `factor` x the next smaller
+  budget's of the same prompt set."""
+  out = []
+  for ps in sorted({r["prompts"] for r in rows}):
+    fixed = sorted((r for r in rows if r["prompts"] == ps and r["mode"] == "ddtree"),
+                   key=lambda r: r["budget"])
+    for lo, hi in zip(fixed, fixed[1:]):
+      if hi["ms_per_step"] > factor * lo["ms_per_step"]:
+        out.append(f"SUSPECT {ps}: ddtree {hi['budget']} takes {hi['ms_per_step']:.3f} ms/step = "
+                   f"{hi['ms_per_step'] / lo['ms_per_step']:.1f}x ddtree {lo['budget']}'s "
+                   f"{lo['ms_per_step']:.3f}: a kernel or builder path may have left its fast form")
+  return out

@@ -122,6 +122,20 @@ def test_trained_pair_names_its_tables():
   assert cost_json == "configs/k2tiny.step_cost.json"
 
 
+def test_bench_pair_flags_a_step_cost_cliff():
+  """step_cost.step_cliffs (bench_pair's SUSPECT lines) on the H100 rows of 2026-12-05 (trained
+  pair, held-out prompts, ms/step by DDTree budget) with the Triton builder at every budget:
+  budget 63's 5.921 ms after 31's 0.600 is flagged; the rows after the builder cap (63 at 0.911)
+  and other modes are not."""
+  row = lambda ps, b, ms: dict(prompts=ps, mode="ddtree", budget=b, ms_per_step=ms)
+  before = [row("heldout", b, ms) for b, ms in
+            ((1, 0.381), (3, 0.424), (7, 0.446), (15, 0.488), (31, 0.600), (63, 5.921))]
+  after = [row("default", b, ms) for b, ms in ((31, 0.593), (63, 0.911))]
+  lines = step_cost.step_cliffs(before + after + [dict(prompts="heldout", mode="chain",
+                                                        budget=None, ms_per_step=0.1)])
+  assert len(lines) == 1 and "heldout: ddtree 63" in lines[0] and "9.9x ddtree 31" in lines[0]
+
+
 @pytest.mark.slow
 def test_bench_pair_script(tmp_path):
   """scripts/bench_pair.py at minimal size: every run lossless; the switch chooses only table
