@@ -28,4 +28,4 @@ def get_config():
           prompt_len=1024, reps=10, compile_box_s=240.0,
           pack_draft=True,  # the draft's decode layout (False: per-layer weights, A/B)
           draft_token_qkv=False,  # True: draft.model.pack_token_qkv's layer-0 table (A/B)
-          tree_impl="auto"))  # SpecConfig's: the one-program builder on a GPU ('xla': A/B)
+          tree_impl="auto"))  # SpecConfig's: the Triton builder on a GPU to budget 34 ('xla': A/B)

@@ -14,7 +14,8 @@ from kdtree_jax.loader import load_draft, load_target, load_target_for_decode
 def bench_spec(c, mode, budget=None) -> SpecConfig:
   """The decode spec of `mode` (ddtree at `budget`, default bench.budget), with the config's
   forced acceptance (random weights accept nothing) and DDTree builder (bench.tree_impl, default
-  'auto' as SpecConfig: the one-kernel builder on a GPU; 'xla' is the sorts' A/B)."""
+  'auto' as SpecConfig: the one-kernel builder on a GPU up to budget 34, XLA's sorts above;
+  'xla' is the sorts' A/B)."""
   return SpecConfig(mode=mode, budget=budget or c.bench.budget, block_size=c.block_size,
                     max_new_tokens=4096, attn_backend=c.attn_backend,
                     target_choice=forced_accept.target_choice(c.forced_accept),

@@ -19,7 +19,8 @@ kept nodes: [Cp, Cp] candidate compares), a loop over the survivors' levels coun
 ranks ([np, Jp, np] compares a step), a loop over levels gathers them into tree order, then the
 parents and visibility ([Np, Np]) are compared out. At budget 15 / block 16: Cp = 64 (C = 45),
 Jp = np = 16, Np = 32; at budget 63: Cp = 512 (C = 273), the [Cp, Cp] compare is 256k entries
-per level: measured 10x slower than the XLA builder there (AUTO_MAX_PADDED_CANDIDATES).
+per level: the trained pair's step at budget 63 took 5.92 ms with this kernel, 0.91 with XLA's
+builder (H100, 2026-12-05), so `auto` stops at AUTO_MAX_PADDED_CANDIDATES.
 
 Letters: n budget, K = min(n, V) top-k per depth, J depths, C static (parent, rank) candidate
 pairs per level, N = n + 1 tree indices (root 0); a `p` suffix is the padded (power-of-2) size.
@@ -236,7 +237,7 @@ def _visibility(t, depth, ok, keys, bits, per):
 # kernel on a GPU (above it, XLA's sorts). Measured on an H100 (2026-12-05, thirteenth session,
 # `bash scripts/gpu_measure.sh $OUT pair:330`: the trained pair's decode loop, f32, the kernel at
 # every budget): budget 31 / 32 (Cp 128) 0.600 / 0.643 ms per step, budget 63 (Cp 512) 5.921 ms
-# per step, where the XLA builder's step took 0.898 ms (H200, 2026-12-01). Cp 256 (budgets 35-57
+# per step, where the XLA builder's step took 0.898 ms (H200, 2026-12-01). Cp 256 (budgets 35-59
 # at K = n) is not measured, so it stays on XLA.
 AUTO_MAX_PADDED_CANDIDATES = 128
 
