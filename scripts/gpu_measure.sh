@@ -115,7 +115,7 @@
 #               kernel tuning (--ctx_impls); 48 s with 4 impls + 1 ctx form, ~3-4 min now: draft:300
 #   calibrate   scripts/calibrate_step_cost.py on configs/bench_k26_full.py
 #   pair        the trained pair (k2tiny): the step cost of every candidate program calibrated
-#               here (switch widths, fixed widths, chain, ar; <= 220 s: a cold cache needed more
+#               here (switch widths, fixed widths, chain, ar; <= min(220 s, half the part): a cold cache needed more
 #               than 140 on an H100), then measured tok/s of ar / chain / ddtree 1..63 / switch /
 #               auto (scripts/bench_pair.py; without a calibration it says so and uses the shipped
 #               configs/k2tiny.step_cost.json, not the analytic floor); pair:480 cold
@@ -250,7 +250,7 @@ run_part() {
                  --config configs/bench_k26_full.py --nofixed_programs --out_dir "$RAW" ;;
     pair) local t0 left
           t0=$(date +%s)
-          one_gpu timeout 220 python3 scripts/calibrate_step_cost.py --config configs/k2tiny.py \
+          one_gpu timeout $(( secs / 2 < 220 ? secs / 2 : 220 )) python3 scripts/calibrate_step_cost.py --config configs/k2tiny.py \
             --ctx 16,128,256 --steps 4,32 --auto_programs switch --out_dir "$RAW/pair"
           left=$(( secs - $(date +%s) + t0 ))
           local cost="$RAW/pair/step_cost.json"
