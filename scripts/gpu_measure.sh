@@ -119,6 +119,9 @@
 #               than 140 on an H100), then measured tok/s of ar / chain / ddtree 1..63 / switch /
 #               auto (scripts/bench_pair.py; without a calibration it says so and uses the shipped
 #               configs/k2tiny.step_cost.json, not the analytic floor); pair:480 cold
+#   tree_builder  scripts/bench_tree_builder.py: DDTree's builder alone per budget (31, 47, 63,
+#               15), XLA's sorts vs the Triton kernel at 4 / 8 warps, CUPTI us, trees checked
+#               node for node: decides ddtree_build.AUTO_MAX_PADDED_CANDIDATES; tree_builder:150
 #   sharding    scripts/check_sharding_gpu.py over all visible GPUs (2 on nvidia-h200-x2)
 #   multiprocess  two processes of one GPU each (jax.distributed, NCCL) vs one process, 2 GPUs
 #   train_pair  train the k2tiny target, then its draft (configs/k2tiny.py, ~7 min with
@@ -257,6 +260,9 @@ run_part() {
           [ -f "$cost" ] || { echo "== pair: no calibration came back; bench_pair uses the shipped table"; cost=""; }
           one_gpu timeout $(( left > 20 ? left : 20 )) python3 scripts/bench_pair.py \
             --step_cost "$cost" --out "$RAW/pair.jsonl" ;;
+    tree_builder) one_gpu timeout "$secs" python3 scripts/bench_tree_builder.py \
+                --budgets 31,47,63,15 --time_budget_s $(( secs - 30 )) \
+                --out "$RAW/bench_tree_builder.jsonl" ;;
     sharding) timeout "$secs" python3 scripts/check_sharding_gpu.py --meshes ";tensor=2;expert=2" \
                 --out "$RAW/sharding.jsonl" ;;
     multiprocess) timeout "$secs" bash scripts/check_multiprocess_gpu.sh "$RAW" ;;
