@@ -237,8 +237,10 @@ def _visibility(t, depth, ok, keys, bits, per):
 # kernel on a GPU (above it, XLA's sorts). Measured on an H100 (2026-12-05, thirteenth session,
 # `bash scripts/gpu_measure.sh $OUT pair:330`: the trained pair's decode loop, f32, the kernel at
 # every budget): budget 31 / 32 (Cp 128) 0.600 / 0.643 ms per step, budget 63 (Cp 512) 5.921 ms
-# per step, where the XLA builder's step took 0.898 ms (H200, 2026-12-01). Cp 256 (budgets 35-59
-# at K = n) is not measured, so it stays on XLA.
+# per step, where the XLA builder's step took 0.898 ms (H200, 2026-12-01). The builder alone
+# (scripts/bench_tree_builder.py, CUPTI us per build, H100, same day), kernel vs XLA's sorts:
+# budget 7 (Cp 16) 48.7 vs 138.6, 15 (Cp 64) 77.6 vs 211.9, 31 (Cp 128) 140.1 vs 262.6 (8 warps),
+# 47 (Cp 256) 1161.9 vs 304.3, 63 (Cp 512) 1178.0 (8 warps; 5238.1 at 4) vs 351.8.
 AUTO_MAX_PADDED_CANDIDATES = 128
 
 
@@ -253,7 +255,15 @@ def candidate_pairs(n, k):
   return tree._candidate_pairs(n, k)  # pylint: disable=protected-access
 
 
-def build_from_topk(lp_jk, ids_jk, n: int, interpret: bool = False, num_warps: int = 4):
+def default_warps(cp: int) -> int:
+  """Triton warps by padded candidate count: measured on an H100 (2026-12-05,
+  scripts/bench_tree_builder.py, CUPTI us per build): Cp 16 / 64 4 warps 48.7 / 77.6 vs 8 warps
+  59.1 / 87.5; Cp 128 4 warps 149.2 vs 8 warps 140.1."""
+  return 8 if cp >= 128 else 4
+
+
+def build_from_topk(lp_jk, ids_jk, n: int, interpret: bool = False,
+                    num_warps: int | None = None):
   """tree.build_ddtree's result from topk_logprobs' (log-probs, ids) [J, K], as one kernel."""
   j, k = lp_jk.shape
   cj, cr = candidate_pairs(n, k)
@@ -268,7 +278,8 @@ def build_from_topk(lp_jk, ids_jk, n: int, interpret: bool = False, num_warps: i
   tok, dep, par, vis = pl.pallas_call(
       kernel,
       out_shape=[vec, vec, vec, jax.ShapeDtypeStruct((npos, npos), jnp.int32)],
-      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+      compiler_params=plt.CompilerParams(num_warps=num_warps or default_warps(cp),
+                                         num_stages=1),
       interpret=interpret,
   )(pad2(lp_jk), pad2(ids_jk), cand(cj), cand(cr))
   return tok[1:n + 1], dep[1:n + 1], par[:n + 1], vis[:n + 1, :n + 1] != 0
