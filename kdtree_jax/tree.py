@@ -162,9 +162,9 @@ def build_ddtree(draft_logits_jv: jax.Array, budget: int, impl: str = "auto"):
   if impl == "xla":
     return _build_from_topk(lp_jk, ids_jk, n)
   from pallas_kernels import ddtree_build  # pylint: disable=import-outside-toplevel
-  kernel = functools.partial(ddtree_build.build_from_topk, n=n)
   if impl == "auto" and not ddtree_build.suits_auto(n, K):
     return _build_from_topk(lp_jk, ids_jk, n)
+  kernel = functools.partial(ddtree_build.build_from_topk, n=n)
   if impl == "auto":
     return jax.lax.platform_dependent(lp_jk, ids_jk, cuda=kernel,
                                       default=functools.partial(_build_from_topk, n=n))

@@ -244,9 +244,14 @@ def _visibility(t, depth, ok, keys, bits, per):
 AUTO_MAX_PADDED_CANDIDATES = 128
 
 
+def padded_candidates(n: int, k: int) -> int:
+  """Cp: the kernel's padded count of (parent, rank) candidates per level for n nodes, top-k k."""
+  return pow2(len(candidate_pairs(n, k)[0]))
+
+
 def suits_auto(n: int, k: int) -> bool:
   """Whether build_ddtree's `auto` takes this kernel for n nodes and top-k k (on a GPU)."""
-  return pow2(len(candidate_pairs(n, k)[0])) <= AUTO_MAX_PADDED_CANDIDATES
+  return padded_candidates(n, k) <= AUTO_MAX_PADDED_CANDIDATES
 
 
 def candidate_pairs(n, k):

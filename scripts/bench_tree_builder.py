@@ -54,10 +54,6 @@ def builders(budget, warps, on_gpu):
   return out
 
 
-def padded_candidates(budget, k):
-  return ddtree_build.pow2(len(ddtree_build.candidate_pairs(budget, k)[0]))
-
-
 def run_row(name, fn, args, ref, budget, k, iters):
   """One builder at one budget: compile, check against `ref` (XLA's trees), CUPTI us."""
   t0 = time.perf_counter()
@@ -65,7 +61,8 @@ def run_row(name, fn, args, ref, budget, k, iters):
   compile_s = time.perf_counter() - t0
   ok = ref is None or all(np.array_equal(a, b) for a, b in zip(out, ref))
   ms, _ = timing.kernel_ms(fn, args, iters=iters)
-  return dict(budget=budget, builder=name, k=k, padded_candidates=padded_candidates(budget, k),
+  return dict(budget=budget, builder=name, k=k,
+              padded_candidates=ddtree_build.padded_candidates(budget, k),
               us=None if ms is None else 1e3 * ms, compile_s=compile_s, ok=bool(ok),
               auto_takes_kernel=ddtree_build.suits_auto(budget, k),
               device=jax.devices()[0].device_kind), out
@@ -78,28 +75,32 @@ def line(r, xla_us):
           f"{'ok' if r['ok'] else 'FAIL':>4} {r['compile_s']:7.1f}")
 
 
-def main(_):
-  on_gpu = jax.devices()[0].platform == "gpu"
-  warps = [int(w) for w in _WARPS.value]
-  start, rows = time.perf_counter(), []
-  print(f"{'budget':>6} {'builder':>10} {'Cp':>5} {'us':>9} {'x xla':>6} {'ok':>4} {'comp s':>7}"
-        f"   ({jax.devices()[0].device_kind}, CUPTI kernel us per build of {_BATCH.value} tree(s))")
-  for budget in map(int, _BUDGETS.value):
+def timed_rows(budgets, warps, on_gpu, start):
+  """Every (budget, builder) row in order, XLA's first per budget (the reference trees), printed
+  as timed; stops before a row once the time box is spent."""
+  rows = []
+  for budget in budgets:
     args = topk_inputs(budget, _BATCH.value, _BLOCK.value, _VOCAB.value)
     k = args[0].shape[-1]
     ref, xla_us = None, None
     for name, fn in builders(budget, warps, on_gpu).items():
       if time.perf_counter() - start > _BOX.value:
         print(f"NOT DONE: budget {budget} {name} and later rows (time box {_BOX.value:.0f} s)")
-        break
+        return rows
       row, out = run_row(name, fn, args, ref, budget, k, _ITERS.value)
       ref = out if ref is None else ref
       xla_us = row["us"] if name == "xla" else xla_us
       rows.append(row)
       print(line(row, xla_us), flush=True)
-    else:
-      continue
-    break
+  return rows
+
+
+def main(_):
+  on_gpu = jax.devices()[0].platform == "gpu"
+  print(f"{'budget':>6} {'builder':>10} {'Cp':>5} {'us':>9} {'x xla':>6} {'ok':>4} {'comp s':>7}"
+        f"   ({jax.devices()[0].device_kind}, CUPTI kernel us per build of {_BATCH.value} tree(s))")
+  rows = timed_rows([int(b) for b in _BUDGETS.value], [int(w) for w in _WARPS.value], on_gpu,
+                    time.perf_counter())
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -115,9 +115,9 @@
 #               kernel tuning (--ctx_impls); 48 s with 4 impls + 1 ctx form, ~3-4 min now: draft:300
 #   calibrate   scripts/calibrate_step_cost.py on configs/bench_k26_full.py
 #   pair        the trained pair (k2tiny): the step cost of every candidate program calibrated
-#               here (switch widths, fixed widths, chain, ar; <= min(220 s, half the part): a cold cache needed more
-#               than 140 on an H100), then measured tok/s of ar / chain / ddtree 1..63 / switch /
-#               auto (scripts/bench_pair.py; without a calibration it says so and uses the shipped
+#               here (switch widths, fixed widths, chain, ar; <= min(220 s, half the part): a
+#               cold cache needed more than 140 on an H100), then measured tok/s of ar / chain /
+#               ddtree 1..63 / switch / auto (scripts/bench_pair.py; without a calibration it says so and uses the shipped
 #               configs/k2tiny.step_cost.json, not the analytic floor); pair:480 cold
 #   tree_builder  scripts/bench_tree_builder.py: DDTree's builder alone per budget (31, 47, 63,
 #               15), XLA's sorts vs the Triton kernel at 4 / 8 warps, CUPTI us, trees checked
