@@ -89,7 +89,15 @@ _D65 = "once+ismem+r8+s2+w16+cat+kp+a2"
 _G65 = "once+ismem+r8+s3+w16+cat+kp"
 # kpi (dq11, kpairs.py): each case's control with the pair-interleaved K-pack (one LOP3 per
 # bf16 pair, no PRMT; the same values), right after it. 16 programs: moe_tune:240.
+# T=9 (8 experts; issue 12's T=9 line, 88.3 us vs its 75.6 bound, s8): the control, kpi, and the
+# T=16 / T=65 classes' forms at R 8 (a persistent grid over 8 live experts, or 2 K splits +
+# il + a2).
+_G9 = "once+ismem+x4c4+s2+r8+cat+kp"
+_D9 = "once+ismem+cat+s2+r8+w4+a2+kp"
 MLP_VARIANTS = {
+    9: (f"{_G9}|{_D9}", f"{_G9}+kpi|{_D9}+kpi", f"{_G9}+il+a2|{_D9}",
+        f"once+ismem+p2c4+s2+cat+kp+il+a2+r8|{_D9}", f"{_G65}|{_D65}", f"{_G65}+kpi|{_D65}+kpi",
+        "once+ismem+r8+s3+w8+cat+kp|once+ismem+r8+s2+w8+cat+kp+a2"),
     1: (f"{_G1}|{_D1}", f"{_G1}+kpi|{_D1}+kpi", f"{_G1_OV}|{_D1}+ov", f"{_G1_K64_OV}|{_D1}+ov",
         f"{_G1_K64}|{_D1}"),
     16: (f"{_G16}|{_D16}", f"{_G16}+kpi|{_D16}+kpi", f"{_G16_OV}+wo|{_D16_OV}+wo",

@@ -226,3 +226,16 @@ def test_k_interleaved_gpu_register_operand_equals_k_packed(gated, opts):
   got = run(ti, kpi)
   assert (jnp.asarray(got)[:rows] == jnp.asarray(run(t, kp))[:rows]).all()
   base._check(got, want, rows)
+
+
+@pytest.mark.slow
+def test_t9_bench_rows_lower_for_h200():
+  """Every T=9 mlp_tune row (issue 12's T=9 line: the control, kpi, and the T=16 / T=65 classes'
+  forms at R 8) lowers for an abstract H200 at K2.6's share, both calls with the same R."""
+  rows = bench.case_rows(9)
+  assert len(rows) == len(set(rows)) > 1
+  for name in rows:
+    tunings = base._bench_tunings(name, 8 * 9)
+    assert tunings[0].rows == tunings[1].rows == 8, name
+    text = base._lower_expert_mlp_h200(8 * 9, tunings)
+    assert "gmm_int4_gated_mosaic_gpu" in text and "gmm_int4_mosaic_gpu" in text, name
