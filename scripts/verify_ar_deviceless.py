@@ -39,8 +39,8 @@ def tuning_of(spec, b, n, h, l):
   """default_tuning with the spec's fields over it ('default': none)."""
   # pylint: disable-next=import-outside-toplevel
   from pallas_kernels.tree_verify.tuning import Tuning, default_tuning
-  fields = {} if spec == "default" else {k: int(v) for k, v in
-                                         (kv.split("=") for kv in spec.split(","))}
+  pairs = () if spec == "default" else (kv.split("=") for kv in spec.split(","))
+  fields = {k: v if k in ("kernel", "merge") else int(v) for k, v in pairs}  # merge=kernel too
   return Tuning(**(default_tuning(b, n, h, l).__dict__ | fields))
 
 

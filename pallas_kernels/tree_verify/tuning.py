@@ -11,7 +11,9 @@ MIN_TILES_PER_SPLIT = 2  # a split below this pays its Q load and epilogue for t
 KERNELS = ("v2", "v1")  # v2: kernel.py (tree block in the kernel); v1: kernel_v1.py (tree in XLA)
 SWAP_AB_MAX_ROWS = 8  # default_tuning's swap-AB bound on N*H (the measured shape; see there)
 SWAP_AB_MAX_SPLITS = 128  # default_tuning's split cap at those rows (measured; see there)
-MERGES = ("xla", "triton")  # v2's split merge: combine.py (XLA, ~3 kernels) or merge_triton.py (1)
+MERGES = ("xla", "triton", "kernel")  # v2's split merge: combine.py (XLA, ~3 kernels),
+                                      # merge_triton.py (1), or the kernel's last split
+                                      # (merge_in_kernel.py: no launch; not measured yet)
 CLUSTER_ROWS = (1, 2, 4)  # Tuning.cluster_rows: off, or row tiles per cluster (multicast KV)
 MERGE_COLS = (32, 64, 128, 256, 512)  # Tuning.merge_cols
 
@@ -30,6 +32,9 @@ class Tuning:
   bf16_partials: bool = True  # split partials O in bf16 (half the write + merge read) or f32
   kernel: str = "v2"      # which kernel (KERNELS); v1 ignores bf16_partials and merge
   merge: str = "xla"      # v2's split merge (MERGES)
+  merge_chunk: int = 0    # merge='kernel': 0 = the last split merges all S - 1 others; G = two
+                          # levels: each G splits' last merges them, the last split the
+                          # ceil(S / G) chunks' results (~2 sqrt(S) partials on the longest path)
   cluster_rows: int = 1   # v2, N*H >= 128: CTAs of one split's row tiles in a cluster of this size
                           # (1 = off); each streamed KV tile is TMA-multicast to all of them, so
                           # a split's tile leaves L2 once instead of once per row tile
@@ -58,8 +63,13 @@ class Tuning:
       raise ValueError("shared_p needs block_kv <= 64 (SMEM budget)")
     if self.num_splits < 1 or self.stages < 2:
       raise ValueError(f"need num_splits >= 1 and stages >= 2, got {self}")
-    if self.prefetch < 0:
-      raise ValueError(f"{self.prefetch=} must be >= 0")
+    if self.prefetch < 0 or self.merge_chunk < 0:
+      raise ValueError(f"{self.prefetch=} and {self.merge_chunk=} must be >= 0")
+    if self.merge != "kernel" and self.merge_chunk:
+      raise ValueError(f"{self.merge_chunk=} is a merge='kernel' option")
+    if self.merge == "kernel" and (self.kernel == "v1" or self.cluster_rows != 1):
+      raise ValueError("merge='kernel' is a v2 option without clusters (its counters and ring "
+                       f"are per row tile): {self.kernel=} {self.cluster_rows=}")
     if self.cluster_rows not in CLUSTER_ROWS or self.merge_cols not in MERGE_COLS:
       raise ValueError(f"{self.cluster_rows=} must be in {CLUSTER_ROWS}, "
                        f"{self.merge_cols=} in {MERGE_COLS}")
