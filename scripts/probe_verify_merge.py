@@ -8,7 +8,9 @@ A case (CASES) times, in this order, the default call (swap-AB, Triton merge), t
 Triton-merge twin when it differs from the default, then the merge=kernel variant, each with the
 packed tree mask (the model's per-layer call: kernel + merge, no mask fusion). Every row: rel L2
 err vs the f32 reference (on the CPU) and CUPTI us of the whole call (bench.device_time_us: the
-sum of every kernel of one call, median over --reps, input sets rotated). Rows print as they
+sum of every kernel of one call, median over --reps, input sets rotated), then each kernel's
+CUPTI us (median of 10 calls on one set: the zero-fill and the kernel's merge tail against the
+Triton merge). Rows print as they
 finish, each preceded by a START line (the log shows which call faulted). The default rows come
 first so they survive a merge=kernel fault. --check_only: the merge=kernel variant alone, one call
 and the check, no timing (for compute-sanitizer). scripts/gpu_measure.sh part verify_merge runs
@@ -18,6 +20,7 @@ the cases one process each under their own `timeout`.
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -67,14 +70,30 @@ def time_row(label, t, sets, ref, scale, check_only):
   prog = bench.timing_program(fn)
   err, finite = bench.check(prog(*sets)[0], ref)  # blocks: a fault surfaces here
   ok = finite and err <= 1e-2
-  us = float("nan")
+  us, kernels = float("nan"), []
   if ok and not check_only:
     us = bench.device_time_us(fn, sets, flags.FLAGS.reps, prog)
-  row = dict(label=label, tuning=t.__dict__, rel_err=err, finite=finite, us=us,
+    try:
+      kernels = per_kernel_us(fn, sets[0])
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"per-kernel listing failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+  row = dict(label=label, tuning=t.__dict__, rel_err=err, finite=finite, us=us, kernels=kernels,
              wall_s=round(time.time() - t0, 1))
   print(f"ROW {label}: {us:.2f} us, rel err {err:.2e}, finite {finite}"
         + ("" if ok else "  WRONG"), flush=True)
+  for name, k_us in kernels:
+    print(f"  {k_us:8.2f} us  {name}", flush=True)
   return row
+
+
+def per_kernel_us(fn, args, iterations=10):
+  """[(kernel name, CUPTI us, median over `iterations` calls)] of one call on one input set:
+  where the call's time goes (merge=kernel: XLA's zero-fill of the counters + the Mosaic kernel;
+  the default: the Mosaic kernel + the Triton merge)."""
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=import-outside-toplevel
+  _, runs = profiler.measure(jax.jit(fn), aggregate=False, iterations=iterations)(*args)
+  return [(name[:80], round(1e3 * statistics.median(run[i][1] for run in runs), 2))
+          for i, (name, _) in enumerate(runs[0])]
 
 
 def main(_):
