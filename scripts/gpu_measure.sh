@@ -11,15 +11,13 @@
 #               old shape x path grid needs --gpu-full-grid, not run here)
 #   moe_bench   pallas_kernels/grouped_matmul/bench.py: routed FFN per T, tuning sweep, whole MoE layer
 #   moe_tune    pallas_kernels/grouped_matmul/bench.py --parts mlp_tune: the INT4 expert FFN's gated
-#               and down calls at T=16 (4 experts), 1 (1), 9 (8), 65 (36): the promoted default
-#               tuning (tuning.DEFAULT_VARIANTS, by rows) beside, at T=1 and 16, the model's kp
-#               configuration and it + il (gate and up chunks per wgmma wait), + a2 (two
-#               accumulator chains per stack), + il+a2, + a balanced gated grid (T=1 k128+p8,
-#               T=16 k128), T=16 down unsplit (s2+w4: one live item per CTA); T=9 / 65
-#               promoted only; ptxas' register log of every kernel (MOSAIC_GPU_DUMP_PTXAS, Mosaic's
+#               and down calls at T=16 (4 experts), 1 (1), 9 (8), 65 (36): per case the rows of
+#               bench.MLP_VARIANTS (the promoted tuning + kp first, the control; then the
+#               case's open variants: kpi, ov, wo, pdl, ..., and at T=9 the T=16 / T=65 classes'
+#               forms at R 8); ptxas' register log of every kernel (MOSAIC_GPU_DUMP_PTXAS, Mosaic's
 #               own dump switch, set for this part's process; each row's first call is
-#               printed before its logs); per-call Mosaic us,
-#               wrong rows marked FAIL; 6 programs: moe_tune:170
+#               printed before its logs); per-call Mosaic us, wrong rows marked FAIL; ~25
+#               programs: moe_tune:360 (one case alone: the bench's --mlp_cases 9:8)
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 65, 16, 9, 1: one
 #               MoE layer of bench_k26_full per kernel with today's defaults (`auto`: the dense
 #               glue at T=1, the lean glue and the routing kernel above) vs its weight-streaming
@@ -34,6 +32,8 @@
 #               us / gmm kernel us / % of copy / x XLA, wrong rows FAIL, best per shape last; 96
 #               programs, XLA's and the default's rows first, no row started after secs - 20 (a
 #               cut box loses the last variants only): dense_dots:150
+#   gpu_tests   the whole default GPU test set (`pytest -m gpu tests`: every compiled-kernel path
+#               once; the brief's "< 2 minutes" check), slowest 25 listed: gpu_tests:240
 #   verify      tree-verify kernel: GPU tests (-m gpu: the sharded file first, then 14 cases,
 #               one kernel compile each, the f32 reference on the CPU: < 2 min), short bench
 #               (default L=46000 grid); verify:240
@@ -176,6 +176,7 @@ MERGE_CASE_S=38                       # verify_merge: each case's own timeout
 run_part() {
   local part=$1 secs=$2
   case $part in
+    gpu_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs --durations=25 -m gpu tests ;;
     moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs --durations=12 -m gpu \
                  tests/kernels/test_grouped_matmul_kernel.py \
                  tests/kernels/test_grouped_matmul_small_t.py ;;
