@@ -1,9 +1,9 @@
 """SASS facts of the grouped-matmul kernels whose PTX `scripts/gmm_ptxas_rows.py --ptx_dir DIR`
 kept (CPU only): per kernel, the K loop's closing wgmma wait, how many HGMMA A-operand registers
 are still in flight across the loop's back edge, and how many instructions of the next
-iteration write one of them before its first wait (must be 0: `Tuning.int4_step_overlap`
-relies on it; ptxas does not guard the back edge, notes/int4_small_t.md), and the K step's
-instruction mix.
+iteration write one of them before its first wait (must be 0 for any K loop that ends without
+wgmma_wait(0), as the removed `int4_step_overlap` did: ptxas does not guard the back edge,
+notes/int4_small_t.md), and the K step's instruction mix.
 
   .venv/bin/python scripts/gmm_sass_check.py --ptx_dir DIR --nvdisasm PATH/nvdisasm
 

@@ -49,10 +49,10 @@ _F = flags.DEFINE_integer("ffn", 2048, "Expert width.")
 _FORMATS = flags.DEFINE_list("formats", ["int4", "bf16"], "Expert weight formats.")
 _IMPLS = flags.DEFINE_list("impls", ["pallas", "mgpu"], "Grouped matmuls to compare.")
 _TUNINGS = flags.DEFINE_list(
-    "gemm_tunings", ["default", "defaultwide", "r16n64k512s4", "r16n64k256s6", "r8n64k256s4x4",
+    "gemm_tunings", ["default", "r16n64k512s4", "r16n64k256s6", "r8n64k256s4x4",
                 "r16n128k256s4", "r8n64k256s4x7w1", "r8n64k256s4x7w2"],
-    "Tuning sweep: 'default' or rR nBN kBK sSTAGES [xSPLITS] [wSLOTS] [smem], then 'wide' for "
-    "INT4 32-bit tile loads (bf16 rows use kBK/2 and ignore 'wide').")
+    "Tuning sweep: 'default' or rR nBN kBK sSTAGES [xSPLITS] [wSLOTS] [smem] (bf16 rows use "
+    "kBK/2).")
 _MLP_CASES = flags.DEFINE_list(
     "mlp_cases", ["16:4", "1:1", "9:8", "65:36"],
     "mlp_tune: T:E, T tokens (T*K rows, T of them local pairs) on E local experts touched "
@@ -70,25 +70,18 @@ _MLP_CASES = flags.DEFINE_list(
 # the eighth session's sweeps". Open from its last round (cut by the time box): T=65 gate|up on
 # 4 stages, down on 3. Each case's first row is the promoted variant + kp (the decode layout's),
 # the control; T=9 runs its promoted row.
-# T=1 / T=16 (int4t, notes/int4_small_t.md): after each control, the small-T knobs, most
-# promising first: ov (no wgmma drain per K step: the pipeline releases slots one step late,
-# so one more stage keeps the TMA depth), wo (slot columns dispatched in order: T=16 gated's
-# dead columns last), T=1 gated at block_k 64 x 16 splits (512 CTAs: ~4 warpgroups per SM for
-# the same 56 chunks on the busiest SM, vs 2 now), T=16 down split 2 x 4 steps (896 CTAs: 112
-# chunks on the busiest SM vs 128). 13 programs.
+# T=1 (int4t, notes/int4_small_t.md): after the control, T=1 gated at block_k 64 x 16 splits
+# (512 CTAs: ~4 warpgroups per SM for the same 56 chunks on the busiest SM, vs 2 now; s11:
+# 25.1 vs 22.7 us). The small-T knobs ov and wo measured no gain and were removed (notes).
 _D1 = "once+ismem+cat+kp+a2+p4"
 _G1 = "once+ismem+cat+kp+il+a2+k128+p8"
-_G1_OV = "once+ismem+cat+kp+il+k128+p8+ov"  # ov needs 2 rounds per step: il without a2
 _G1_K64 = "once+ismem+cat+kp+il+k64+p16"
-_G1_K64_OV = "once+ismem+cat+kp+k64+p16+ov"  # gate's round, then up's: 2 rounds
 _D16 = "once+ismem+cat+kp+s2+w4+a2"
 _G16 = "once+ismem+p2c4+s2+cat+kp+il+a2"
-_D16_OV = "once+ismem+cat+kp+s3+w4+a2+ov"
-_G16_OV = "once+ismem+p2c4+s3+cat+kp+il+a2+ov"
 _D65 = "once+ismem+r8+s2+w16+cat+kp+a2"
 _G65 = "once+ismem+r8+s3+w16+cat+kp"
 # kpi (dq11, kpairs.py): each case's control with the pair-interleaved K-pack (one LOP3 per
-# bf16 pair, no PRMT; the same values), right after it. 16 programs: moe_tune:240.
+# bf16 pair, no PRMT; the same values), right after it.
 # T=9 (8 experts; issue 12's T=9 line, 88.3 us vs its 75.6 bound, s8): the control, kpi, and the
 # T=16 / T=65 classes' forms at R 8 (a persistent grid over 8 live experts, or 2 K splits +
 # il + a2).
@@ -98,16 +91,13 @@ MLP_VARIANTS = {
     9: (f"{_G9}|{_D9}", f"{_G9}+kpi|{_D9}+kpi", f"{_G9}+il+a2|{_D9}",
         f"once+ismem+p2c4+s2+cat+kp+il+a2+r8|{_D9}", f"{_G65}|{_D65}", f"{_G65}+kpi|{_D65}+kpi",
         "once+ismem+r8+s3+w8+cat+kp|once+ismem+r8+s2+w8+cat+kp+a2"),
-    1: (f"{_G1}|{_D1}", f"{_G1}+kpi|{_D1}+kpi", f"{_G1_OV}|{_D1}+ov", f"{_G1_K64_OV}|{_D1}+ov",
-        f"{_G1_K64}|{_D1}"),
-    16: (f"{_G16}|{_D16}", f"{_G16}+kpi|{_D16}+kpi", f"{_G16_OV}+wo|{_D16_OV}+wo",
-         f"{_G16}+wo|{_D16}+wo", f"{_G16_OV}|{_D16_OV}",
-         f"{_G16_OV}+wo|once+ismem+cat+kp+s3+a2+p2c8+ov+wo"),
+    1: (f"{_G1}|{_D1}", f"{_G1}+kpi|{_D1}+kpi", f"{_G1_K64}|{_D1}"),
+    16: (f"{_G16}|{_D16}", f"{_G16}+kpi|{_D16}+kpi"),
     65: (f"{_G65}|{_D65}", f"{_G65}+kpi|{_D65}+kpi", f"{_G65}+s4|{_D65}", f"{_G65}|{_D65}+s3"),
 }
 # pdl (pdl11, pallas_kernels/pdl.py): the T=1 / T=16 control rows with programmatic dependent
-# launch (both calls), after every other row of the case: 18 programs (16 took moe_tune:240;
-# ~280 s ESTIMATE).
+# launch (both calls), after every other row of the case: 18 programs in all (24 before the
+# ov / wo rows were removed, which took moe_tune:300 in s11).
 _PDL_ROWS = {1: f"{_G1}+pdl|{_D1}+pdl", 16: f"{_G16}+pdl|{_D16}+pdl"}
 MLP_VARIANTS = {t: rows + ((_PDL_ROWS[t],) if t in _PDL_ROWS else ())
                 for t, rows in MLP_VARIANTS.items()}
@@ -122,7 +112,7 @@ _MLP_VARIANTS = flags.DEFINE_list(
     "mlp_variants", [],
     "mlp_tune: rows for every case: 'promoted' (default_tuning's choice) or tuning.apply_variant "
     "names ('+'-joined changes to both calls' base tunings: once, ismem, cat, kp, il, dqN, aN, "
-    "rN, kBK, sN, nBN, xN[cC], pN[cC], wN, wide, ov, wo, kpi; 'default': none; 'GATED|DOWN': "
+    "rN, kBK, sN, nBN, xN[cC], pN[cC], wN, kpi; 'default': none; 'GATED|DOWN': "
     "one per call, same rN); empty: MLP_VARIANTS[T] per case, else promoted (18 programs): "
     f"{MLP_VARIANTS}.")
 # A row whose output is further than this from the f32 XLA reference (relative L2 error) is
@@ -230,12 +220,9 @@ def part_ffn(ceil, sink, rows):
 
 
 def _parse_tuning(s, fmt, default):
-  """'default[wide]' -> `default` (with int4_wide_loads); 'r16n64k256s4x2w1smem[wide]' -> Tuning
-  (bf16 takes half the K step and no wide loads)."""
-  wide = s.endswith("wide") and fmt == "int4"
-  s = s.removesuffix("wide")
+  """'default' -> `default`; 'r16n64k256s4x2w1smem' -> Tuning (bf16 takes half the K step)."""
   if s == "default":
-    return dataclasses.replace(default, int4_wide_loads=wide)
+    return default
   smem = s.endswith("smem")
   s = s.removesuffix("smem")
   r, rest = s[1:].split("n")
@@ -245,8 +232,7 @@ def _parse_tuning(s, fmt, default):
   st, _, splits = rest.partition("x")
   k = int(k) if fmt == "int4" else int(k) // 2
   return Tuning(rows=int(r), block_n=int(n), block_k=k, stages=int(st), splits=int(splits or 1),
-                slots=int(slots or 0), a_operand="smem" if smem else "registers",
-                int4_wide_loads=wide)
+                slots=int(slots or 0), a_operand="smem" if smem else "registers")
 
 
 def part_tune(ceil, sink, rows):

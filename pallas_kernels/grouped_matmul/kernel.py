@@ -27,11 +27,11 @@ together (one wait per chunk pair and step); `Tuning.int4_acc_chains` alternates
 chunks over independent accumulators; `Tuning.int4_scale_concat` builds a chunk's scales without selects;
 `Tuning.int4_k_packed` reads weight stacks stored by `kpack.pack_int4_k` with 32-bit loads
 (`Tuning.int4_k_interleaved`: stored by `kpairs.pack_int4_k_pairs`, a PRMT-free dequantise).
-`Tuning.int4_step_overlap` keeps a K step's last wgmmas in flight into the next step (the
-pipeline releases slots one step late); `Tuning.slots_outer` dispatches slot columns in order.
 (32-column pieces against a 64-byte-swizzled x tile, the removed `scale_halves`, passed
 interpret mode, which runs only the SMEM-operand path and ignores swizzles, and were wrong
-on the H200 with the register operand, 2-3x slower: WORKSPACE.md.) `launch_shape` says what a
+on the H200 with the register operand, 2-3x slower: WORKSPACE.md. Measured no gain or slower
+and removed: 32-bit INT4 tile loads relaid out by shuffles, a K step ending without its wgmma
+drain, slot columns dispatched in order: notes/int4_small_t.md.) `launch_shape` says what a
 call launches (CTAs, K steps, SMEM per CTA).
 """
 
@@ -80,9 +80,8 @@ def _chunk_scales(s_smem, j, shape, group, block_k, concat=False):
   return jnp.where(col < group, row(2 * j), row(2 * j + 1))
 
 
-def _load_int4(q_smem, j, wide: bool, k_packed=False, interpret=False, interleaved=False):
+def _load_int4(q_smem, j, k_packed=False, interpret=False, interleaved=False):
   """Chunk j's [BN, 64] int4 in the WGMMA layout: byte loads (2 values each) in that layout, or
-  `wide`: 32-bit loads (8 values) in WGMMA_UPCAST_4X, relaid out by in-warp shuffles, or
   `k_packed` (a kpack.pack_int4_k stack): 32-bit loads relabelled as WGMMA registers, or with
   `interleaved` (a kpairs.pack_int4_k_pairs stack): the same loads, already bf16 (exact)."""
   chunk = q_smem.at[:, pl.ds(CHUNK * j, CHUNK)]
@@ -90,15 +89,11 @@ def _load_int4(q_smem, j, wide: bool, k_packed=False, interpret=False, interleav
     return kpairs.load_chunk(chunk, interpret)
   if k_packed:
     return kpack.load_chunk(chunk, interpret)
-  if not wide:
-    return plgpu.load(chunk, layout=plgpu.Layout.WGMMA, optimized=False)
-  q = plgpu.load(chunk, layout=plgpu.Layout.WGMMA_UPCAST_4X, optimized=False)
-  return plgpu.layout_cast(q, plgpu.Layout.WGMMA)
+  return plgpu.load(chunk, layout=plgpu.Layout.WGMMA, optimized=False)
 
 
-def _int4_step(accs, x_smem, tiles, w_stage, *, group, block_k, dtype, wide, batch=1,
-               scale_concat=False, k_packed=False, interpret=False, chains=1, drain=True,
-               interleaved=False):
+def _int4_step(accs, x_smem, tiles, w_stage, *, group, block_k, dtype, batch=1,
+               scale_concat=False, k_packed=False, interpret=False, chains=1, interleaved=False):
   """One K step: per 64-column chunk, dequantise W^T in registers and issue wgmma.
 
   tiles: one (q_smem, s_smem) per stack: one stack, or gate and up interleaved
@@ -110,10 +105,6 @@ def _int4_step(accs, x_smem, tiles, w_stage, *, group, block_k, dtype, wide, bat
   per wgmma wait); a round's wgmmas overlap the next round's dequantise. w_stage None: the
   registers are wgmma's A operand. Else 2 x (chunks per round) swizzled SMEM buffers [BN, 64]
   that the chunks cycle through (the A-from-SMEM variant; GPU interpret mode needs it).
-  drain False (`Tuning.int4_step_overlap`, the pipeline releasing slots one step late): the
-  last round's wgmmas stay in flight past the step; the next step's (or stack's) first wait
-  retires them. The SMEM-operand buffers restart at round 0 each call, so an odd round count
-  there still drains (round 0's buffers would be rewritten under an in-flight wgmma).
   """
   n_chunks = block_k // CHUNK
   per_round = batch * chains
@@ -121,7 +112,7 @@ def _int4_step(accs, x_smem, tiles, w_stage, *, group, block_k, dtype, wide, bat
     ws = []
     for j in range(j0, min(j0 + per_round, n_chunks)):
       for a, (q_smem, s_smem) in enumerate(tiles):
-        q = _load_int4(q_smem, j, wide, k_packed, interpret, interleaved)
+        q = _load_int4(q_smem, j, k_packed, interpret, interleaved)
         scales = _chunk_scales(s_smem, j, q.shape, group, block_k, scale_concat)
         w = q.astype(dtype) * scales.astype(dtype)  # interleaved: q is bf16 already
         if w_stage is not None:  # one stack, one chain: buffer j % (2 batch), as always
@@ -134,9 +125,7 @@ def _int4_step(accs, x_smem, tiles, w_stage, *, group, block_k, dtype, wide, bat
     for acc_ref, j, w in ws:
       plgpu.wgmma(acc_ref, w, x_smem.at[:, pl.ds(CHUNK * j, CHUNK)].transpose((1, 0)))
     plgpu.wgmma_wait(len(ws))  # the round before is done: its registers / buffers are free
-  n_rounds = -(-n_chunks // per_round)
-  if drain or (w_stage is not None and n_rounds % 2):
-    plgpu.wgmma_wait(0)  # the pipeline reuses x_smem's slot after this step
+  plgpu.wgmma_wait(0)  # the pipeline reuses x_smem's slot after this step
 
 
 def _bf16_step(acc_ref, x_smem, w_smem):
@@ -216,26 +205,6 @@ def _staged_stacks(gated: bool, t: Tuning) -> int:
   return (2 if gated and t.int4_interleave_stacks else 1) * t.int4_acc_chains
 
 
-def _rounds_per_step(gated: bool, t: Tuning) -> int:
-  """wgmma rounds per INT4 K step over its `_int4_step` calls (one call for both stacks with
-  il, else one per stack): a round is dequant_batch x int4_acc_chains chunks of a call."""
-  per_call = -(-(t.block_k // CHUNK) // (t.dequant_batch * t.int4_acc_chains))
-  return per_call * (2 if gated and not t.int4_interleave_stacks else 1)
-
-
-def _check_step_overlap(gated: bool, t: Tuning):
-  """int4_step_overlap needs exactly 2 rounds per K step. ptxas keeps a round's register A
-  operands apart from the next round's inside a step (the next is written while it is in
-  flight), but does not see the K loop's back edge: with ONE round the next step's dequantise
-  rewrites the registers its in-flight wgmmas read (SASS of the T=1 gated k128 + il + a2 +
-  ov kernel: no wait before the rewrite; undefined in PTX), and with 3+ the last round may
-  share registers with round 0. With 2, round 0 and round 1 are disjoint by construction."""
-  rounds = _rounds_per_step(gated, t)
-  if rounds != 2:
-    raise ValueError(f"int4_step_overlap needs 2 wgmma rounds per K step, {t} has {rounds}: "
-                     "change block_k, dequant_batch, int4_acc_chains or int4_interleave_stacks")
-
-
 def _slots(t: Tuning, n_items: int) -> int:
   """CTA columns over the work items: one per item, or t.slots that loop over items."""
   return min(t.slots or n_items, n_items)
@@ -258,7 +227,6 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret:
   k_steps = k // t.block_k // t.splits
   n_out = _num_values(gated, t) * (2 if t.splits > 1 else 1)
   slots = _slots(t, n_items)
-  overlap = int4 and t.int4_step_overlap  # bf16 steps always drain (_bf16_step)
 
   def body(work_ref, x_ref, *refs):
     pdl.wait_for_producers(t.pdl, interpret)  # every input follows: the work list picks weights
@@ -287,17 +255,15 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret:
           for accs, tls in ([(acc_refs, tiles)] if together else
                             [(acc_refs[i * c:(i + 1) * c], (tl,)) for i, tl in enumerate(tiles)]):
             _int4_step(accs, x_smem, tls, w_stage, group=group, block_k=t.block_k, dtype=dtype,
-                       wide=t.int4_wide_loads, batch=t.dequant_batch,
-                       scale_concat=t.int4_scale_concat, k_packed=t.int4_k_packed,
-                       interpret=interpret, chains=c, drain=not overlap,
+                       batch=t.dequant_batch, scale_concat=t.int4_scale_concat,
+                       k_packed=t.int4_k_packed, interpret=interpret, chains=c,
                        interleaved=t.int4_k_interleaved)
 
-        release = dict(delay_release=1) if overlap else {}
         x_spec = plgpu.BlockSpec((pl.Element(t.rows), t.block_k),
                                  lambda kk: (pl.multiple_of(win, work.ALIGN), k0 + kk),
-                                 transforms=_SWIZZLED, **release)
+                                 transforms=_SWIZZLED)
         w_specs = [plgpu.BlockSpec(s.block_shape, functools.partial(s.index_map, ni=ni),
-                                   transforms=s.transforms, **release)
+                                   transforms=s.transforms)
                    for s in _weight_specs(int4, group, t, k0)] * n_stacks
         plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=[x_spec, *w_specs],
                             max_concurrent_steps=t.stages)(
@@ -348,11 +314,9 @@ def launch_shape(k: int, n: int, n_items: int, int4: bool, gated: bool, t: Tunin
 
 def _grid(t: Tuning, n_items: int, n: int):
   """(grid, names): slot columns x N tiles x K splits, the slots fastest (CUDA x: dispatched
-  first), or `t.slots_outer`: slowest (CUDA z), so every CTA of slot column 0 is dispatched
-  before any of column 1 (dead columns last). The body finds its indices by name."""
-  sizes = dict(w=_slots(t, n_items), n=n // t.block_n, s=t.splits)
-  names = ("n", "s", "w") if t.slots_outer else ("w", "n", "s")
-  return tuple(sizes[a] for a in names), names
+  first). The body finds its indices by name."""
+  names = ("w", "n", "s")
+  return (_slots(t, n_items), n // t.block_n, t.splits), names
 
 
 def _pad_rows(x_mk):
@@ -382,8 +346,6 @@ def grouped_matmul_mgpu(x_mk, stacks, items, *, tuning: Tuning, interpret=False)
     raise ValueError(f"unsupported: {x_mk.dtype=} {k=} {n=} {group=} {gated=} {tuning=}")
   if int4:
     stacks = tuple((q, s.astype(x_mk.dtype)) for q, s in stacks)
-  if int4 and tuning.int4_step_overlap:
-    _check_step_overlap(gated, tuning)
   if interpret and int4 and tuning.a_operand == "registers":
     raise ValueError("GPU interpret mode's wgmma takes SMEM operands only (jax 0.11.2): "
                      "use Tuning(a_operand='smem') to interpret the INT4 kernel")

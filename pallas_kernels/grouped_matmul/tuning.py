@@ -67,8 +67,6 @@ class Tuning:
   slots: 0 = one CTA column per work item; else this many columns, each looping over items
     slot, slot + slots, ... (live items come first): with split-K at small T, where the static
     item bound (8 at T=1) far exceeds the live items (~1), most CTAs would launch only to exit.
-  int4_wide_loads: INT4 only: read the weight tile with 32-bit loads (8 values, Mosaic's
-    WGMMA_UPCAST_4X layout) and relayout to WGMMA in registers, instead of one-byte loads.
   store_once: the epilogue stores every value part (gate / up, hi / lo: up to 4) to SMEM, fences
     once, issues every TMA store and waits once, instead of a store-fence-TMA-wait round per part.
   dequant_batch: INT4 only: 64-column chunks dequantised before their wgmmas are issued (1:
@@ -91,15 +89,6 @@ class Tuning:
   items_smem: each CTA copies the work list to SMEM with one TMA before its first item, so the
     slots loop reads each item's 4 fields from SMEM instead of a dependent GMEM round trip per
     item (T=1: 8 items per CTA, 1 live).
-  int4_step_overlap: INT4 only: the K pipeline releases a step's SMEM slots one step late
-    (`delay_release=1`), so a K step ends without draining its wgmmas: the last round's MMAs
-    overlap the next step's first dequantise (one fewer exposed wgmma latency per K step and
-    warpgroup; T=1's gated k128 step is one round, so all of its MMAs were exposed). One step
-    fewer of TMA runs ahead of the compute (stages - 1): pair it with one more stage. Needs
-    exactly 2 wgmma rounds per K step (kernel._check_step_overlap: ptxas does not keep the
-    last round's register operands apart from the next step's first round across the loop's
-    back edge; with 2 they are apart by construction): e.g. gated il at block_k 128 without
-    a2, gated without il at block_k 64, plain or il + a2 at block_k 256.
   int4_k_interleaved: INT4 with int4_k_packed and bf16 x only: the stacks are stored by
     `kpairs.pack_int4_k_pairs` instead (each 32-bit word's nibble slots j and j + 4 are one
     bf16 pair's two values, 16 bits apart), so the i4 -> bf16 conversion is one LOP3 per pair
@@ -107,10 +96,6 @@ class Tuning:
     + 4 SHF); exactly the same values. The CALLER must pass pair-packed stacks (the bench
     does; the model's decode pack does with TargetConfig.int4_k_interleaved, and its calls
     set this from the weights' layout: api.py's k_interleaved).
-  slots_outer: the slot axis is the grid's slowest (CUDA z) instead of its fastest (x): the
-    block scheduler dispatches every N tile and split of slot column 0, then of column 1, ...,
-    so slot columns with no live item (T=16 gated p2c4: 8 columns, ~4 live) start after the
-    live ones instead of taking every other CTA slot of the first wave. Same values.
   pdl: programmatic dependent launch (`pallas_kernels.pdl`): the body waits (griddepcontrol.wait)
     before its first read of anything (the work list decides which weights to load, so every
     input: work list, x, weights), so the CTAs can start during the previous kernel's tail, and
@@ -124,7 +109,6 @@ class Tuning:
   a_operand: str = "registers"
   splits: int = 1
   slots: int = 0
-  int4_wide_loads: bool = False
   store_once: bool = False
   dequant_batch: int = 1
   items_smem: bool = False
@@ -133,8 +117,6 @@ class Tuning:
   int4_k_packed: bool = False
   int4_interleave_stacks: bool = False
   int4_acc_chains: int = 1
-  int4_step_overlap: bool = False
-  slots_outer: bool = False
   int4_k_interleaved: bool = False
 
   def __post_init__(self):
@@ -236,11 +218,10 @@ def set_splits(t: Tuning, k: int, n: int, splits: int, ctas_per_sm: int = 2) -> 
 def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   """A named change of a [K -> N] call's tuning t (the bench's --mlp_variants; promote one by
   naming it in DEFAULT_VARIANTS): '+'-joined parts, applied in order:
-  once: store_once; ismem: items_smem; wide: int4_wide_loads; cat: int4_scale_concat;
-  kp: int4_k_packed (the caller packs the weights: bench.mlp_tune does; the model's calls
-  take it from the weights, api.py's k_packed); il: int4_interleave_stacks;
-  ov: int4_step_overlap; wo: slots_outer; kpi: int4_k_packed and int4_k_interleaved (the
-  caller packs by kpairs.pack_int4_k_pairs);
+  once: store_once; ismem: items_smem; cat: int4_scale_concat; kp: int4_k_packed (the
+  caller packs the weights: bench.mlp_tune does; the model's calls take it from the weights,
+  api.py's k_packed); il: int4_interleave_stacks; kpi: int4_k_packed and int4_k_interleaved
+  (the caller packs by kpairs.pack_int4_k_pairs);
   dqN: dequant_batch N; aN: int4_acc_chains N (applied after every other part, at most
   block_k / 64: a one-chunk K step, e.g. the small models' K < 128, keeps one chain);
   rN: rows N (both calls of one work list must share it); kBK: block_k BK; sN: stages N;
@@ -248,10 +229,10 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   xN[cC]: scale_splits by N for ~C CTAs per SM (2); pN[cC]: exactly N splits (set_splits;
   after kBK: N must divide the K steps); wN: slots for ~N CTAs per SM (a
   persistent grid: no launched-and-exiting CTAs for dead items ahead of live ones);
-  pdl: pdl (programmatic dependent launch); default: no change."""
-  flags = {"once": "store_once", "ismem": "items_smem", "wide": "int4_wide_loads",
-           "cat": "int4_scale_concat", "kp": "int4_k_packed", "il": "int4_interleave_stacks",
-           "ov": "int4_step_overlap", "wo": "slots_outer", "pdl": "pdl"}
+  pdl: pdl (programmatic dependent launch); default: no change. (Tried and removed, measured
+  no gain or slower on the H200: wide, ov, wo; notes/int4_small_t.md "Tried and removed".)"""
+  flags = {"once": "store_once", "ismem": "items_smem", "cat": "int4_scale_concat",
+           "kp": "int4_k_packed", "il": "int4_interleave_stacks", "pdl": "pdl"}
   chains = None
   for part in name.split("+"):
     if part == "default":

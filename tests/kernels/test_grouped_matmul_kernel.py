@@ -226,7 +226,7 @@ def test_expert_ffn_through_the_kernel_equals_xla_path():
 
 # The default GPU set (~11 Mosaic compiles, each a few seconds; the issue wants < 2 minutes):
 # every code path once, on shapes and tunings shared across tests so compiles are reused.
-# bf16 / INT4, registers / SMEM operand, wide loads: RAGGED with one tuning; gated with and
+# bf16 / INT4, registers / SMEM operand: RAGGED with one tuning; gated with and
 # without split-K and the slots loop: RAGGED; the routed-expert FFN at K2.6's T=1 shape with the
 # default tunings (split 7, one slot column) through both glues. The old shape x path grid runs
 # with --gpu-full-grid.
@@ -246,17 +246,15 @@ def _full_grid(request):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,a_operand,wide", [("bf16", "registers", False),
-                                                ("int4", "registers", False),
-                                                ("int4", "smem", False),
-                                                ("int4", "registers", True)])
-def test_kernel_gpu_ragged_matches_reference(fmt, a_operand, wide):
-  """One call per operand path (a_operand and wide loads: INT4 only) on ragged sizes."""
+@pytest.mark.parametrize("fmt,a_operand", [("bf16", "registers"), ("int4", "registers"),
+                                          ("int4", "smem")])
+def test_kernel_gpu_ragged_matches_reference(fmt, a_operand):
+  """One call per operand path (a_operand: INT4 only) on ragged sizes."""
   sizes, m, k, n = RAGGED
   x, w_bf16, w_int4 = _operands(m, k, n, len(sizes), 32)
   ws = w_int4 if fmt == "int4" else w_bf16
   gs = jnp.asarray(sizes, jnp.int32)
-  t = _ragged_tuning(fmt, a_operand=a_operand, int4_wide_loads=wide)
+  t = _ragged_tuning(fmt, a_operand=a_operand)
   _check(grouped_matmul(x, ws, gs, backend="pallas", tuning=t),
          grouped_matmul(x, ws, gs, backend="xla"), sum(sizes))
 
@@ -331,28 +329,6 @@ def test_kernel_gpu_full_grid(sizes, m, k, n, fmt, a_operand, request):
   _check(gated, gated_grouped_matmul(x, ws, ws, gs, backend="xla"), sum(sizes))
 
 
-def test_int4_wide_loads_interpret_matches_reference():
-  sizes, m, k, n = [30, 0, 50, 3, 10], 100, 256, 128
-  x, _, ws = _operands(m, k, n, len(sizes), 32, seed=11)
-  gs = jnp.asarray(sizes, jnp.int32)
-  t = Tuning(rows=32, block_n=64, block_k=128, stages=2, a_operand="smem", int4_wide_loads=True)
-  _check(grouped_matmul(x, ws, gs, backend="interpret", tuning=t),
-         grouped_matmul(x, ws, gs, backend="xla"), sum(sizes))
-
-
-@pytest.mark.gpu
-def test_int4_wide_loads_gpu_full_grid(request):
-  """--gpu-full-grid: 32-bit INT4 tile loads at a K2.6 verify shape with its default tuning."""
-  _full_grid(request)
-  sizes = K26_VERIFY
-  m, k, n = 520, 7168, 2048
-  x, _, ws = _operands(m, k, n, len(sizes), 32)
-  gs = jnp.asarray(sizes, jnp.int32)
-  t = dataclasses.replace(default_tuning(m, len(sizes), k, n, True), int4_wide_loads=True)
-  _check(grouped_matmul(x, ws, gs, backend="pallas", tuning=t),
-         grouped_matmul(x, ws, gs, backend="xla"), sum(sizes))
-
-
 def test_bad_input_errors():
   x, (w,), (q, s) = _operands(8, 64, 128, 2, 32)
   gs = jnp.asarray([4, 4], jnp.int32)
@@ -408,10 +384,9 @@ def test_scale_splits_spreads_one_expert_over_more_ctas():
 
 def test_apply_variant_parses_every_change():
   t = default_tuning(128, 48, 7168, 2048, True, gated=True, variant="default")
-  v = apply_variant("once+ismem+dq4+k512+s3+wide+r32+cat+kp", t, 7168, 2048)
-  assert (v.store_once, v.items_smem, v.dequant_batch, v.block_k, v.stages, v.int4_wide_loads,
-          v.rows, v.int4_scale_concat, v.int4_k_packed) == (True, True, 4, 512, 3, True, 32, True,
-                                                            True)
+  v = apply_variant("once+ismem+dq4+k512+s3+r32+cat+kp", t, 7168, 2048)
+  assert (v.store_once, v.items_smem, v.dequant_batch, v.block_k, v.stages, v.rows,
+          v.int4_scale_concat, v.int4_k_packed) == (True, True, 4, 512, 3, 32, True, True)
   assert apply_variant("default", t, 7168, 2048) == t
   c4 = apply_variant("x4c4", t, 7168, 2048)
   assert (c4.splits, c4.slots) == (4, 4)  # 4 x 132 CTAs // (32 N tiles x 4 splits)
