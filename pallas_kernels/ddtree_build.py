@@ -22,6 +22,11 @@ Jp = np = 16, Np = 32; at budget 63: Cp = 512 (C = 273), the [Cp, Cp] compare is
 per level: the trained pair's step at budget 63 took 5.92 ms with this kernel, 0.91 with XLA's
 builder (H100, 2026-12-05), so `auto` stops at AUTO_MAX_PADDED_CANDIDATES.
 
+This module is the "rank" selection (`build_from_topk(selection=...)`, default_selection); the
+"bitonic" one (pallas_kernels.ddtree_bitonic: bitonic networks and memory gathers, no [Cp, Cp] or
+[np, Jp, np] compares, no register spills at Cp 512) shares the candidate pairs and the output
+stage (`write_tree`) and is OFF until a GPU A/B (notes/tree_builder.md).
+
 Letters: n budget, K = min(n, V) top-k per depth, J depths, C static (parent, rank) candidate
 pairs per level, N = n + 1 tree indices (root 0); a `p` suffix is the padded (power-of-2) size.
 """
@@ -209,6 +214,12 @@ def _kernel(lp_ref, ids_ref, cj_ref, cr_ref, tok_ref, dep_ref, par_ref, vis_ref,
   surv = _survivors(lp_ref[...], ids_ref[...], cj_ref[...], cr_ref[...], pow2(n),
                     n=n, k=k, j=j, c=c, bits=bits, per=per, m=m)
   t, f, keys = _outputs(surv, _global_rank(surv, n, j), n, j, tok_ref.shape[0])
+  write_tree(tok_ref, dep_ref, par_ref, vis_ref, t, f, keys, n=n, bits=bits, per=per)
+
+
+def write_tree(tok_ref, dep_ref, par_ref, vis_ref, t, f, keys, *, n, bits, per):
+  """The outputs from the per-tree-index fields (t, f, keys as `_outputs` gives them): tokens,
+  depths, parents and visibility (shared with pallas_kernels.ddtree_bitonic)."""
   valid = (f["ok"] > 0) & (t >= 1) & (t <= n)
   depth = jnp.where(valid, f["depth"], 0)
   tok_ref[...] = jnp.where(valid, f["token"], 0)
@@ -267,13 +278,36 @@ def default_warps(cp: int) -> int:
   return 8 if cp >= 128 else 4
 
 
+# The kernel's per-depth selection: "rank" (this module: rank counting, [Cp, Cp] compares) or
+# "bitonic" (pallas_kernels.ddtree_bitonic: bitonic networks and memory gathers, O(Cp log^2 np)).
+SELECTIONS = ("rank", "bitonic")
+
+
+def default_selection(cp: int) -> str:
+  """The selection by padded candidate count: "rank" everywhere until a GPU A/B
+  (scripts/bench_tree_builder.py, rows `bitonic w4` / `bitonic w8`) measures "bitonic" faster;
+  it was built (2026-12-05) for Cp 256 / 512, where rank counting took 1162 / 1178 us on an
+  H100 and XLA's sorts 304 / 352. Until then `auto` takes the kernel only up to
+  AUTO_MAX_PADDED_CANDIDATES, as before."""
+  del cp
+  return "rank"
+
+
 def build_from_topk(lp_jk, ids_jk, n: int, interpret: bool = False,
-                    num_warps: int | None = None):
-  """tree.build_ddtree's result from topk_logprobs' (log-probs, ids) [J, K], as one kernel."""
+                    num_warps: int | None = None, selection: str | None = None):
+  """tree.build_ddtree's result from topk_logprobs' (log-probs, ids) [J, K], as one kernel.
+  selection: one of SELECTIONS (None: default_selection(Cp))."""
   j, k = lp_jk.shape
   cj, cr = candidate_pairs(n, k)
   c = len(cj)
   cp, jp, kp, npos = pow2(c), pow2(j), pow2(k), pow2(n + 1)
+  selection = selection or default_selection(cp)
+  if selection not in SELECTIONS:
+    raise ValueError(f"{selection=} is not one of {SELECTIONS}")
+  if selection == "bitonic":
+    from pallas_kernels import ddtree_bitonic  # pylint: disable=import-outside-toplevel
+    return ddtree_bitonic.build_from_topk(lp_jk, ids_jk, n, interpret=interpret,
+                                          num_warps=num_warps or default_warps(cp))
   bits, per = digit_packing(k)
   pad2 = lambda x: jnp.pad(x, ((0, jp - j), (0, kp - k)))
   cand = lambda x: jnp.asarray(np.pad(x, (0, cp - c)).astype(np.int32))
