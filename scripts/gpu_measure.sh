@@ -34,7 +34,7 @@
 #               cut box loses the last variants only): dense_dots:150
 #   gpu_tests   the whole default GPU test set (`pytest -m gpu tests`: every compiled-kernel path
 #               once; the brief's "< 2 minutes" check), slowest 25 listed: gpu_tests:240
-#   verify      tree-verify kernel: GPU tests (-m gpu: the sharded file first, then 14 cases,
+#   verify      tree-verify kernel: GPU tests (-m gpu: the sharded file first, then 13 cases,
 #               one kernel compile each, the f32 reference on the CPU: < 2 min), short bench
 #               (default L=46000 grid); verify:240
 #   verify_probes  tree-verify bench at L=46000, B=1, H=8 (N=1,8,16,64) then H=64 (N=64 first)

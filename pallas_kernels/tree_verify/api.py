@@ -68,16 +68,11 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
   N*H = 8, 16, .., 56 or 64k), the cache when L % 8 != 0 (never in the model, whose caches have
   a multiple of 64 rows)."""
   # pylint: disable-next=import-outside-toplevel
-  from pallas_kernels.tree_verify import combine, kernel, kernel_swap, kernel_v1, merge_triton
+  from pallas_kernels.tree_verify import combine, kernel, kernel_swap, merge_triton
   b, n, h, c = q.shape
   l = cache.shape[1]
   r = value_dim if value_dim is not None else c - 64
   t = tuning if tuning is not None else default_tuning(b, n, h, l)
-  if t.kernel == "v1":
-    if isinstance(tree_mask, masks.PackedTreeMask):
-      raise ValueError("the v1 kernel takes the bool tree mask, not a PackedTreeMask")
-    return kernel_v1.tree_verify_attention_mgpu(q, cache, lengths, tree_mask, scale=scale,
-                                                interpret=interpret, value_dim=r, tuning=t)
   m = kernel_rows(n, h)
   q_rows = q.reshape(b, n * h, c)
   if m != n * h:

@@ -57,7 +57,8 @@ FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64]
 # the rest is skipped): k=v Tuning fields, plus mask=packed (the tree mask packed once outside the
 # call, as the model does per step: the call is the kernel + the merge; a must-show shape without
 # a packed probe gets one). Measured and dropped (s3, notes/kernel.md): merge=triton (now the
-# default where the call splits), prefetch=2 and block_kv=32,stages=4 (+ prefetch=4): no gain.
+# default where the call splits), prefetch=2 and block_kv=32,stages=4 (+ prefetch=4): no gain
+# (both since removed from the kernel, as were shared_p=0, f32 partials and kernel=v1).
 # swap_ab (kernel_swap.py): one row tile of M = N*H <= 64 rows scored as S^T = K Q^T (keys the
 # wgmma M, the q rows its N): at N=1, H=8 1/8 of the default's tensor work and a 9 KB Q tile.
 # Measured (H200, fifth session): N=1 H=8 21.4 vs 23.6 us, the default there since
@@ -141,8 +142,8 @@ def parse_tunings(spec, b, n, h, l):
   for item in filter(None, spec.split(";")):
     kv = dict(x.split("=") for x in item.split(","))
     packed = kv.pop("mask", "bool") == "packed"
-    kv = {k: v if k in ("kernel", "merge") else int(v) for k, v in kv.items()}
-    base = default_tuning(b, n, h, l, kv.get("kernel", "v2")).__dict__ | kv
+    kv = {k: v if k == "merge" else int(v) for k, v in kv.items()}
+    base = default_tuning(b, n, h, l).__dict__ | kv
     out.append((item, Tuning(**base), packed))
   return out
 

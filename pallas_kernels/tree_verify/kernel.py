@@ -1,19 +1,19 @@
 """Mosaic GPU (sm90) kernel for absorbed-MLA tree-verify attention over a dense latent cache.
 
 Letters: B batch, N tree nodes, H heads, L cache rows, C = 576 latent width, R = 512 value width,
-M rows = (node, head) pairs (node-major, row = node * H + head), S KV splits, T block_kv,
+M rows = (node, head) pairs (node-major, row = node * H + head), S KV splits, T = 64 keys a tile,
 W tree-mask words.
 
 Design: each CTA (row tile, split, batch) streams its split of the keys [0, E), E = min(len + N, L)
 -- the committed prefix and the N tree rows at [len, len + N) in one pass -- while holding a
 64 x C Q tile in SMEM; a TMA warpgroup feeds T x C KV tiles through a ring of SMEM stages (V is the
-first R columns of the same tile). Two compute warpgroups each own R/2 output columns. With
-shared_p, warpgroup 0 alone scores the tile (QK^T, online softmax) and hands P and the rescale
-factor to warpgroup 1 through SMEM; otherwise both score the whole tile.
+first R columns of the same tile). Two compute warpgroups each own R/2 output columns; warpgroup
+0 alone scores the tile (QK^T, online softmax) and hands P and the rescale factor to warpgroup 1
+through SMEM.
 Tiles start at multiples of T; rows past L are zero-filled by the TMA (no copy or pad of the cache)
 and masked. Only tiles that reach past `len` are masked: prefix end, tree mask (per-row bit words,
 `masks.py`), end of the cache. With one split the kernel writes the final output (q dtype) and
-natural LSE; with S splits it writes per-split normalised partials (bf16 or f32) and base-2 LSE,
+natural LSE; with S splits it writes per-split normalised bf16 partials and base-2 LSE,
 merged by `combine.py` / `merge_triton.py`, or (Tuning(merge="kernel"), default off) by the
 kernel's last split after a GMEM counter says the others are written (`merge_in_kernel.py`;
 outputs: the final pair, then the partials).
@@ -45,16 +45,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import pdl
 from pallas_kernels.tree_verify import masks, merge_in_kernel
-from pallas_kernels.tree_verify.tuning import BLOCK_M, SMEM_BYTES, Tuning
+from pallas_kernels.tree_verify.tuning import BLOCK_KV, BLOCK_M, PARTIALS_DTYPE, SMEM_BYTES, Tuning
 
 LOG2E = math.log2(math.e)
 CLUSTER_AXIS = "c"  # Tuning.cluster_rows > 1: the row tile within its cluster
 LN2 = math.log(2.0)
 _BF16_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-# Q, KV ring and P at block_kv = 32: a wgmma's K (the PV's keys) must be a multiple of its
-# operands' swizzle in elements, and A and B share one swizzle, so all three take a 64-byte one.
-_OPERAND_TRANSFORMS = {64: _BF16_TRANSFORMS,
-                       32: (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))}
 _F32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 _ROW = plgpu.Layout.WGMMA.reduce(1)
 
@@ -72,7 +68,7 @@ def _split_range(length, end, s_idx, t: Tuning):
   """KV tiles [lo, hi) of this split over the keys [0, end), and the first masked tile.
   Default: ceil(tiles / S) tiles a split, the last splits short or empty; balanced_splits: the
   first tiles % S splits get one tile more than the others (every split streams when tiles >= S)."""
-  nt = lax.div(end + (t.block_kv - 1), t.block_kv)
+  nt = lax.div(end + (BLOCK_KV - 1), BLOCK_KV)
   if t.balanced_splits:
     base, extra = lax.div(nt, t.num_splits), lax.rem(nt, t.num_splits)
     lo = s_idx * base + jnp.minimum(s_idx, extra)
@@ -81,13 +77,13 @@ def _split_range(length, end, s_idx, t: Tuning):
     chunk = lax.div(nt + (t.num_splits - 1), t.num_splits)
     lo = jnp.minimum(s_idx * chunk, nt)
     hi = jnp.minimum(lo + chunk, nt)
-  full_hi = jnp.maximum(jnp.minimum(hi, lax.div(length, t.block_kv)), lo)
+  full_hi = jnp.maximum(jnp.minimum(hi, lax.div(length, BLOCK_KV)), lo)
   return lo, hi, full_hi
 
 
-def _tile_start(tile, t: Tuning):
+def _tile_start(tile):
   """First cache row of KV tile `tile` (rows past L are zero-filled by the TMA, then masked)."""
-  return pl.multiple_of(tile * t.block_kv, t.block_kv)
+  return pl.multiple_of(tile * BLOCK_KV, BLOCK_KV)
 
 
 def _row_tile(m_idx):
@@ -111,22 +107,8 @@ def _check_windows(rows, window, tiles, what):
     raise ValueError(f"{what}: {tiles} windows of {window} rows do not tile its {rows} rows")
 
 
-def _prefetch_tile(c, i):
-  """Ask L2 for the split's tile i (TMA prefetch: no SMEM, no barrier), in boxes of <= 256
-  columns (a TMA box's limit; Mosaic checks it for copies, not for prefetches). A hint only: the
-  GPU interpreter, where it means nothing, skips it."""
-  if c.interpret:
-    return
-  rows, width = pl.ds(_tile_start(c.lo + i, c.t), c.t.block_kv), c.kv_ref.shape[-1]
-  for col in range(0, width, 256):
-    plgpu.async_prefetch(c.kv_ref.at[c.b, rows, pl.ds(col, min(256, width - col))])
-
-
 def _memory_wg(c):
-  """TMA producer: the Q tile once, then the split's KV tiles through the SMEM ring. With
-  t.prefetch = P, tile i's ring load is followed by an L2 prefetch of tile i + P (the first
-  `stages` loads, which wait for nothing, by tiles [stages, stages + P) at once): HBM reads stay
-  P tiles ahead of the ring whatever the compute does, and the ring fills from L2."""
+  """TMA producer: the Q tile once, then the split's KV tiles through the SMEM ring."""
   t = c.t
   n = c.hi - c.lo
   plgpu.copy_gmem_to_smem(c.q_ref.at[c.b, _row_window(c)], _smem_rows(c.q_smem, c.window),
@@ -140,11 +122,9 @@ def _memory_wg(c):
     def _():
       plgpu.barrier_wait(c.free_bar.at[slot])
 
-    rows = pl.ds(_tile_start(c.lo + i, t), t.block_kv)
+    rows = pl.ds(_tile_start(c.lo + i), BLOCK_KV)
     plgpu.copy_gmem_to_smem(c.kv_ref.at[c.b, rows], c.kv_smem.at[slot], c.kv_bar.at[slot],
                             **_multicast(t))
-    if t.prefetch:
-      _prefetch_after_load(c, i, n)
 
   pdl.release_dependents(t.pdl, c.interpret)  # the split's last KV load is issued
 
@@ -158,21 +138,6 @@ def _multicast(t: Tuning):
   (the row tiles of one split, which stream the same tiles) loads its share of the tile and
   multicasts it to all of them (Mosaic splits the copy), so each tile leaves L2 once per cluster."""
   return dict(collective_axes=CLUSTER_AXIS) if t.cluster_rows > 1 else {}
-
-
-def _prefetch_after_load(c, i, n):
-  """The L2 prefetches that follow ring load i of n (see _memory_wg)."""
-  t = c.t
-
-  @pl.when(i == t.stages - 1)
-  def _():
-    @pl.loop(t.stages, jnp.minimum(n, t.stages + t.prefetch))
-    def _ahead(j):
-      _prefetch_tile(c, j)
-
-  @pl.when((i >= t.stages) & (i + t.prefetch < n))
-  def _():
-    _prefetch_tile(c, i + t.prefetch)
 
 
 def _scores(q_smem, keys):
@@ -198,7 +163,7 @@ class _Ctx:
 def _tile_words(c, tile):
   """The 3 mask words (3 x [64] row vectors) a masked tile's tree keys can touch, from GMEM.
   Issued before the tile's barrier wait, so their latency hides behind the KV load."""
-  w0 = lax.div(jnp.maximum(_tile_start(tile, c.t) - c.length, 0), masks.WORD)
+  w0 = lax.div(jnp.maximum(_tile_start(tile) - c.length, 0), masks.WORD)
   rows = _row_tile(c.m_idx)
   return w0, [plgpu.load(c.words_ref.at[c.b, w0 + j, rows], layout=_ROW, optimized=False)
               for j in range(3)]
@@ -208,7 +173,7 @@ def _visible(c, tile, words, shape):
   """[64, T] bool for a masked tile: key pos < len, or a tree key len + k (pos < E) whose bit k
   is set in this row's mask words (words from `_tile_words`: w0 and 3 row vectors)."""
   w0, vecs = words
-  pos = _tile_start(tile, c.t) + plgpu.broadcasted_iota(jnp.int32, shape, 1,
+  pos = _tile_start(tile) + plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                         layout=plgpu.Layout.WGMMA)
   return visible_keys(c, pos, w0, [_bcast_rows(v, shape) for v in vecs])
 
@@ -249,18 +214,13 @@ def _pv(c, acc, a, v):
   return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
-def _p_ref(c, j):
-  """P staging buffer j (2-D on the GPU, where only the shared one exists)."""
-  return c.p_smem.at[j] if len(c.p_smem.shape) == 3 else c.p_smem
-
-
 def _v_half(c, kv, w):
   r2 = c.r // 2
   return kv.at[:, pl.ds(w * r2, r2)]
 
 
 def _step_scorer(c, w, i, carry, masked):
-  """Score one KV tile (wg0 when shared_p, both wgs otherwise), PV into this wg's half."""
+  """wg0: score one KV tile, hand P to wg1, PV into this wg's half."""
   acc, m, l = carry
   tile = c.lo + i
   slot = lax.rem(i, c.t.stages)
@@ -269,56 +229,51 @@ def _step_scorer(c, w, i, carry, masked):
   kv = c.kv_smem.at[slot]
   s = _scores(c.q_smem, kv) * c.scale_log2
   p, alpha, (m, l) = _softmax_update(c, s, tile, (m, l), words)
-  a = _share_p(c, w, i, p.astype(c.dtype), alpha)
+  a = _share_p(c, i, p.astype(c.dtype), alpha)
   acc = _pv(c, acc * _bcast_rows(alpha, acc.shape), a, _v_half(c, kv, w))
   plgpu.barrier_arrive(c.free_bar.at[slot])
   return acc, m, l
 
 
-def _share_p(c, w, i, p16, alpha):
-  """The PV's A operand: P in registers, or (shared_p) P and alpha handed to wg1 through SMEM;
-  the GPU interpreter's wgmma takes A from SMEM only."""
-  if c.t.shared_p:
-    @pl.when(i > 0)
-    def _():
-      plgpu.barrier_wait(c.p_free)
-    _p_ref(c, 0)[...] = p16
-    c.stat_smem.at[0][...] = alpha
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(c.p_ready)
-    return _p_ref(c, 0) if c.interpret else p16
-  if c.interpret:
-    _p_ref(c, w)[...] = p16
-    return _p_ref(c, w)
-  return p16
+def _share_p(c, i, p16, alpha):
+  """Hands P and alpha to wg1 through SMEM; returns the PV's A operand: P in registers (the GPU
+  interpreter's wgmma takes A from SMEM only)."""
+  @pl.when(i > 0)
+  def _():
+    plgpu.barrier_wait(c.p_free)
+  c.p_smem[...] = p16
+  c.stat_smem.at[0][...] = alpha
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(c.p_ready)
+  return c.p_smem if c.interpret else p16
 
 
 def _step_follower(c, w, i, acc):
-  """shared_p, wg1: rescale by wg0's alpha and PV with wg0's P from SMEM."""
+  """wg1: rescale by wg0's alpha and PV with wg0's P from SMEM."""
   slot = lax.rem(i, c.t.stages)
   plgpu.barrier_wait(c.kv_bar.at[slot])
   plgpu.barrier_wait(c.p_ready)
   alpha = plgpu.load(c.stat_smem.at[0], layout=_ROW, optimized=False)
-  acc = _pv(c, acc * _bcast_rows(alpha, acc.shape), _p_ref(c, 0), _v_half(c, c.kv_smem.at[slot], w))
+  acc = _pv(c, acc * _bcast_rows(alpha, acc.shape), c.p_smem, _v_half(c, c.kv_smem.at[slot], w))
   plgpu.barrier_arrive(c.p_free)
   plgpu.barrier_arrive(c.free_bar.at[slot])
   return acc
 
 
 def _loop(c, w, acc):
-  """All tiles of the split for warpgroup w; returns (acc, m, l) (m, l only meaningful on scorers)."""
+  """All tiles of the split for warpgroup w; returns (acc, m, l) (m, l only meaningful on wg0)."""
   n_full = c.full_hi - c.lo
   n_all = c.hi - c.lo
   m, l = _row_full(-jnp.inf), _row_full(0.0)
-  if c.t.shared_p and w == 1:
+  if w == 1:
     acc = lax.fori_loop(0, n_all, lambda i, a: _step_follower(c, w, i, a), acc)
     return acc, m, l
   carry = lax.fori_loop(0, n_full, lambda i, cr: _step_scorer(c, w, i, cr, False), (acc, m, l))
   carry = lax.fori_loop(n_full, n_all, lambda i, cr: _step_scorer(c, w, i, cr, True), carry)
-  if c.t.shared_p:
-    @pl.when(n_all > 0)
-    def _():
-      plgpu.barrier_wait(c.p_free)  # observe wg1's last release (balanced barrier phases)
+
+  @pl.when(n_all > 0)
+  def _():
+    plgpu.barrier_wait(c.p_free)  # observe wg1's last release (balanced barrier phases)
   return carry
 
 
@@ -378,14 +333,14 @@ def _compute_wg(c, w):
   pdl.release_dependents(c.t.pdl, c.interpret)  # past the last mask-word load: epilogue left
   inv, lse2 = final_stats(m, l)
   merging = merge_in_kernel.enabled(c.t)
-  if c.t.shared_p and w == 0:
+  if w == 0:
     c.stat_smem.at[1][...] = inv
-  if c.t.shared_p and w == 0 and merging:
-    c.stat_smem.at[2][...] = lse2  # wg1's rows' LSE (with shared_p only wg0 has it)
+  if w == 0 and merging:
+    c.stat_smem.at[2][...] = lse2  # wg1's rows' LSE (only wg0 has it)
   _sync(c.wg_bar)  # both warpgroups are past their last read of Q/KV/P: the union may be reused
-  if c.t.shared_p and w == 1:
+  if w == 1:
     inv = plgpu.load(c.stat_smem.at[1], layout=_ROW, optimized=False)
-  if c.t.shared_p and w == 1 and merging:
+  if w == 1 and merging:
     lse2 = plgpu.load(c.stat_smem.at[2], layout=_ROW, optimized=False)
   store_or_merge(c, w, acc * _bcast_rows(inv, acc.shape), lse2, _store, ORIENTATION)
 
@@ -470,24 +425,21 @@ def launch_grid(t: Tuning, tiles, b):
 def _operand_bytes(t: Tuning, c, itemsize=2):
   """Q + KV ring + P in SMEM (the union's first member; GPU layout, 1 KiB-aligned buffers)."""
   kib = lambda x: -(-x // 1024) * 1024
-  p = BLOCK_M * t.block_kv * itemsize if t.shared_p else 0
-  return kib(BLOCK_M * c * itemsize) + kib(t.stages * t.block_kv * c * itemsize) + kib(p)
+  p = BLOCK_M * BLOCK_KV * itemsize
+  return kib(BLOCK_M * c * itemsize) + kib(t.stages * BLOCK_KV * c * itemsize) + kib(p)
 
 
-def _scratch(t: Tuning, c, r, dtype, interpret):
+def _scratch(t: Tuning, c, r, dtype):
   """SMEM: a union of (Q, KV ring, P) with the output staging (merge='kernel': the partials'
   ring, slot 0 the staging), plus stats and barriers."""
-  operands = _OPERAND_TRANSFORMS[t.block_kv]
-  q = plgpu.SMEM((BLOCK_M, c), dtype, transforms=operands)
-  kv = plgpu.SMEM((t.stages, t.block_kv, c), dtype, transforms=operands)
-  n_p = 2 if interpret else int(t.shared_p)
-  p_shape = (n_p, BLOCK_M, t.block_kv) if interpret else (BLOCK_M, t.block_kv)
-  p = plgpu.SMEM(p_shape, dtype, transforms=operands) if n_p else None
+  q = plgpu.SMEM((BLOCK_M, c), dtype, transforms=_BF16_TRANSFORMS)
+  kv = plgpu.SMEM((t.stages, BLOCK_KV, c), dtype, transforms=_BF16_TRANSFORMS)
+  p = plgpu.SMEM((BLOCK_M, BLOCK_KV), dtype, transforms=_BF16_TRANSFORMS)
   merging = merge_in_kernel.enabled(t)
   if merging:
     o, extra = merge_in_kernel.scratch(t, BLOCK_M, r, _operand_bytes(t, c), _BF16_TRANSFORMS)
   else:
-    o_dtype = dtype if t.num_splits == 1 else t.partials_dtype
+    o_dtype = dtype if t.num_splits == 1 else PARTIALS_DTYPE
     transforms = _F32_TRANSFORMS if o_dtype == jnp.float32 else _BF16_TRANSFORMS
     o, extra = (plgpu.SMEM((2, BLOCK_M, r // 2), o_dtype, transforms=transforms),), []
   return [
@@ -508,7 +460,7 @@ def smem_bytes(t: Tuning, c, r, itemsize=2):
   each buffer rounded up to 1 KiB (swizzle alignment), plus statistics and barriers. Must be
   <= SMEM_BYTES."""
   kib = lambda x: -(-x // 1024) * 1024
-  o_item = itemsize if t.num_splits == 1 else jnp.dtype(t.partials_dtype).itemsize
+  o_item = itemsize if t.num_splits == 1 else jnp.dtype(PARTIALS_DTYPE).itemsize
   union = max(_operand_bytes(t, c, itemsize), kib(2 * BLOCK_M * (r // 2) * o_item))
   total = union + kib(3 * BLOCK_M * 4) + 8 * (2 * t.stages + 4)
   if merge_in_kernel.enabled(t):  # the ring and its LSEs fit the union; a third stats row
@@ -518,10 +470,10 @@ def smem_bytes(t: Tuning, c, r, itemsize=2):
 
 def out_types(b, m, r, t: Tuning, dtype):
   """One split: (out [B, M, R] dtype, natural LSE [B, M]); else partials (O [B, S, M, R] in
-  t.partials_dtype, normalised per split; base-2 LSE [B, S, M] f32); merge='kernel': the final
+  PARTIALS_DTYPE, normalised per split; base-2 LSE [B, S, M] f32); merge='kernel': the final
   pair, then the partials (the kernel's GMEM scratch; the last split's slot is unused)."""
   final = (jax.ShapeDtypeStruct((b, m, r), dtype), jax.ShapeDtypeStruct((b, m), jnp.float32))
-  partial = (jax.ShapeDtypeStruct((b, t.num_splits, m, r), t.partials_dtype),
+  partial = (jax.ShapeDtypeStruct((b, t.num_splits, m, r), PARTIALS_DTYPE),
              jax.ShapeDtypeStruct((b, t.num_splits, m), jnp.float32))
   return {"final": final, "partial": partial,
           "merge": final + partial}[merge_in_kernel.output_kind(t)]
@@ -538,8 +490,6 @@ def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning,
   t, r = tuning, value_dim
   if l % 8 or c % 64 or r % 128 or r // 2 > 256:
     raise ValueError(f"unsupported shapes {q_rows.shape=} {cache.shape=} {value_dim=}")
-  if t.block_kv > 64:
-    raise ValueError(f"{t.block_kv=}: a tile reads 3 mask words, enough for 64 keys only")
   if smem_bytes(t, c, r) > SMEM_BYTES:
     raise ValueError(f"{t}: {smem_bytes(t, c, r)} bytes of SMEM at C={c}, over {SMEM_BYTES}")
   merge_in_kernel.check_supported(t, q_rows.dtype)
@@ -554,7 +504,7 @@ def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning,
   body = _make_body(t, n, rows_l, r, window, tiles, scale * LOG2E, q_rows.dtype, interpret)
   fn = plgpu.kernel(
       body, out_type=out_types(b, m, r, t, q_rows.dtype),
-      scratch_types=_scratch(t, c, r, q_rows.dtype, interpret),
+      scratch_types=_scratch(t, c, r, q_rows.dtype),
       **launch_grid(t, tiles, b), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if interpret else None)

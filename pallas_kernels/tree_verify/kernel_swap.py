@@ -11,13 +11,14 @@ so a tile costs T x M x (C + R) MACs instead of 64 x T x (C + R). The softmax st
 axis 1 ([M] vectors, layout WGMMA.reduce(0)) and are reduced over the key axis, which spans the
 warpgroup's 4 warps (a cross-warp reduction through Mosaic's reduction scratch; only warpgroup 0
 reduces). Warpgroup 0 scores, stores P (transposed, [M, T]) and the rescale factor in SMEM for
-warpgroup 1 (kernel.py's shared_p hand-off); each warpgroup owns R/2 rows of O^T and stores it
+warpgroup 1 (kernel.py's hand-off); each warpgroup owns R/2 rows of O^T and stores it
 transposed into a [M, R/2] SMEM tile, so the outputs, the TMA producer, the mask words, the split
 ranges and the merge are the default kernel's (kernel.out_types).
 
-Constraints: block_kv = 64 (wgmma's M is a multiple of 64), M <= 64 and a multiple of 8 (one row
+Constraints: 64-key tiles (wgmma's M is a multiple of 64), M <= 64 and a multiple of 8 (one row
 tile; wgmma's N), R / 2 a multiple of 64 (V^T's rows are the PV's M), bf16 partials (the
-transposed store of an f32 O^T tile finds no layout in this Mosaic), 2 stages (SMEM). At M = 64 (N=8, H=8) it does
+transposed store of an f32 O^T tile finds no layout in this Mosaic: tuning.PARTIALS_DTYPE),
+2 stages (SMEM). At M = 64 (N=8, H=8) it does
 the default kernel's tensor work (an A/B of the structure only).
 """
 
@@ -30,7 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import pdl
 from pallas_kernels.tree_verify import kernel as k
 from pallas_kernels.tree_verify import masks, merge_in_kernel
-from pallas_kernels.tree_verify.tuning import BLOCK_M, SMEM_BYTES, Tuning
+from pallas_kernels.tree_verify.tuning import BLOCK_KV, BLOCK_M, PARTIALS_DTYPE, SMEM_BYTES, Tuning
 
 _COL = plgpu.Layout.WGMMA.reduce(0)  # an [M] statistic of an [T, M] or [R/2, M] tile
 
@@ -61,7 +62,7 @@ def _scores_t(q_smem, keys):
 
 def _tile_words_t(c, tile):
   """kernel._tile_words for the M q rows as [M] column vectors."""
-  w0 = lax.div(jnp.maximum(k._tile_start(tile, c.t) - c.length, 0), masks.WORD)
+  w0 = lax.div(jnp.maximum(k._tile_start(tile) - c.length, 0), masks.WORD)
   rows = pl.ds(0, c.window)
   return w0, [plgpu.load(c.words_ref.at[c.b, w0 + j, rows], layout=_COL, optimized=False)
               for j in range(3)]
@@ -70,7 +71,7 @@ def _tile_words_t(c, tile):
 def _visible_t(c, tile, words, shape):
   """[T, M] bool: kernel._visible with the keys along axis 0."""
   w0, vecs = words
-  pos = k._tile_start(tile, c.t) + plgpu.broadcasted_iota(jnp.int32, shape, 0,
+  pos = k._tile_start(tile) + plgpu.broadcasted_iota(jnp.int32, shape, 0,
                                                           layout=plgpu.Layout.WGMMA)
   return k.visible_keys(c, pos, w0, [_bcast_cols(v, shape) for v in vecs])
 
@@ -222,8 +223,8 @@ _SCRATCH_NAMES = ("union", "stats", "q_bar", "kv_bar", "free_bar", "wg_bar", "p_
 def _operand_bytes(t: Tuning, m, c, itemsize=2):
   """Q [M, C] + KV ring + P [M, T] in SMEM (the union's first member; GPU layout)."""
   kib = lambda x: -(-x // 1024) * 1024
-  return (kib(m * c * itemsize) + kib(t.stages * t.block_kv * c * itemsize)
-          + kib(m * t.block_kv * itemsize))
+  return (kib(m * c * itemsize) + kib(t.stages * BLOCK_KV * c * itemsize)
+          + kib(m * BLOCK_KV * itemsize))
 
 
 def _scratch(t: Tuning, m, c, r, dtype):
@@ -231,13 +232,13 @@ def _scratch(t: Tuning, m, c, r, dtype):
   (merge='kernel': the partials' ring, slot 0 the staging), plus the statistics (LSE, alpha,
   1 / l; merge='kernel': the split's LSE) and kernel._scratch's barriers."""
   q = plgpu.SMEM((m, c), dtype, transforms=k._BF16_TRANSFORMS)
-  kv = plgpu.SMEM((t.stages, t.block_kv, c), dtype, transforms=k._BF16_TRANSFORMS)
-  p = plgpu.SMEM((m, t.block_kv), dtype, transforms=k._BF16_TRANSFORMS)
+  kv = plgpu.SMEM((t.stages, BLOCK_KV, c), dtype, transforms=k._BF16_TRANSFORMS)
+  p = plgpu.SMEM((m, BLOCK_KV), dtype, transforms=k._BF16_TRANSFORMS)
   merging = merge_in_kernel.enabled(t)
   if merging:
     o, extra = merge_in_kernel.scratch(t, m, r, _operand_bytes(t, m, c), k._BF16_TRANSFORMS)
   else:
-    o_dtype = dtype if t.num_splits == 1 else t.partials_dtype  # bf16 (check_supported)
+    o_dtype = dtype if t.num_splits == 1 else PARTIALS_DTYPE
     o, extra = (plgpu.SMEM((2, m, r // 2), o_dtype, transforms=k._BF16_TRANSFORMS),), []
   return [
       plgpu.RefUnion((q, kv, p), o),
@@ -255,7 +256,7 @@ def smem_bytes(t: Tuning, m, c, r, itemsize=2):
   """SMEM of one CTA as Mosaic allocates it (every buffer aligned to 1 KiB): kernel.smem_bytes'
   accounting with M-row Q, P, output and statistics tiles, plus the reduction scratch. Must be <= SMEM_BYTES (3 stages never fit: 2 x 73.7 KB KV tiles + Q)."""
   kib = lambda x: -(-x // 1024) * 1024
-  o_item = itemsize if t.num_splits == 1 else jnp.dtype(t.partials_dtype).itemsize
+  o_item = itemsize if t.num_splits == 1 else jnp.dtype(PARTIALS_DTYPE).itemsize
   union = max(_operand_bytes(t, m, c, itemsize), kib(2 * m * (r // 2) * o_item))
   total = union + kib(4 * m * 4) + 8 * (2 * t.stages + 4) + reduction_scratch_bytes(m)
   if merge_in_kernel.enabled(t):  # the ring and its LSEs fit the union
@@ -265,18 +266,12 @@ def smem_bytes(t: Tuning, m, c, r, itemsize=2):
 
 def check_supported(t: Tuning, m, c, r):
   """Trace-time: the shapes and knobs this variant handles (module docstring)."""
-  if t.block_kv != 64 or m > BLOCK_M or m % 8 or (r // 2) % 64:
-    raise ValueError(f"swap_ab needs block_kv = 64, M <= 64 rows, a multiple of 8, and R/2 a "
-                     f"multiple of 64; got {t.block_kv=} {m=} {r=}")
-  if t.num_splits > 1 and not t.bf16_partials:
-    raise ValueError("swap_ab writes bf16 partials only: Mosaic (jax 0.11.2) finds no layout for "
-                     "the transposed store of the f32 O^T tile into SMEM (bf16 lowers)")
+  if m > BLOCK_M or m % 8 or (r // 2) % 64:
+    raise ValueError(f"swap_ab needs M <= 64 rows, a multiple of 8, and R/2 a multiple of 64; "
+                     f"got {m=} {r=}")
   if t.cluster_rows != 1:
     raise ValueError(f"swap_ab is one row tile: {t.cluster_rows=} (row tiles per cluster) "
                      "must be 1")
-  if not t.shared_p:
-    raise ValueError("swap_ab has its own warpgroup split (wg0 scores, P shared): "
-                     "shared_p=False does not apply")
   if smem_bytes(t, m, c, r) > SMEM_BYTES:
     raise ValueError(f"{t}: {smem_bytes(t, m, c, r)} bytes of SMEM at C={c}, over {SMEM_BYTES}")
 

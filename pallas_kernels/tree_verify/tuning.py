@@ -6,12 +6,13 @@ import jax.numpy as jnp
 
 NUM_SMS = 132  # H200 SXM
 BLOCK_M = 64   # rows = (node, head) pairs per tile; one wgmma M
+BLOCK_KV = 64  # cache rows per streamed KV tile (a tile reads 3 mask words: 64 keys at most)
+PARTIALS_DTYPE = jnp.bfloat16  # split partials O (half f32's write + merge read; rel err ~2^-9)
 SMEM_BYTES = 232448  # sm90 dynamic shared memory per CTA (227 KiB)
 MIN_TILES_PER_SPLIT = 2  # a split below this pays its Q load and epilogue for too little streaming
-KERNELS = ("v2", "v1")  # v2: kernel.py (tree block in the kernel); v1: kernel_v1.py (tree in XLA)
 SWAP_AB_MAX_ROWS = 8  # default_tuning's swap-AB bound on N*H (the measured shape; see there)
 SWAP_AB_MAX_SPLITS = 128  # default_tuning's split cap at those rows (measured; see there)
-MERGES = ("xla", "triton", "kernel")  # v2's split merge: combine.py (XLA, ~3 kernels),
+MERGES = ("xla", "triton", "kernel")  # the split merge: combine.py (XLA, ~3 kernels),
                                       # merge_triton.py (1), or the kernel's last split
                                       # (merge_in_kernel.py: no launch; not measured yet)
 CLUSTER_ROWS = (1, 2, 4)  # Tuning.cluster_rows: off, or row tiles per cluster (multicast KV)
@@ -20,67 +21,49 @@ MERGE_COLS = (32, 64, 128, 256, 512)  # Tuning.merge_cols
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-  """Static kernel configuration."""
-  block_kv: int = 64      # cache rows per streamed tile: 64, or 32 (finer tiles, deeper ring)
+  """Static kernel configuration. Tried on the H200 and removed (notes/kernel.md "Tried and
+  removed"): the v1 kernel, 32-key tiles, an L2 prefetch ahead of the ring, both warpgroups
+  scoring (shared_p=False), f32 split partials."""
   num_splits: int = 1     # split-KV factor (grid axis); 1: the kernel writes the final output
   stages: int = 2         # KV tiles in flight (SMEM ring depth; kernel.smem_bytes <= SMEM_BYTES)
-  prefetch: int = 0       # L2 lookahead: tile i's ring load is followed by a TMA prefetch of
-                          # tile i + prefetch into L2 (no SMEM): HBM reads in flight beyond the ring
-  shared_p: bool = True   # wg0 scores and shares P via SMEM (no redundant QK^T); else both wgs score
   swap_ab: bool = False    # M = N*H < 64 rows: keys as the wgmma M side, q rows its N
                            # (kernel_swap.py: no 64-row Q tile for 8 real rows)
-  bf16_partials: bool = True  # split partials O in bf16 (half the write + merge read) or f32
-  kernel: str = "v2"      # which kernel (KERNELS); v1 ignores bf16_partials and merge
-  merge: str = "xla"      # v2's split merge (MERGES)
+  merge: str = "xla"      # the split merge (MERGES)
   merge_chunk: int = 0    # merge='kernel': 0 = the last split merges all S - 1 others; G = two
                           # levels: each G splits' last merges them, the last split the
                           # ceil(S / G) chunks' results (~2 sqrt(S) partials on the longest path)
-  cluster_rows: int = 1   # v2, N*H >= 128: CTAs of one split's row tiles in a cluster of this size
+  cluster_rows: int = 1   # N*H >= 128: CTAs of one split's row tiles in a cluster of this size
                           # (1 = off); each streamed KV tile is TMA-multicast to all of them, so
                           # a split's tile leaves L2 once instead of once per row tile
   merge_cols: int = 64    # merge="triton": value columns per merge program (a power of 2)
-  balanced_splits: bool = False  # v2: split s gets floor or ceil(tiles / S) KV tiles (every split
+  balanced_splits: bool = False  # split s gets floor or ceil(tiles / S) KV tiles (every split
                           # streams) instead of ceil(tiles / S) each with the last splits empty
                           # (N=1, L=46k: 59 x 6 + 73 x 5 tiles on 132 SMs, not 119 x 6 + 5 on 120)
   merge_loads_first: bool = False  # merge="triton": each program issues its partial block's loads
                           # before the LSE loads and reductions (two GMEM round trips in flight
                           # at once instead of one after the other)
-  pdl: bool = False       # v2 (kernel.py, kernel_swap.py): programmatic dependent launch
+  pdl: bool = False       # kernel.py, kernel_swap.py: programmatic dependent launch
                           # (pallas_kernels.pdl): griddepcontrol.wait before the first read of
                           # lengths / Q / cache / mask words (all of them: the step writes this
                           # step's cache rows), launch_dependents once a warpgroup's last load is
                           # issued (memory wg: last KV tile; compute wgs: after the tile loop,
                           # before the epilogue). No-op in interpret mode
 
-  @property
-  def partials_dtype(self):
-    return jnp.bfloat16 if self.bf16_partials else jnp.float32
-
   def __post_init__(self):
-    if self.block_kv != 32 and (self.block_kv % 64 or self.block_kv <= 0):
-      raise ValueError(f"{self.block_kv=} must be 32 or a positive multiple of 64")
-    if self.shared_p and self.block_kv > 64:
-      raise ValueError("shared_p needs block_kv <= 64 (SMEM budget)")
     if self.num_splits < 1 or self.stages < 2:
       raise ValueError(f"need num_splits >= 1 and stages >= 2, got {self}")
-    if self.prefetch < 0 or self.merge_chunk < 0:
-      raise ValueError(f"{self.prefetch=} and {self.merge_chunk=} must be >= 0")
+    if self.merge_chunk < 0:
+      raise ValueError(f"{self.merge_chunk=} must be >= 0")
     if self.merge != "kernel" and self.merge_chunk:
       raise ValueError(f"{self.merge_chunk=} is a merge='kernel' option")
-    if self.merge == "kernel" and (self.kernel == "v1" or self.cluster_rows != 1):
-      raise ValueError("merge='kernel' is a v2 option without clusters (its counters and ring "
-                       f"are per row tile): {self.kernel=} {self.cluster_rows=}")
+    if self.merge == "kernel" and self.cluster_rows != 1:
+      raise ValueError("merge='kernel' is an option without clusters (its counters and ring "
+                       f"are per row tile): {self.cluster_rows=}")
     if self.cluster_rows not in CLUSTER_ROWS or self.merge_cols not in MERGE_COLS:
       raise ValueError(f"{self.cluster_rows=} must be in {CLUSTER_ROWS}, "
                        f"{self.merge_cols=} in {MERGE_COLS}")
-    if self.kernel == "v1" and self.cluster_rows != 1:
-      raise ValueError(f"{self.cluster_rows=}: clusters are a v2 kernel.py option")
-    if self.kernel == "v1" and self.pdl:
-      raise ValueError("pdl is a v2 option (kernel.py / kernel_swap.py)")
-    if self.kernel == "v1" and self.balanced_splits:
-      raise ValueError("balanced_splits is a v2 option (kernel._split_range)")
-    if self.kernel not in KERNELS or self.merge not in MERGES:
-      raise ValueError(f"{self.kernel=} must be in {KERNELS}, {self.merge=} in {MERGES}")
+    if self.merge not in MERGES:
+      raise ValueError(f"{self.merge=} must be in {MERGES}")
 
 
 def num_row_tiles(n, h):
@@ -96,16 +79,8 @@ def default_splits(b, n, h, l, num_sms=NUM_SMS):
   return max(1, min(num_sms // ctas, kv_tiles // MIN_TILES_PER_SPLIT))
 
 
-def default_splits_v1(b, n, h, l, num_sms=NUM_SMS):
-  """v1's heuristic: splits of >= 8 KV tiles, at most 64 (its f32 partials and XLA merge)."""
-  ctas = num_row_tiles(n, h) * b
-  return max(1, min(num_sms // ctas, max(1, -(-l // 64)) // 8, 64))
-
-
-def default_tuning(b, n, h, l, kernel="v2"):
-  """The default knobs for a shape; kernel="v1" gives the v1 kernel with its own split count."""
-  if kernel == "v1":
-    return Tuning(num_splits=default_splits_v1(b, n, h, l), kernel="v1")
+def default_tuning(b, n, h, l):
+  """The default knobs for a shape."""
   splits = default_splits(b, n, h, l)
   # The Triton merge (one kernel) beats XLA's (~3) wherever there is a merge: H200, L=46000, H=8
   # (WORKSPACE.md, third session): N=1 23.7 vs 25.8 us, N=8 27.9 vs 32.1, N=16 34.2 vs 38.9, N=64

@@ -53,8 +53,6 @@ def test_tree_verify_with_pdl_interpret_matches_reference(b, n, h, l, lengths, t
 def test_variant_and_validation():
   t = apply_variant("once+pdl", Tuning(), 7168, 2048)
   assert t.pdl and t.store_once
-  with pytest.raises(ValueError, match="v2 option"):
-    TvTuning(kernel="v1", pdl=True)
 
 
 @pytest.mark.parametrize("call", pdl_modules.CALLS)

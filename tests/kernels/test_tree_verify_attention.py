@@ -202,9 +202,8 @@ class TestRowWindows:
 # (B, N, H, L, lengths, tuning)
 SMALL = [
     (1, 1, 8, 64, [63], Tuning(num_splits=1)),                     # one split: final output
-    (3, 5, 8, 200, [130, 0, 195], Tuning(num_splits=2)),           # ragged, len 0, L % 64 != 0
-    # GPU: both warpgroups score (no shared P), f32 partials + XLA merge, 40-row windows, len 0
-    GPU((3, 5, 8, 200, [130, 0, 195], Tuning(num_splits=2, shared_p=False, bf16_partials=False))),
+    # GPU: ragged, len 0, L % 64 != 0, XLA merge, 40-row windows
+    GPU((3, 5, 8, 200, [130, 0, 195], Tuning(num_splits=2))),
     (1, 15, 8, 136, [100], Tuning(num_splits=3)),                  # N = 8k-1: 2 row tiles, tree
     (1, 8, 8, 192, [120], Tuning(num_splits=1)),                   # N*H = 64: one whole tile
     (1, 40, 2, 192, [140], Tuning(num_splits=2)),                  # 2 mask words, tree over tiles
@@ -212,23 +211,14 @@ SMALL = [
     GPU((2, 4, 8, 150, [148, 151], Tuning(num_splits=2))),         # GPU: L % 8 != 0 (cache pad),
                                                                    # tree past L, len > L
     GPU((2, 3, 1, 40, [10, 30], Tuning(num_splits=1))),            # GPU: N*H % 8 != 0 (q pad),
-                                                                   # L < block_kv, one split
-    (3, 5, 8, 200, [130, 64, 195], Tuning(num_splits=2, kernel="v1")),  # v1 (A/B)
+                                                                   # L < 64 (one tile), one split
     (2, 9, 8, 300, [290, 0], Tuning(num_splits=4, merge="triton")),  # one-kernel merge
     (2, 9, 8, 300, [290, 0], Tuning(num_splits=3, merge="triton")),  # its 2 + 1 pieces
-    # 32-key tiles (64-byte swizzle) and a deeper ring; tree over tiles, ragged, empty split
-    (1, 40, 2, 192, [140], Tuning(block_kv=32, stages=4, num_splits=2)),
-    (3, 5, 8, 200, [130, 0, 195], Tuning(block_kv=32, stages=3, num_splits=2, shared_p=False,
-                                         bf16_partials=False)),
-    (2, 4, 8, 150, [148, 151], Tuning(block_kv=32, stages=4, num_splits=1)),  # past L, len > L
-    # L2 prefetch ahead of the ring (a no-op in interpret mode: the control flow around it runs)
-    (1, 1, 8, 700, [699], Tuning(num_splits=2, prefetch=2)),
-    # GPU: 32-key tiles (64-byte swizzle, 4-deep ring), L2 prefetch, Triton merge of 2 + 1 pieces
-    GPU((2, 16, 8, 3000, [2984, 1000], Tuning(block_kv=32, stages=4, prefetch=4, num_splits=3,
-                                              merge="triton"))),
+    # GPU: Triton merge of 2 + 1 pieces at M 128 (2 row tiles unpadded), ragged
+    GPU((2, 16, 8, 3000, [2984, 1000], Tuning(num_splits=3, merge="triton"))),
     # swap_ab (kernel_swap.py: keys as the wgmma M, the M q rows its N): M = 8 one split (final
     # output), M = 40 ragged with len 0 and empty splits, M = 32 past L / len > L / L % 8 != 0,
-    # M = 8 from N*H = 3 (q pad) with L < block_kv, M = 64 (N=8, H=8) over several masked tiles
+    # M = 8 from N*H = 3 (q pad) with L < 64, M = 64 (N=8, H=8) over several masked tiles
     (1, 1, 8, 64, [63], Tuning(num_splits=1, swap_ab=True)),
     (3, 5, 8, 200, [130, 0, 195], Tuning(num_splits=2, swap_ab=True)),
     (2, 4, 8, 150, [148, 151], Tuning(num_splits=1, swap_ab=True)),
@@ -259,14 +249,13 @@ class TestKernelSmall:
     q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=n * h + l)
     check_against_reference(q, cache, ln, mask, tuning)
 
-  @pytest.mark.parametrize("splits,bf16_partials,swap_ab", [(1, True, False), GPU((3, True, False)),
-                                                           (3, False, False), (3, True, True), (1, True, True)])
-  def test_every_output_written_and_deterministic(self, splits, bf16_partials, swap_ab):
+  @pytest.mark.parametrize("splits,swap_ab", [(1, False), GPU((3, False)), (3, True), (1, True)])
+  def test_every_output_written_and_deterministic(self, splits, swap_ab):
     """Outputs land in buffers that held NaN (the interpreter fills fresh buffers with NaN; on
     a GPU a freed NaN buffer of the same size is reused): every row of every split is written."""
     b, n, h, l, lengths = 3, 5, 8, 200, [130, 0, 195]
     q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=7)
-    t = Tuning(num_splits=splits, bf16_partials=bf16_partials, swap_ab=swap_ab)
+    t = Tuning(num_splits=splits, swap_ab=swap_ab)
     words = masks.tree_mask_words(mask, h, 64)  # M = 40: one tile, 40-row windows
     # Inputs on the device first: no input transfer takes a freed NaN buffer meant for an output.
     q_rows, cache, ln = (jnp.asarray(x) for x in (q.reshape(b, n * h, C), cache, ln))
@@ -346,12 +335,8 @@ class TestLowersForGpu:
 
   @pytest.mark.parametrize("b,n,h,l,tuning", [
       (1, 1, 8, 46000, Tuning(num_splits=132)), (1, 64, 64, 46000, Tuning(num_splits=1)),
-      (2, 15, 8, 4096, Tuning(num_splits=3, shared_p=False)), (4, 63, 8, 4100, Tuning(num_splits=2)),
-      (1, 3, 1, 100, Tuning(num_splits=1)), (2, 9, 8, 4096, Tuning(kernel="v1", num_splits=4)),
-      (1, 1, 8, 46000, Tuning(block_kv=32, stages=4, num_splits=132)),
-      (1, 16, 8, 46000, Tuning(block_kv=32, stages=4, num_splits=66, shared_p=False)),
-      (2, 15, 8, 4096, Tuning(block_kv=32, stages=4, prefetch=4, num_splits=3)),
-      (1, 1, 8, 46000, Tuning(num_splits=132, prefetch=1)),
+      (2, 15, 8, 4096, Tuning(num_splits=3)), (4, 63, 8, 4100, Tuning(num_splits=2)),
+      (1, 3, 1, 100, Tuning(num_splits=1)),
       (1, 1, 8, 46000, Tuning(num_splits=132, swap_ab=True, merge="triton")),
       (1, 8, 8, 46000, Tuning(num_splits=132, swap_ab=True, merge="triton")),
       (4, 1, 8, 46000, Tuning(num_splits=33, swap_ab=True, merge="triton")),
@@ -359,7 +344,7 @@ class TestLowersForGpu:
       (2, 5, 8, 4100, Tuning(num_splits=1, swap_ab=True)),
       (1, 16, 8, 46000, Tuning(num_splits=66, merge="triton", cluster_rows=2)),
       (1, 64, 8, 46000, Tuning(num_splits=16, merge="triton", cluster_rows=4)),
-      (4, 16, 8, 46000, Tuning(num_splits=16, merge="triton", cluster_rows=2, prefetch=2)),
+      (4, 16, 8, 46000, Tuning(num_splits=16, merge="triton", cluster_rows=2)),
       (1, 16, 8, 46000, Tuning(num_splits=66, merge="triton", merge_cols=512))])
   def test_lowers(self, b, n, h, l, tuning):
     assert "mosaic_gpu" in self.lower_text(b, n, h, l, tuning)
@@ -367,17 +352,13 @@ class TestLowersForGpu:
   def test_smem_budget(self):
     """Today's default fits; a ring that cannot is refused before Mosaic sees it."""
     assert kernel.smem_bytes(Tuning(), C, R) <= SMEM_BYTES
-    assert kernel.smem_bytes(Tuning(block_kv=32, stages=4), C, R) <= SMEM_BYTES
     with pytest.raises(ValueError, match="SMEM"):
       self.lower_text(1, 1, 8, 4096, Tuning(stages=3, num_splits=2))
 
   @pytest.mark.parametrize("n,h,tuning", [
-      (16, 8, Tuning(swap_ab=True)), (1, 8, Tuning(swap_ab=True, block_kv=32, stages=4)),
-      (1, 8, Tuning(swap_ab=True, shared_p=False)), (1, 8, Tuning(swap_ab=True, stages=3)),
-      (1, 8, Tuning(swap_ab=True, num_splits=2, bf16_partials=False))])
+      (16, 8, Tuning(swap_ab=True)), (1, 8, Tuning(swap_ab=True, stages=3))])
   def test_swap_ab_rejects(self, n, h, tuning):
-    """swap_ab: one row tile (M <= 64), 64-key tiles, its own warpgroup split, 2 stages (SMEM),
-    bf16 partials."""
+    """swap_ab: one row tile (M <= 64), 2 stages (SMEM)."""
     with pytest.raises(ValueError, match="swap_ab|SMEM"):
       self.lower_text(1, n, h, 4096, tuning)
     assert kernel_swap.smem_bytes(Tuning(), 64, C, R) <= SMEM_BYTES
@@ -390,7 +371,7 @@ class TestLowersForGpu:
     """cluster_rows groups whole row tiles of the 64-row kernel; swap_ab is one row tile."""
     with pytest.raises(ValueError, match="cluster_rows"):
       self.lower_text(1, n, h, 4096, tuning)
-    for bad in (dict(cluster_rows=3), dict(merge_cols=96), dict(cluster_rows=2, kernel="v1")):
+    for bad in (dict(cluster_rows=3), dict(merge_cols=96)):
       with pytest.raises(ValueError):
         Tuning(**bad)
 
@@ -422,10 +403,11 @@ class TestLowersForGpu:
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")
 class TestKernelGPU:
-  """The default GPU set (`pytest -m gpu`): 15 cases, one compiled kernel program each, the f32
+  """The default GPU set (`pytest -m gpu`): 14 cases, one compiled kernel program each, the f32
   reference on the CPU. One case per path (M = kernel rows; windows of min(M, 64) rows):
-  - SMALL GPU(...): no shared P + f32 partials + XLA merge (M 40); L % 8 != 0 cache pad, tree
-    past L, len > L (M 32); q pad N*H % 8 != 0, L < block_kv, one split (M 8); 32-key tiles, prefetch, Triton merge of 2 + 1 pieces (M 128, 2 row tiles unpadded);
+  - SMALL GPU(...): ragged with len 0 + XLA merge (M 40); L % 8 != 0 cache pad, tree past L,
+    len > L (M 32); q pad N*H % 8 != 0, L < 64 keys, one split (M 8); Triton merge of 2 + 1
+    pieces (M 128, 2 row tiles unpadded);
     swap_ab at M 8 (B=2 ragged, 5 splits, Triton merge) and M 16 (2 splits, XLA merge);
     cluster_rows=2 at M 128 (clusters of the 2 row tiles, multicast KV tiles, cluster barriers;
     B=2 ragged, 5 splits, Triton merge).
@@ -433,8 +415,8 @@ class TestKernelGPU:
   - here, default tuning: 1x1x8x46000 (the ar shape: 132 splits, merge pieces 128 + 4, M 8);
     B=4 ragged with len 0 at L=4100 (32 splits, one piece, L % 8 != 0); N=15 = 8k-1 (q padded to
     2 row tiles, B=3, len 1, 22 splits = 16 + 4 + 2); N=100 (13 row tiles, 4 mask words, 5
-    splits); test_tunings: one split over 8 row tiles (N=64: final output, no merge), the v1
-    kernel; tests/sharding: the kernel in the model's head-sharded shard_map.
+    splits); test_tunings: one split over 8 row tiles (N=64: final output, no merge);
+    tests/sharding: the kernel in the model's head-sharded shard_map.
   Now CPU-only (their paths run on the GPU in the cases above): test_correct_over_rows[9-8] (q
   padded 72 -> 128, 3 splits, XLA merge: the N=15 case has the same two 64-row windows, the M 40
   case the XLA merge) and SMALL's 2x9x8x300 Triton merge of 4 splits (one power-of-2 piece: the
@@ -447,7 +429,7 @@ class TestKernelGPU:
     q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=n * 131 + h + l)
     check_against_reference(q, cache, ln, mask)
 
-  @pytest.mark.parametrize("tuning", [Tuning(num_splits=1), Tuning(kernel="v1", num_splits=4)])
+  @pytest.mark.parametrize("tuning", [Tuning(num_splits=1)])
   def test_tunings(self, tuning):
     q, cache, ln, mask = make_inputs(3, 64, 8, 3000, [2936, 1, 1500], seed=11)
     check_against_reference(q, cache, ln, mask, tuning)
@@ -472,10 +454,7 @@ class TestKernelFullGridGPU:
     q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=n * 131 + h + l)
     check_against_reference(q, cache, ln, mask)
 
-  @pytest.mark.parametrize("tuning", [Tuning(num_splits=7),
-                                      Tuning(bf16_partials=False, num_splits=5),
-                                      Tuning(shared_p=False, num_splits=1),
-                                      Tuning(shared_p=False, num_splits=4)])
+  @pytest.mark.parametrize("tuning", [Tuning(num_splits=7), Tuning(num_splits=5)])
   def test_tunings(self, tuning):
     q, cache, ln, mask = make_inputs(3, 64, 8, 3000, [2936, 1, 1500], seed=11)
     check_against_reference(q, cache, ln, mask, tuning)

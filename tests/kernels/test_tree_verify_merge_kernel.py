@@ -61,8 +61,8 @@ CASES = [
     # N=16 (2 row tiles, the 64-row kernel's 3-slot ring wrapping), N=64 (8 row tiles)
     (1, 16, 8, 600, [584], Tuning(num_splits=5, **MK)),
     (1, 64, 8, 300, [236], Tuning(num_splits=2, **MK)),
-    # ragged B=4 with len 0 and empty splits, both kernels (no shared P in the 64-row one)
-    (4, 5, 8, 400, [395, 0, 17, 200], Tuning(num_splits=4, shared_p=False, **MK)),
+    # ragged B=4 with len 0 and empty splits, both kernels
+    (4, 5, 8, 400, [395, 0, 17, 200], Tuning(num_splits=4, **MK)),
     (4, 1, 8, 400, [399, 0, 17, 200], Tuning(num_splits=6, swap_ab=True, **MK)),
     # two levels: chunks of 6 of 20 splits (the last chunk's 1 member + 3 leaders), swap-AB;
     # chunks of 3 of 7, ragged with len 0 (the last split alone in its chunk), 64-row kernel
@@ -122,19 +122,18 @@ class TestMergeInKernelLowers:
     assert "triton" not in text.lower()
 
   def test_smem_fits(self):
-    for t in (Tuning(num_splits=132, **MK), Tuning(num_splits=132, shared_p=False, **MK)):
-      assert kernel.smem_bytes(t, C, R) <= SMEM_BYTES
+    assert kernel.smem_bytes(Tuning(num_splits=132, **MK), C, R) <= SMEM_BYTES
     assert kernel_swap.smem_bytes(Tuning(num_splits=128, swap_ab=True, **MK), 8, C, R) <= SMEM_BYTES
 
-  @pytest.mark.parametrize("tuning", [Tuning(num_splits=4, bf16_partials=False, **MK),
-                                      Tuning(num_splits=4, swap_ab=True, bf16_partials=False,
-                                             **MK)])
-  def test_rejects_f32_partials(self, tuning):
+  @pytest.mark.parametrize("tuning", [Tuning(num_splits=4, **MK),
+                                      Tuning(num_splits=4, swap_ab=True, **MK)])
+  def test_rejects_f32_q(self, tuning):
+    """The ring holds bf16 partials and doubles as the final output's staging."""
     with pytest.raises(ValueError, match="bf16"):
-      tva.TestLowersForGpu.lower_text(1, 1, 8, 4096, tuning)
+      merge_in_kernel.check_supported(tuning, jnp.float32)
 
   @pytest.mark.parametrize("fields", [dict(merge_chunk=4), dict(cluster_rows=2, **MK),
-                                      dict(kernel="v1", **MK), dict(merge_chunk=-1, **MK)])
+                                      dict(merge_chunk=-1, **MK)])
   def test_tuning_rejects(self, fields):
     with pytest.raises(ValueError):
       Tuning(**fields)

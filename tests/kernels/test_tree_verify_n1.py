@@ -79,10 +79,6 @@ class TestBalancedSplits:
     monkeypatch.undo()
     clear_traces()
 
-  def test_v1_rejects(self):
-    with pytest.raises(ValueError, match="balanced_splits"):
-      Tuning(kernel="v1", balanced_splits=True)
-
 
 class TestMergeLoadsFirst:
 
