@@ -5,10 +5,11 @@ registers, spilled bytes (stack frame), SASS instructions and local-memory loads
 XLA:GPU's own compiler (kdtree_jax.deviceless) compiles `ddtree_build.build_from_topk` for a
 compile-only H200 with `xla_gpu_kernel_cache_file` set, which makes it write every kernel's
 cubin, uncompressed, to that file; the `_kernel` cubin's .nv.info gives registers
-(EIATTR_REGCOUNT) and the frame (EIATTR_FRAME_SIZE: bytes of spilled registers per thread), and
-nvdisasm (.deviceless/nvidia/cu13/bin, `pip install --target .deviceless nvidia-cuda-nvdisasm`)
-its static SASS (counts of the code, not of executed instructions). A frame > 0 (LDL / STL) is
-the register spilling that made the rank-counting kernel 8x slower past Cp 128 (notes/tree_builder.md):
+(EIATTR_REGCOUNT) and the frame (EIATTR_FRAME_SIZE: bytes of spilled registers per thread),
+and nvdisasm (.deviceless/nvidia/cu13/bin: `pip install --target .deviceless
+nvidia-cuda-nvdisasm`) its static SASS (counts of the code, not of executed instructions). A
+frame > 0 (LDL / STL) is the register spilling that made the rank-counting kernel 8x slower past
+Cp 128 (notes/tree_builder.md):
 
   python scripts/tree_builder_sass.py --budgets 15,31,47,63 --num_warps 4,8 --selections rank,bitonic
 
