@@ -26,4 +26,4 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_addoption(parser):
   parser.addoption("--gpu-full-grid", action="store_true", default=False,
-                   help="tree-verify kernel: also run the full (N, H, L) GPU grid")
+                   help="GPU kernels: also run the full grids (tree-verify (N, H, L), the bitonic DDTree builder per budget and warps)")
