@@ -14,7 +14,8 @@ Triton merge). Rows print as they
 finish, each preceded by a START line (the log shows which call faulted). The default rows come
 first so they survive a merge=kernel fault. --check_only: the merge=kernel variant alone, one call
 and the check, no timing (for compute-sanitizer). scripts/gpu_measure.sh part verify_merge runs
-the cases one process each under their own `timeout`.
+the cases one process each under their own `timeout`. Exit status 1 if a row is wrong (rel err
+> 1e-2 or not finite), so the part's `exit` line shows it.
 """
 
 import json
@@ -30,6 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 # pylint: disable=wrong-import-position
+from pallas_kernels import bench_flags
 from pallas_kernels.tree_verify import api, bench, masks
 from pallas_kernels.tree_verify.tuning import Tuning, default_tuning
 
@@ -72,13 +74,13 @@ def time_row(label, t, sets, ref, scale, check_only):
   ok = finite and err <= 1e-2
   us, kernels = float("nan"), []
   if ok and not check_only:
-    us = bench.device_time_us(fn, sets, flags.FLAGS.reps, prog)
+    us = bench.device_time_us(fn, sets, bench_flags.REPS.value, prog)
     try:
       kernels = per_kernel_us(fn, sets[0])
     except Exception as e:  # pylint: disable=broad-except
       print(f"per-kernel listing failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-  row = dict(label=label, tuning=t.__dict__, rel_err=err, finite=finite, us=us, kernels=kernels,
-             wall_s=round(time.time() - t0, 1))
+  row = dict(label=label, tuning=t.__dict__, rel_err=err, finite=finite, ok=ok, us=us,
+             kernels=kernels, wall_s=round(time.time() - t0, 1))
   print(f"ROW {label}: {us:.2f} us, rel err {err:.2e}, finite {finite}"
         + ("" if ok else "  WRONG"), flush=True)
   for name, k_us in kernels:
@@ -110,13 +112,17 @@ def main(_):
   rows = variants(shape, fields)
   if _CHECK_ONLY.value:
     rows = rows[-1:]
+  wrong = []
   for label, t in rows:
     row = dict(case=_CASE.value, B=b, N=n, H=h, L=l, packed_mask=True, nsets=nsets,
                **time_row(label, t, packed, ref, scale, _CHECK_ONLY.value))
+    if not row["ok"]:
+      wrong.append(label)
     if _JSON_OUT.value:
       with open(_JSON_OUT.value, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
-  print(f"case {_CASE.value} done", flush=True)
+  print(f"case {_CASE.value} done" + (f": WRONG rows {wrong}" if wrong else ""), flush=True)
+  return 1 if wrong else 0  # gpu_measure's "== case C exit N" line shows a wrong row as 1
 
 
 if __name__ == "__main__":
