@@ -14,22 +14,9 @@ import pytest
 
 from kdtree_jax import tree
 from pallas_kernels import bitonic, ddtree_bitonic, ddtree_build
-
-
-def _logits(seed, batch, depth, vocab):
-  """[B, J, V] logits (test_tree_kernel's kinds): Gaussian rows, quantised rows (many exact ties),
-  one quantised row at every depth, constant rows (every candidate tied), quantised rows with
-  masked (-inf) columns."""
-  rng = np.random.default_rng(seed)
-  x = rng.normal(size=(batch, depth, vocab)).astype(np.float32) * 3
-  kind = np.arange(batch) % 5
-  x[kind == 1] = np.round(x[kind == 1])
-  x[kind == 2] = np.round(x[kind == 2, :1])
-  x[kind == 3] = 0.5
-  masked = rng.random(x.shape) < 0.4
-  x[kind == 4] = np.where(masked[kind == 4], -np.inf, np.round(x[kind == 4]))
-  x[kind == 4, :, 0] = 1.0                                         # no row fully masked
-  return jnp.asarray(x)
+# test_tree_kernel's logits kinds (Gaussian, quantised / tied, repeated, constant, masked);
+# tests/decoding is on sys.path (pytest's prepend mode)
+from test_tree_kernel import _logits  # pylint: disable=wrong-import-order
 
 
 def _topk(logits, budget):
