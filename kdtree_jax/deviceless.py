@@ -28,6 +28,9 @@ import jax
 
 DEFAULT_PLUGIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                   ".deviceless")
+# nvdisasm from the pip wheel nvidia-cuda-nvdisasm installed beside the plugins (the SASS
+# checks: scripts/gmm_sass_check.py, verify_ar_deviceless.py, tree_builder_sass.py).
+NVDISASM = os.path.join(DEFAULT_PLUGIN_DIR, "nvidia", "cu13", "bin", "nvdisasm")
 INSTALL_HINT = ("pip install --no-deps --target {dir} jax-cuda13-pjrt==0.11.2 "
                 "jax-cuda13-plugin==0.11.2")
 

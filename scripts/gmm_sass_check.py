@@ -20,11 +20,11 @@ import subprocess
 
 from absl import app, flags
 
+from kdtree_jax import deviceless
+
 _PTX_DIR = flags.DEFINE_string("ptx_dir", None, "gmm_ptxas_rows.py's --ptx_dir.", required=True)
-_DEFAULT_NVDISASM = os.path.join(os.path.dirname(__file__), "..", ".deviceless", "nvidia", "cu13",
-                                 "bin", "nvdisasm")
 _NVDISASM = flags.DEFINE_string(
-    "nvdisasm", _DEFAULT_NVDISASM if os.path.exists(_DEFAULT_NVDISASM) else "nvdisasm",
+    "nvdisasm", deviceless.NVDISASM if os.path.exists(deviceless.NVDISASM) else "nvdisasm",
     "nvdisasm binary (default: .deviceless's, else the PATH's).")
 _PTXAS = flags.DEFINE_string("ptxas", "/usr/local/cuda-13.0/bin/ptxas", "ptxas binary.")
 

@@ -36,7 +36,7 @@ _WARPS = flags.DEFINE_list("num_warps", ["4", "8"], "Triton warps.")
 _SELECTIONS = flags.DEFINE_list("selections", ["rank", "bitonic"], "ddtree_build.SELECTIONS.")
 _DEPTHS = flags.DEFINE_integer("depths", 15, "Draft depths J (block - 1).")
 _NVDISASM = flags.DEFINE_string(
-    "nvdisasm", os.path.join(deviceless.DEFAULT_PLUGIN_DIR, "nvidia", "cu13", "bin", "nvdisasm"),
+    "nvdisasm", deviceless.NVDISASM,
     "nvdisasm binary ('' = registers and frame only).")
 
 _EIATTR = {0x2f: "regs", 0x11: "frame"}   # EIATTR_REGCOUNT, EIATTR_FRAME_SIZE (EIFMT_SVAL)

@@ -29,7 +29,6 @@ _VARIANTS = flags.DEFINE_string("variants", "default;balanced_splits=1;merge_loa
 _LOOPS = flags.DEFINE_bool("loops", False, "print the Mosaic kernel's loops (SASS) too")
 _WORKER = flags.DEFINE_string("worker", "", "internal: compile this one variant (dump folders "
                               "from the environment run_worker sets)")
-_NVDISASM = os.path.join(ROOT, ".deviceless", "nvidia", "cu13", "bin", "nvdisasm")
 _PTXAS = "/usr/local/cuda-13.0/bin/ptxas"
 _INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
@@ -82,9 +81,11 @@ def run_worker(spec, folder):
 def sass_loops(ptx):
   """[(first, last address, instruction count, top opcodes)] of the kernel's backward branches
   that close a loop of more than 8 instructions (the barrier-retry stubs are shorter)."""
+  sys.path.insert(0, ROOT)
+  from kdtree_jax import deviceless  # pylint: disable=import-outside-toplevel
   cubin = ptx[:-len(".ptx")] + ".cubin"
   subprocess.run([_PTXAS, "-arch=sm_90a", ptx, "-o", cubin], check=True, capture_output=True)
-  text = subprocess.run([_NVDISASM, "-c", cubin], capture_output=True, text=True,
+  text = subprocess.run([deviceless.NVDISASM, "-c", cubin], capture_output=True, text=True,
                         check=True).stdout
   labels, ins, pending = {}, [], []
   for line in text.splitlines():
