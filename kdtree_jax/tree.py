@@ -142,7 +142,7 @@ def build_ddtree(draft_logits_jv: jax.Array, budget: int, impl: str = "auto"):
   node_depths [N-1], parents [N], visibility [N, N]).
 
   impl: 'auto' (default: 'pallas' where the program is lowered for a CUDA GPU and the budget is
-  one the kernel was measured fast at (`ddtree_build.suits_auto`: up to 34 nodes at K = n), 'xla'
+  one the kernel was measured fast at (`ddtree_build.suits_auto`: up to 105 nodes at K = n), 'xla'
   elsewhere; `jax.lax.platform_dependent`), 'xla' (the sorts below), 'pallas' (everything after
   `topk_logprobs` as one Pallas Triton program, pallas_kernels.ddtree_build; the same result
   node for node) or 'interpret' (that kernel in Pallas interpret mode, for CPU tests).

@@ -20,12 +20,12 @@ ranks ([np, Jp, np] compares a step), a loop over levels gathers them into tree 
 parents and visibility ([Np, Np]) are compared out. At budget 15 / block 16: Cp = 64 (C = 45),
 Jp = np = 16, Np = 32; at budget 63: Cp = 512 (C = 273), the [Cp, Cp] compare is 256k entries
 per level: the trained pair's step at budget 63 took 5.92 ms with this kernel, 0.91 with XLA's
-builder (H100, 2026-12-05), so `auto` stops at AUTO_MAX_PADDED_CANDIDATES.
+builder (H100, 2026-12-05).
 
-This module is the "rank" selection (`build_from_topk(selection=...)`, default_selection); the
+This module is the "rank" selection (`build_from_topk(selection="rank")`); the DEFAULT is the
 "bitonic" one (pallas_kernels.ddtree_bitonic: bitonic networks and memory gathers, no [Cp, Cp] or
-[np, Jp, np] compares, no register spills at Cp 512) shares the candidate pairs and the output
-stage (`write_tree`) and is OFF until a GPU A/B (notes/tree_builder.md).
+[np, Jp, np] compares, no register spills at Cp 512; default_selection), faster at every budget on
+an H100 (notes/tree_builder.md). It shares the candidate pairs and the output stage (`write_tree`).
 
 Letters: n budget, K = min(n, V) top-k per depth, J depths, C static (parent, rank) candidate
 pairs per level, N = n + 1 tree indices (root 0); a `p` suffix is the padded (power-of-2) size.
@@ -245,14 +245,12 @@ def _visibility(t, depth, ok, keys, bits, per):
 
 
 # The largest padded candidate count Cp = pow2(C) at which build_ddtree's `auto` takes this
-# kernel on a GPU (above it, XLA's sorts). Measured on an H100 (2026-12-05, thirteenth session,
-# `bash scripts/gpu_measure.sh $OUT pair:330`: the trained pair's decode loop, f32, the kernel at
-# every budget): budget 31 / 32 (Cp 128) 0.600 / 0.643 ms per step, budget 63 (Cp 512) 5.921 ms
-# per step, where the XLA builder's step took 0.898 ms (H200, 2026-12-01). The builder alone
-# (scripts/bench_tree_builder.py, CUPTI us per build, H100, same day), kernel vs XLA's sorts:
-# budget 7 (Cp 16) 48.7 vs 138.6, 15 (Cp 64) 77.6 vs 211.9, 31 (Cp 128) 140.1 vs 262.6 (8 warps),
-# 47 (Cp 256) 1161.9 vs 304.3, 63 (Cp 512) 1178.0 (8 warps; 5238.1 at 4) vs 351.8.
-AUTO_MAX_PADDED_CANDIDATES = 128
+# kernel on a GPU (above it, XLA's sorts): Cp 512 = budgets 60-105 at K = n (63 measured). The bitonic selection
+# (default_selection) beat XLA's sorts at every Cp up to 512 on an H100 (2026-12-05,
+# scripts/bench_tree_builder.py, CUPTI us per build): 84.9 vs 352.6 at budget 63. The rank
+# selection it replaced fell off at Cp 256 (1161.9 vs 304.3) and took the trained pair's step at
+# budget 63 to 5.92 ms (vs 0.90 with XLA's builder), which is why the cap was 128 before.
+AUTO_MAX_PADDED_CANDIDATES = 512
 
 
 def padded_candidates(n: int, k: int) -> int:
@@ -284,13 +282,17 @@ SELECTIONS = ("rank", "bitonic")
 
 
 def default_selection(cp: int) -> str:
-  """The selection by padded candidate count: "rank" everywhere until a GPU A/B
-  (scripts/bench_tree_builder.py, rows `bitonic w4` / `bitonic w8`) measures "bitonic" faster;
-  it was built (2026-12-05) for Cp 256 / 512, where rank counting took 1162 / 1178 us on an
-  H100 and XLA's sorts 304 / 352. Until then `auto` takes the kernel only up to
-  AUTO_MAX_PADDED_CANDIDATES, as before."""
+  """The selection by padded candidate count: "bitonic" at every Cp. Measured on an H100
+  (2026-12-05, scripts/bench_tree_builder.py, CUPTI us per build, bitonic 4 warps vs rank vs XLA's
+  sorts): Cp 16 30.7 / 48.3 / 138.5, Cp 64 40.3 / 77.7 / 213.9, Cp 128 51.3 / 140.8 / 262.8,
+  Cp 256 65.1 / 447.0 / 305.5, Cp 512 84.9 / 1178 / 352.6. "rank" stays selectable by name."""
   del cp
-  return "rank"
+  return "bitonic"
+
+
+# Triton warps of the bitonic selection: 4 at every Cp (H100, 2026-12-05: 4 vs 8 warps 30.7 / 36.1
+# us at Cp 16, 40.3 / 47.6 at 64, 51.3 / 53.1 at 128, 65.1 / 75.7 at 256).
+BITONIC_WARPS = 4
 
 
 def build_from_topk(lp_jk, ids_jk, n: int, interpret: bool = False,
@@ -307,7 +309,7 @@ def build_from_topk(lp_jk, ids_jk, n: int, interpret: bool = False,
   if selection == "bitonic":
     from pallas_kernels import ddtree_bitonic  # pylint: disable=import-outside-toplevel
     return ddtree_bitonic.build_from_topk(lp_jk, ids_jk, n, interpret=interpret,
-                                          num_warps=num_warps or default_warps(cp))
+                                          num_warps=num_warps or BITONIC_WARPS)
   bits, per = digit_packing(k)
   pad2 = lambda x: jnp.pad(x, ((0, jp - j), (0, kp - k)))
   cand = lambda x: jnp.asarray(np.pad(x, (0, cp - c)).astype(np.int32))

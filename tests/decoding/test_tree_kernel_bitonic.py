@@ -3,7 +3,7 @@
 published heap in test_ddtree.py), node for node in interpret mode: budgets 7..63 at K = n and
 K < n, batches of random, quantised (tied), constant and masked logits, exhaustion; the bitonic
 networks against numpy's lexsort; mutations (a compare direction flipped) that must fail; the
-lowering for an abstract H200; `default_selection` keeps rank counting (the GPU A/B decides)."""
+lowering for an abstract H200; `default_selection` is bitonic (faster on an H100 at every Cp)."""
 
 import functools
 
@@ -115,9 +115,9 @@ def test_reversed_candidate_tie_break_fails(monkeypatch):
 
 
 def test_selection_defaults_and_checks():
-  """`default_selection` keeps rank counting at every Cp until a GPU A/B; bad names and keys that
-  do not fit 30 bits are refused."""
-  assert all(ddtree_build.default_selection(1 << i) == "rank" for i in range(12))
+  """`default_selection` is the bitonic network at every Cp (measured faster on an H100); bad
+  names and keys that do not fit 30 bits are refused."""
+  assert all(ddtree_build.default_selection(1 << i) == "bitonic" for i in range(12))
   lp, ids = jnp.zeros((3, 4)), jnp.zeros((3, 4), jnp.int32)
   with pytest.raises(ValueError, match="selection"):
     ddtree_build.build_from_topk(lp, ids, 4, interpret=True, selection="heap")
