@@ -33,9 +33,7 @@
 #               programs, XLA's and the default's rows first, no row started after secs - 20 (a
 #               cut box loses the last variants only): dense_dots:150
 #   gpu_tests   the whole default GPU test set (`pytest -m gpu tests`: every compiled-kernel path
-#               once; the brief's "< 2 minutes" check), slowest 25 listed; the merge='kernel'
-#               case (test_tree_verify_merge_kernel.py, unproven on a GPU: a fault would lose the
-#               CUDA context of every later test) in a second process after it: gpu_tests:240
+#               once; the brief's "< 2 minutes" check), slowest 25 listed: gpu_tests:240
 #   verify      tree-verify kernel: GPU tests (-m gpu: the sharded file first, then 13 cases,
 #               one kernel compile each, the f32 reference on the CPU: < 2 min), short bench
 #               (default L=46000 grid); verify:240
@@ -44,19 +42,6 @@
 #               at 1x8x8 and 1x1x64; 66 splits; packed mask, also the default's at 1x1x8; ~14
 #               variants, one compile each):
 #               verify_probes:200; ends with the best variant per shape and its % of copy
-#   verify_merge  Tuning(merge="kernel"), the split merge inside the tree-verify kernel (rebuilt
-#               with 128-byte LSE ring slots after its 2026-12-01 MISALIGNED_ADDRESS fault), ONE
-#               python process per case (a fault loses only that process' CUDA context), each
-#               under its own timeout (MERGE_CASE_S): scripts/probe_verify_merge.py --case rows64
-#               (the 64-row kernel), swap (swap-AB, the ar default + merge=kernel), swap_chunk
-#               (two levels, chunks of 12) at 1x1x8x46000, packed mask: rel err vs the f32
-#               reference and CUPTI us of the whole call beside the default (Triton merge) in the
-#               same process; then its one pytest -m gpu case (B=4 ragged, 33 splits):
-#               verify_merge:150 (3 x 38 + 30 s)
-#   verify_merge_memcheck  compute-sanitizer --tool memcheck on probe_verify_merge --case swap
-#               --check_only (one call, no timing; names the faulting instruction if the probe
-#               still faults; exits 3 if the image has no compute-sanitizer):
-#               verify_merge_memcheck:120
 #   verify_full tree-verify kernel: every test + the full GPU grid, per-kernel profile, the issue's
 #               whole bench table (with probes and XLA) until half the time box is spent
 #   k26_full    scripts/bench_k26_full.py: 61-layer compile times, phase tables, throughput
@@ -175,16 +160,11 @@ one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
 # no faster and was removed: WORKSPACE.md; the pair-layout launch lost: notes/moe.md
 XLA_VARIANTS="default,block_level,heroless,all_triton"  # xla_options' option sets (probe_xla_options VARIANTS)
 TARGET_LAYOUTS="packed"
-MERGE_CASES="rows64 swap swap_chunk"  # verify_merge's cases, in order (probe_verify_merge.CASES)
-MERGE_CASE_S=38                       # verify_merge: each case's own timeout
 
 run_part() {
   local part=$1 secs=$2
   case $part in
-    gpu_tests) one_gpu timeout "$secs" bash -c "python3 -m pytest -q -rs --durations=25 -m gpu tests \
-                 --deselect tests/kernels/test_tree_verify_merge_kernel.py::TestMergeInKernelGPU; \
-                 rc=\$?; python3 -m pytest -q -rs -m gpu tests/kernels/test_tree_verify_merge_kernel.py; \
-                 exit \$(( rc ? rc : \$? ))" ;;
+    gpu_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs --durations=25 -m gpu tests ;;
     moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs --durations=12 -m gpu \
                  tests/kernels/test_grouped_matmul_kernel.py \
                  tests/kernels/test_grouped_matmul_small_t.py ;;
@@ -206,16 +186,6 @@ run_part() {
                 --budget_s=$(( secs - 180 )) --json_out=$RAW/bench_verify_attention.jsonl" ;;
     verify_probes) one_gpu timeout "$secs" python3 -m pallas_kernels.tree_verify.bench --N=1,8,16,64 \
                 --H=8,64 --skip_xla --budget_s=$(( secs - 60 )) --json_out=$RAW/bench_verify_probes.jsonl ;;
-    verify_merge) one_gpu timeout "$secs" bash -c "for c in $MERGE_CASES; do echo \"== case \$c\"; \
-                timeout $MERGE_CASE_S python3 scripts/probe_verify_merge.py --case \$c \
-                --rows_out $RAW/verify_merge.jsonl; echo \"== case \$c exit \$?\"; done; \
-                timeout 30 python3 -m pytest -q -rs -m gpu \
-                tests/kernels/test_tree_verify_merge_kernel.py" ;;
-    verify_merge_memcheck) one_gpu timeout "$secs" bash -c "cs=\$(command -v compute-sanitizer \
-                || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1); \
-                [ -n \"\$cs\" ] || { echo 'no compute-sanitizer on this machine'; exit 3; }; \
-                XLA_PYTHON_CLIENT_PREALLOCATE=false \$cs --tool memcheck python3 \
-                scripts/probe_verify_merge.py --case swap --check_only" ;;
     verify_full) one_gpu timeout "$secs" bash -c "python3 -m pytest -q -rs --gpu-full-grid \
                 tests/kernels/test_tree_verify_attention.py; python3 -m pallas_kernels.tree_verify.profile_kernels; \
                 python3 -m pallas_kernels.tree_verify.bench --full_grid --budget_s=$(( secs / 2 )) \

@@ -39,7 +39,7 @@ def tuning_of(spec, b, n, h, l):
   # pylint: disable-next=import-outside-toplevel
   from pallas_kernels.tree_verify.tuning import Tuning, default_tuning
   pairs = () if spec == "default" else (kv.split("=") for kv in spec.split(","))
-  fields = {k: v if k == "merge" else int(v) for k, v in pairs}  # merge=kernel too
+  fields = {k: v if k == "merge" else int(v) for k, v in pairs}  # merge=xla / triton: a name
   return Tuning(**(default_tuning(b, n, h, l).__dict__ | fields))
 
 

@@ -63,10 +63,9 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
   """The kernel path: out [B, N, H, R] in q.dtype and natural lse [B, N, H].
 
   XLA work around the kernel: q's free reshape to rows, the tree mask's bit words (one tiny
-  fusion), and for several splits the merge (none with Tuning(merge="kernel")). Copies only
-  where the TMA cannot address the array: q rows when N*H is not kernel_rows (q is tiny; none at
-  N*H = 8, 16, .., 56 or 64k), the cache when L % 8 != 0 (never in the model, whose caches have
-  a multiple of 64 rows)."""
+  fusion), and for several splits the merge. Copies only where the TMA cannot address the
+  array: q rows when N*H is not kernel_rows (q is tiny; none at N*H = 8, 16, .., 56 or 64k), the
+  cache when L % 8 != 0 (never in the model, whose caches have a multiple of 64 rows)."""
   # pylint: disable-next=import-outside-toplevel
   from pallas_kernels.tree_verify import combine, kernel, kernel_swap, merge_triton
   b, n, h, c = q.shape
@@ -87,12 +86,11 @@ def tree_verify_attention_mgpu(q, cache, lengths, tree_mask, *, scale, interpret
   out, lse = attention_kernel(q_rows, cache, lengths.astype(jnp.int32), words, n=n,
                                      scale=scale, tuning=t, value_dim=r, cache_rows=l,
                                      interpret=interpret)
-  merged = t.num_splits == 1 or t.merge == "kernel"  # the kernel wrote the final output
-  if not merged and t.merge == "triton":
+  if t.num_splits > 1 and t.merge == "triton":
     out, lse = merge_triton.merge_splits_triton(out, lse, n * h, q.dtype, interpret=interpret,
                                                 cols=t.merge_cols,
                                                 loads_first=t.merge_loads_first)
-  elif not merged:
+  elif t.num_splits > 1:
     out, lse = combine.merge_splits(out, lse, n * h, q.dtype)
   elif m != n * h:
     out, lse = out[:, :n * h], lse[:, :n * h]

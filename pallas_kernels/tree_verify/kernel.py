@@ -14,9 +14,7 @@ Tiles start at multiples of T; rows past L are zero-filled by the TMA (no copy o
 and masked. Only tiles that reach past `len` are masked: prefix end, tree mask (per-row bit words,
 `masks.py`), end of the cache. With one split the kernel writes the final output (q dtype) and
 natural LSE; with S splits it writes per-split normalised bf16 partials and base-2 LSE,
-merged by `combine.py` / `merge_triton.py`, or (Tuning(merge="kernel"), default off) by the
-kernel's last split after a GMEM counter says the others are written (`merge_in_kernel.py`;
-outputs: the final pair, then the partials).
+merged after the kernel by `combine.py` (XLA) or `merge_triton.py` (one Triton kernel).
 
 Clusters (Tuning.cluster_rows = R > 1, default off): the row tiles of one split, which stream the
 same KV tiles, run as a cluster of R CTAs; each tile is TMA-multicast (every CTA loads 1/R of it
@@ -44,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import pdl
-from pallas_kernels.tree_verify import masks, merge_in_kernel
+from pallas_kernels.tree_verify import masks
 from pallas_kernels.tree_verify.tuning import BLOCK_KV, BLOCK_M, PARTIALS_DTYPE, SMEM_BYTES, Tuning
 
 LOG2E = math.log2(math.e)
@@ -277,43 +275,29 @@ def _loop(c, w, acc):
   return carry
 
 
-def _store(c, w, o, lse2, final):
-  """Normalised O half (and wg0: LSE) -> SMEM -> TMA out. final: the output in q dtype and the
-  natural LSE; else this split's partial and base-2 LSE."""
+def _store(c, w, o, lse2):
+  """Normalised O half (and wg0: LSE) -> SMEM -> TMA out. One split: the output in q dtype and
+  the natural LSE; several: this split's partial and base-2 LSE."""
+  final = c.t.num_splits == 1
   o_smem = c.o_smem.at[w]
   o_smem[...] = o.astype(o_smem.dtype)
   if w == 0:
     c.lse_smem[...] = lse2 * LN2 if final else lse2
   plgpu.commit_smem()
-  o_dst, lse_dst = out_destinations(c, w, final)
+  o_dst, lse_dst = out_destinations(c, w)
   plgpu.copy_smem_to_gmem(_smem_rows(o_smem, c.window), o_dst)
   if w == 0:
     plgpu.copy_smem_to_gmem(_smem_rows(c.lse_smem, c.window), lse_dst)
   plgpu.wait_smem_to_gmem(0)
 
 
-def out_destinations(c, w, final):
-  """GMEM windows of warpgroup w's O half and of the LSE: the final output or this split's
-  partials."""
+def out_destinations(c, w):
+  """GMEM windows of warpgroup w's O half and of the LSE: the final output (one split) or this
+  split's partials."""
   rows, cols = _row_window(c), pl.ds(w * (c.r // 2), c.r // 2)
-  if final:
+  if c.t.num_splits == 1:
     return c.o_ref.at[c.b, rows, cols], c.lse_ref.at[c.b, rows]
-  return c.part_o_ref.at[c.b, c.s_idx, rows, cols], c.part_lse_ref.at[c.b, c.s_idx, rows]
-
-
-def store_or_merge(c, w, o, lse2, store, orient):
-  """The end of a compute warpgroup: one split: store the final output; several: store this
-  split's partial; merge='kernel': merge_in_kernel.finish (the leaders merge, the others store
-  their partials and signal)."""
-  if merge_in_kernel.enabled(c.t):
-    merge_in_kernel.finish(c, w, o, lse2, store, orient)
-  else:
-    store(c, w, o, lse2, c.t.num_splits == 1)
-
-
-ORIENTATION = merge_in_kernel.Orientation(
-    stat_layout=_ROW, bcast=_bcast_rows,
-    load_tile=lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32))
+  return c.o_ref.at[c.b, c.s_idx, rows, cols], c.lse_ref.at[c.b, c.s_idx, rows]
 
 
 def final_stats(m, l):
@@ -324,63 +308,46 @@ def final_stats(m, l):
 
 
 def _compute_wg(c, w):
-  """Compute warpgroup w: loop over the split's tiles, then normalise and store (or merge) its O
-  half and the LSE."""
+  """Compute warpgroup w: loop over the split's tiles, then normalise and store its O half and
+  the LSE."""
   plgpu.set_max_registers(232, action="increase")
   plgpu.barrier_wait(c.q_bar)
   acc = plgpu.layout_cast(jnp.zeros((BLOCK_M, c.r // 2), jnp.float32), plgpu.Layout.WGMMA)
   acc, m, l = _loop(c, w, acc)
   pdl.release_dependents(c.t.pdl, c.interpret)  # past the last mask-word load: epilogue left
   inv, lse2 = final_stats(m, l)
-  merging = merge_in_kernel.enabled(c.t)
   if w == 0:
     c.stat_smem.at[1][...] = inv
-  if w == 0 and merging:
-    c.stat_smem.at[2][...] = lse2  # wg1's rows' LSE (only wg0 has it)
   _sync(c.wg_bar)  # both warpgroups are past their last read of Q/KV/P: the union may be reused
   if w == 1:
     inv = plgpu.load(c.stat_smem.at[1], layout=_ROW, optimized=False)
-  if w == 1 and merging:
-    lse2 = plgpu.load(c.stat_smem.at[2], layout=_ROW, optimized=False)
-  store_or_merge(c, w, acc * _bcast_rows(inv, acc.shape), lse2, _store, ORIENTATION)
+  _store(c, w, acc * _bcast_rows(inv, acc.shape), lse2)
 
 
-_SCRATCH_NAMES = ("union", "stat_smem", "lse_smem", "q_bar", "kv_bar", "free_bar", "wg_bar",
-                  "p_ready", "p_free")
-
-
-def _make_body(t: Tuning, n, l, r, window, tiles, scale_log2, dtype, interpret):
+def _make_body(t: Tuning, n, l, r, window, scale_log2, dtype, interpret):
   """Kernel body for static shapes."""
 
-  def body(len_ref, q_ref, kv_ref, words_ref, *refs):
+  def body(len_ref, q_ref, kv_ref, words_ref, o_ref, lse_ref, union, stat_smem, lse_smem, q_bar,
+           kv_bar, free_bar, wg_bar, p_ready, p_free):
     pdl.wait_for_producers(t.pdl, interpret)  # lengths, Q, cache rows, mask words: all below
-    outs, scratch = merge_in_kernel.named_refs(t, refs, _SCRATCH_NAMES)
-    (q_smem, kv_smem, p_smem), (o_smem, *lse_ring) = scratch.pop("union")
+    (q_smem, kv_smem, p_smem), (o_smem,) = union
     m_idx, s_idx, b = row_tile_index(t), lax.axis_index("s"), lax.axis_index("b")
     length = jnp.clip(len_ref[b], 0, l)  # l: the cache's rows before any pad (never visible)
     end = jnp.minimum(length + n, l)
     lo, hi, full_hi = _split_range(length, end, s_idx, t)
-    c = _Ctx(t=t, interpret=interpret, r=r, window=window, tiles=tiles, scale_log2=scale_log2,
-             dtype=dtype, q_ref=q_ref, kv_ref=kv_ref, words_ref=words_ref, q_smem=q_smem,
-             kv_smem=kv_smem, p_smem=p_smem, **staging_refs(t, o_smem, lse_ring), m_idx=m_idx,
-             s_idx=s_idx, b=b, length=length, end=end, lo=lo, hi=hi, full_hi=full_hi,
-             sem=merge_in_kernel.counters(t, tiles, q_ref.shape[0], interpret), **outs,
-             **scratch)
+    c = _Ctx(t=t, interpret=interpret, r=r, window=window, scale_log2=scale_log2, dtype=dtype,
+             q_ref=q_ref, kv_ref=kv_ref, words_ref=words_ref, o_ref=o_ref, lse_ref=lse_ref,
+             q_smem=q_smem, kv_smem=kv_smem, p_smem=p_smem, o_smem=o_smem, stat_smem=stat_smem,
+             lse_smem=lse_smem, q_bar=q_bar, kv_bar=kv_bar, free_bar=free_bar, wg_bar=wg_bar,
+             p_ready=p_ready, p_free=p_free, m_idx=m_idx, s_idx=s_idx, b=b, length=length,
+             end=end, lo=lo, hi=hi, full_hi=full_hi)
     run_warpgroups(c, _compute_wg)
 
   return body
 
 
-def staging_refs(t: Tuning, o_smem, lse_ring):
-  """_Ctx's o_smem (the [2, rows, R/2] output staging), ring and lse_ring: with merge='kernel'
-  the union's second member is the partials' ring and slot 0 the staging (merge_in_kernel)."""
-  if not merge_in_kernel.enabled(t):
-    return dict(o_smem=o_smem, ring=None, lse_ring=None)
-  return dict(o_smem=o_smem.at[0], ring=o_smem, lse_ring=lse_ring[0])
-
-
 def run_warpgroups(c, compute_wg):
-  """Warpgroups 0 and 1 compute, 2 streams (and, in a merging CTA, feeds the split merge)."""
+  """Warpgroups 0 and 1 compute (compute_wg(c, w)), 2 streams the Q and KV tiles."""
   wg = lax.axis_index("wg")
   for w in range(2):
     pl.when(wg == w)(functools.partial(compute_wg, c, w))
@@ -389,8 +356,6 @@ def run_warpgroups(c, compute_wg):
   def _():
     plgpu.set_max_registers(40, action="decrease")
     _memory_wg(c)
-    if merge_in_kernel.enabled(c.t):
-      pl.when(merge_in_kernel.is_leader(c))(functools.partial(merge_in_kernel.memory_wg, c))
 
 
 def row_tile_index(t: Tuning):
@@ -430,21 +395,16 @@ def _operand_bytes(t: Tuning, c, itemsize=2):
 
 
 def _scratch(t: Tuning, c, r, dtype):
-  """SMEM: a union of (Q, KV ring, P) with the output staging (merge='kernel': the partials'
-  ring, slot 0 the staging), plus stats and barriers."""
+  """SMEM: a union of (Q, KV ring, P) with the output staging, plus stats and barriers."""
   q = plgpu.SMEM((BLOCK_M, c), dtype, transforms=_BF16_TRANSFORMS)
   kv = plgpu.SMEM((t.stages, BLOCK_KV, c), dtype, transforms=_BF16_TRANSFORMS)
   p = plgpu.SMEM((BLOCK_M, BLOCK_KV), dtype, transforms=_BF16_TRANSFORMS)
-  merging = merge_in_kernel.enabled(t)
-  if merging:
-    o, extra = merge_in_kernel.scratch(t, BLOCK_M, r, _operand_bytes(t, c), _BF16_TRANSFORMS)
-  else:
-    o_dtype = dtype if t.num_splits == 1 else PARTIALS_DTYPE
-    transforms = _F32_TRANSFORMS if o_dtype == jnp.float32 else _BF16_TRANSFORMS
-    o, extra = (plgpu.SMEM((2, BLOCK_M, r // 2), o_dtype, transforms=transforms),), []
+  o_dtype = dtype if t.num_splits == 1 else PARTIALS_DTYPE
+  transforms = _F32_TRANSFORMS if o_dtype == jnp.float32 else _BF16_TRANSFORMS
+  o = plgpu.SMEM((2, BLOCK_M, r // 2), o_dtype, transforms=transforms)
   return [
-      plgpu.RefUnion((q, kv, p), o),
-      plgpu.SMEM((3 if merging else 2, BLOCK_M), jnp.float32),
+      plgpu.RefUnion((q, kv, p), (o,)),
+      plgpu.SMEM((2, BLOCK_M), jnp.float32),
       plgpu.SMEM((BLOCK_M,), jnp.float32),
       plgpu.Barrier(num_barriers=1),
       plgpu.Barrier(num_barriers=t.stages),
@@ -452,31 +412,25 @@ def _scratch(t: Tuning, c, r, dtype):
       plgpu.Barrier(num_arrivals=2),
       plgpu.Barrier(num_arrivals=1),
       plgpu.Barrier(num_arrivals=1),
-  ] + extra
+  ]
 
 
 def smem_bytes(t: Tuning, c, r, itemsize=2):
-  """SMEM of one CTA (GPU layout): the union max(Q + KV ring + P, O staging or the merge ring),
-  each buffer rounded up to 1 KiB (swizzle alignment), plus statistics and barriers. Must be
-  <= SMEM_BYTES."""
+  """SMEM of one CTA (GPU layout): the union max(Q + KV ring + P, O staging), each buffer rounded
+  up to 1 KiB (swizzle alignment), plus statistics and barriers. Must be <= SMEM_BYTES."""
   kib = lambda x: -(-x // 1024) * 1024
   o_item = itemsize if t.num_splits == 1 else jnp.dtype(PARTIALS_DTYPE).itemsize
   union = max(_operand_bytes(t, c, itemsize), kib(2 * BLOCK_M * (r // 2) * o_item))
-  total = union + kib(3 * BLOCK_M * 4) + 8 * (2 * t.stages + 4)
-  if merge_in_kernel.enabled(t):  # the ring and its LSEs fit the union; a third stats row
-    total += merge_in_kernel.barrier_bytes(t, BLOCK_M, r, _operand_bytes(t, c, itemsize))
-  return total
+  return union + kib(3 * BLOCK_M * 4) + 8 * (2 * t.stages + 4)
 
 
 def out_types(b, m, r, t: Tuning, dtype):
   """One split: (out [B, M, R] dtype, natural LSE [B, M]); else partials (O [B, S, M, R] in
-  PARTIALS_DTYPE, normalised per split; base-2 LSE [B, S, M] f32); merge='kernel': the final
-  pair, then the partials (the kernel's GMEM scratch; the last split's slot is unused)."""
-  final = (jax.ShapeDtypeStruct((b, m, r), dtype), jax.ShapeDtypeStruct((b, m), jnp.float32))
-  partial = (jax.ShapeDtypeStruct((b, t.num_splits, m, r), PARTIALS_DTYPE),
-             jax.ShapeDtypeStruct((b, t.num_splits, m), jnp.float32))
-  return {"final": final, "partial": partial,
-          "merge": final + partial}[merge_in_kernel.output_kind(t)]
+  PARTIALS_DTYPE, normalised per split; base-2 LSE [B, S, M] f32)."""
+  if t.num_splits == 1:
+    return (jax.ShapeDtypeStruct((b, m, r), dtype), jax.ShapeDtypeStruct((b, m), jnp.float32))
+  return (jax.ShapeDtypeStruct((b, t.num_splits, m, r), PARTIALS_DTYPE),
+          jax.ShapeDtypeStruct((b, t.num_splits, m), jnp.float32))
 
 
 def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning, value_dim,
@@ -492,20 +446,19 @@ def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning,
     raise ValueError(f"unsupported shapes {q_rows.shape=} {cache.shape=} {value_dim=}")
   if smem_bytes(t, c, r) > SMEM_BYTES:
     raise ValueError(f"{t}: {smem_bytes(t, c, r)} bytes of SMEM at C={c}, over {SMEM_BYTES}")
-  merge_in_kernel.check_supported(t, q_rows.dtype)
   tiles = -(-m // BLOCK_M)
   window = min(m, BLOCK_M)
   _check_windows(m, window, tiles, f"q rows {q_rows.shape}")
-  for i, shape in enumerate(out_types(b, m, r, t, q_rows.dtype)):  # (O, LSE) pairs
-    _check_windows(shape.shape[-2 if i % 2 == 0 else -1], window, tiles, f"output {shape}")
+  for what, shape in zip(("out", "lse"), out_types(b, m, r, t, q_rows.dtype)):
+    _check_windows(shape.shape[-2 if what == "out" else -1], window, tiles, f"{what} {shape}")
   if words.shape[2] != tiles * BLOCK_M or words.shape[1] != masks.num_words(n) + masks.EXTRA_WORDS:
     raise ValueError(f"{words.shape=} does not match {n=} and {tiles} row tiles")
   rows_l = l if cache_rows is None else cache_rows
-  body = _make_body(t, n, rows_l, r, window, tiles, scale * LOG2E, q_rows.dtype, interpret)
+  body = _make_body(t, n, rows_l, r, window, scale * LOG2E, q_rows.dtype, interpret)
   fn = plgpu.kernel(
       body, out_type=out_types(b, m, r, t, q_rows.dtype),
       scratch_types=_scratch(t, c, r, q_rows.dtype),
       **launch_grid(t, tiles, b), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
-  return fn(lengths, q_rows, cache, words)[:2]
+  return fn(lengths, q_rows, cache, words)

@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import pdl
 from pallas_kernels.tree_verify import kernel as k
-from pallas_kernels.tree_verify import masks, merge_in_kernel
+from pallas_kernels.tree_verify import masks
 from pallas_kernels.tree_verify.tuning import BLOCK_KV, BLOCK_M, PARTIALS_DTYPE, SMEM_BYTES, Tuning
 
 _COL = plgpu.Layout.WGMMA.reduce(0)  # an [M] statistic of an [T, M] or [R/2, M] tile
@@ -149,75 +149,60 @@ def _loop(c, w, acc):
   return carry
 
 
-def _store(c, w, o_t, lse2, final):
-  """O^T half, normalised, -> transposed into an [M, R/2] SMEM tile -> TMA out (and LSE); final:
-  the output in q dtype and the natural LSE, else this split's partial."""
+def _store(c, w, o_t, lse2):
+  """O^T half, normalised, -> transposed into an [M, R/2] SMEM tile -> TMA out (and LSE). One
+  split: the output in q dtype and the natural LSE; several: this split's partial."""
+  final = c.t.num_splits == 1
   o_smem = c.o_smem.at[w]
   o_smem.T[...] = o_t.astype(o_smem.dtype)
   if w == 0:
     c.lse_smem[...] = lse2 * k.LN2 if final else lse2
   plgpu.commit_smem()
-  o_dst, lse_dst = k.out_destinations(c, w, final)
+  o_dst, lse_dst = k.out_destinations(c, w)
   plgpu.copy_smem_to_gmem(o_smem, o_dst)
   if w == 0:
     plgpu.copy_smem_to_gmem(c.lse_smem, lse_dst)
   plgpu.wait_smem_to_gmem(0)
 
 
-ORIENTATION = merge_in_kernel.Orientation(
-    stat_layout=_COL, bcast=_bcast_cols,
-    load_tile=lambda ref: plgpu.load(ref.T, layout=plgpu.Layout.WGMMA).astype(jnp.float32))
-
-
 def _compute_wg(c, w):
-  """Compute warpgroup w: its tiles, then normalise and store (or merge) its O half (wg0: and
-  the LSE)."""
+  """Compute warpgroup w: its tiles, then normalise and store its O half (wg0: and the LSE)."""
   plgpu.set_max_registers(232, action="increase")
   plgpu.barrier_wait(c.q_bar)
   acc = plgpu.layout_cast(jnp.zeros((c.r // 2, c.window), jnp.float32), plgpu.Layout.WGMMA)
   acc, m, l = _loop(c, w, acc)
   pdl.release_dependents(c.t.pdl, c.interpret)  # past the last mask-word load: epilogue left
   inv, lse2 = k.final_stats(m, l)
-  merging = merge_in_kernel.enabled(c.t)
   if w == 0:
     c.stat_smem.at[1][...] = inv
-    if merging:
-      c.stat_smem.at[2][...] = lse2  # wg1 has no statistics of its own
   k._sync(c.wg_bar)  # both warpgroups are past their last read of Q/KV/P: the union may be reused
   if w == 1:
     inv = plgpu.load(c.stat_smem.at[1], layout=_COL, optimized=False)
-    if merging:
-      lse2 = plgpu.load(c.stat_smem.at[2], layout=_COL, optimized=False)
-  k.store_or_merge(c, w, acc * _bcast_cols(inv, acc.shape), lse2, _store, ORIENTATION)
+  _store(c, w, acc * _bcast_cols(inv, acc.shape), lse2)
 
 
 def _make_body(t: Tuning, n, l, r, window, scale_log2, dtype, interpret):
   """Kernel body for static shapes (kernel._make_body's refs and scalars)."""
 
-  def body(len_ref, q_ref, kv_ref, words_ref, *refs):
+  def body(len_ref, q_ref, kv_ref, words_ref, o_ref, lse_ref, union, stats, q_bar, kv_bar,
+           free_bar, wg_bar, p_ready, p_free):
     pdl.wait_for_producers(t.pdl, interpret)  # lengths, Q, cache rows, mask words: all below
-    outs, scratch = merge_in_kernel.named_refs(t, refs, _SCRATCH_NAMES)
-    (q_smem, kv_smem, p_smem), (o_smem, *lse_ring) = scratch.pop("union")
-    # One buffer for the [M] statistics (one 1 KiB alignment, not three): LSE in row 0 (a TMA
-    # source: at the buffer's aligned start), alpha in row 1, 1 / l in row 2 (merge='kernel':
-    # the split's LSE for wg1 in row 3).
-    stats = scratch.pop("stats")
+    (q_smem, kv_smem, p_smem), (o_smem,) = union
+    # One buffer for the three [M] statistics (one 1 KiB alignment, not three): LSE in row 0 (a
+    # TMA source: at the buffer's aligned start), alpha in row 1, 1 / l in row 2.
     m_idx, s_idx, b = lax.axis_index("m"), lax.axis_index("s"), lax.axis_index("b")
     length = jnp.clip(len_ref[b], 0, l)
     end = jnp.minimum(length + n, l)
     lo, hi, full_hi = k._split_range(length, end, s_idx, t)
-    c = k._Ctx(t=t, interpret=interpret, r=r, window=window, tiles=1, scale_log2=scale_log2,
-               dtype=dtype, q_ref=q_ref, kv_ref=kv_ref, words_ref=words_ref, q_smem=q_smem,
-               kv_smem=kv_smem, p_smem=p_smem, **k.staging_refs(t, o_smem, lse_ring),
-               stat_smem=stats.at[1:], lse_smem=stats.at[0], m_idx=m_idx, s_idx=s_idx, b=b,
-               length=length, end=end, lo=lo, hi=hi, full_hi=full_hi,
-               sem=merge_in_kernel.counters(t, 1, q_ref.shape[0], interpret), **outs, **scratch)
+    c = k._Ctx(t=t, interpret=interpret, r=r, window=window, scale_log2=scale_log2, dtype=dtype,
+               q_ref=q_ref, kv_ref=kv_ref, words_ref=words_ref, o_ref=o_ref, lse_ref=lse_ref,
+               q_smem=q_smem, kv_smem=kv_smem, p_smem=p_smem, o_smem=o_smem,
+               stat_smem=stats.at[1:], lse_smem=stats.at[0], q_bar=q_bar, kv_bar=kv_bar,
+               free_bar=free_bar, wg_bar=wg_bar, p_ready=p_ready, p_free=p_free, m_idx=m_idx,
+               s_idx=s_idx, b=b, length=length, end=end, lo=lo, hi=hi, full_hi=full_hi)
     k.run_warpgroups(c, _compute_wg)
 
   return body
-
-
-_SCRATCH_NAMES = ("union", "stats", "q_bar", "kv_bar", "free_bar", "wg_bar", "p_ready", "p_free")
 
 
 def _operand_bytes(t: Tuning, m, c, itemsize=2):
@@ -228,28 +213,23 @@ def _operand_bytes(t: Tuning, m, c, itemsize=2):
 
 
 def _scratch(t: Tuning, m, c, r, dtype):
-  """SMEM: a union of (Q [M, C], KV ring, P [M, T]) with the [2, M, R/2] output staging
-  (merge='kernel': the partials' ring, slot 0 the staging), plus the statistics (LSE, alpha,
-  1 / l; merge='kernel': the split's LSE) and kernel._scratch's barriers."""
+  """SMEM: a union of (Q [M, C], KV ring, P [M, T]) with the [2, M, R/2] output staging, plus
+  the [3, M] statistics (LSE, alpha, 1 / l) and kernel._scratch's barriers."""
   q = plgpu.SMEM((m, c), dtype, transforms=k._BF16_TRANSFORMS)
   kv = plgpu.SMEM((t.stages, BLOCK_KV, c), dtype, transforms=k._BF16_TRANSFORMS)
   p = plgpu.SMEM((m, BLOCK_KV), dtype, transforms=k._BF16_TRANSFORMS)
-  merging = merge_in_kernel.enabled(t)
-  if merging:
-    o, extra = merge_in_kernel.scratch(t, m, r, _operand_bytes(t, m, c), k._BF16_TRANSFORMS)
-  else:
-    o_dtype = dtype if t.num_splits == 1 else PARTIALS_DTYPE
-    o, extra = (plgpu.SMEM((2, m, r // 2), o_dtype, transforms=k._BF16_TRANSFORMS),), []
+  o_dtype = dtype if t.num_splits == 1 else PARTIALS_DTYPE
+  o = plgpu.SMEM((2, m, r // 2), o_dtype, transforms=k._BF16_TRANSFORMS)
   return [
-      plgpu.RefUnion((q, kv, p), o),
-      plgpu.SMEM((4 if merging else 3, m), jnp.float32),
+      plgpu.RefUnion((q, kv, p), (o,)),
+      plgpu.SMEM((3, m), jnp.float32),
       plgpu.Barrier(num_barriers=1),
       plgpu.Barrier(num_barriers=t.stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=t.stages),
       plgpu.Barrier(num_arrivals=2),
       plgpu.Barrier(num_arrivals=1),
       plgpu.Barrier(num_arrivals=1),
-  ] + extra
+  ]
 
 
 def smem_bytes(t: Tuning, m, c, r, itemsize=2):
@@ -258,10 +238,7 @@ def smem_bytes(t: Tuning, m, c, r, itemsize=2):
   kib = lambda x: -(-x // 1024) * 1024
   o_item = itemsize if t.num_splits == 1 else jnp.dtype(PARTIALS_DTYPE).itemsize
   union = max(_operand_bytes(t, m, c, itemsize), kib(2 * m * (r // 2) * o_item))
-  total = union + kib(4 * m * 4) + 8 * (2 * t.stages + 4) + reduction_scratch_bytes(m)
-  if merge_in_kernel.enabled(t):  # the ring and its LSEs fit the union
-    total += merge_in_kernel.barrier_bytes(t, m, r, _operand_bytes(t, m, c, itemsize))
-  return total
+  return union + kib(3 * m * 4) + 8 * (2 * t.stages + 4) + reduction_scratch_bytes(m)
 
 
 def check_supported(t: Tuning, m, c, r):
@@ -285,7 +262,6 @@ def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning,
   if l % 8 or c % 64:
     raise ValueError(f"unsupported shapes {q_rows.shape=} {cache.shape=}")
   check_supported(t, m, c, r)
-  merge_in_kernel.check_supported(t, q_rows.dtype)
   if words.shape[2] != BLOCK_M or words.shape[1] != masks.num_words(n) + masks.EXTRA_WORDS:
     raise ValueError(f"{words.shape=} does not match {n=} and one row tile")
   rows_l = l if cache_rows is None else cache_rows
@@ -297,4 +273,4 @@ def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning,
       compiler_params=plgpu.CompilerParams(approx_math=True,
                                            reduction_scratch_bytes=reduction_scratch_bytes(m)),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
-  return fn(lengths, q_rows, cache, words)[:2]
+  return fn(lengths, q_rows, cache, words)

@@ -12,26 +12,22 @@ SMEM_BYTES = 232448  # sm90 dynamic shared memory per CTA (227 KiB)
 MIN_TILES_PER_SPLIT = 2  # a split below this pays its Q load and epilogue for too little streaming
 SWAP_AB_MAX_ROWS = 8  # default_tuning's swap-AB bound on N*H (the measured shape; see there)
 SWAP_AB_MAX_SPLITS = 128  # default_tuning's split cap at those rows (measured; see there)
-MERGES = ("xla", "triton", "kernel")  # the split merge: combine.py (XLA, ~3 kernels),
-                                      # merge_triton.py (1), or the kernel's last split
-                                      # (merge_in_kernel.py: no launch; not measured yet)
+MERGES = ("xla", "triton")  # the split merge: combine.py (XLA, ~3 kernels) or merge_triton.py (1)
 CLUSTER_ROWS = (1, 2, 4)  # Tuning.cluster_rows: off, or row tiles per cluster (multicast KV)
 MERGE_COLS = (32, 64, 128, 256, 512)  # Tuning.merge_cols
 
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-  """Static kernel configuration. Tried on the H200 and removed (notes/kernel.md "Tried and
+  """Static kernel configuration. Tried on an H200 / H100 and removed (notes/kernel.md "Tried and
   removed"): the v1 kernel, 32-key tiles, an L2 prefetch ahead of the ring, both warpgroups
-  scoring (shared_p=False), f32 split partials."""
+  scoring (shared_p=False), f32 split partials, the split merge inside the kernel
+  (merge='kernel', merge_chunk)."""
   num_splits: int = 1     # split-KV factor (grid axis); 1: the kernel writes the final output
   stages: int = 2         # KV tiles in flight (SMEM ring depth; kernel.smem_bytes <= SMEM_BYTES)
   swap_ab: bool = False    # M = N*H < 64 rows: keys as the wgmma M side, q rows its N
                            # (kernel_swap.py: no 64-row Q tile for 8 real rows)
   merge: str = "xla"      # the split merge (MERGES)
-  merge_chunk: int = 0    # merge='kernel': 0 = the last split merges all S - 1 others; G = two
-                          # levels: each G splits' last merges them, the last split the
-                          # ceil(S / G) chunks' results (~2 sqrt(S) partials on the longest path)
   cluster_rows: int = 1   # N*H >= 128: CTAs of one split's row tiles in a cluster of this size
                           # (1 = off); each streamed KV tile is TMA-multicast to all of them, so
                           # a split's tile leaves L2 once instead of once per row tile
@@ -52,13 +48,6 @@ class Tuning:
   def __post_init__(self):
     if self.num_splits < 1 or self.stages < 2:
       raise ValueError(f"need num_splits >= 1 and stages >= 2, got {self}")
-    if self.merge_chunk < 0:
-      raise ValueError(f"{self.merge_chunk=} must be >= 0")
-    if self.merge != "kernel" and self.merge_chunk:
-      raise ValueError(f"{self.merge_chunk=} is a merge='kernel' option")
-    if self.merge == "kernel" and self.cluster_rows != 1:
-      raise ValueError("merge='kernel' is an option without clusters (its counters and ring "
-                       f"are per row tile): {self.cluster_rows=}")
     if self.cluster_rows not in CLUSTER_ROWS or self.merge_cols not in MERGE_COLS:
       raise ValueError(f"{self.cluster_rows=} must be in {CLUSTER_ROWS}, "
                        f"{self.merge_cols=} in {MERGE_COLS}")

@@ -371,8 +371,8 @@ class TestLowersForGpu:
     """cluster_rows groups whole row tiles of the 64-row kernel; swap_ab is one row tile."""
     with pytest.raises(ValueError, match="cluster_rows"):
       self.lower_text(1, n, h, 4096, tuning)
-    for bad in (dict(cluster_rows=3), dict(merge_cols=96)):
-      with pytest.raises(ValueError):
+    for bad in (dict(cluster_rows=3), dict(merge_cols=96), dict(merge="kernel")):
+      with pytest.raises(ValueError):  # merge="kernel": tried and removed (notes/kernel.md)
         Tuning(**bad)
 
   def test_triton_merge_lowers(self):
