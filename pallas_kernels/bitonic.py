@@ -6,7 +6,7 @@ entries come first. It must be a strict total order (e.g. ending in a unique ind
 gives exactly the order a stable sort by the same keys gives. Work is O(L log^2 P) compare-exchanges
 for the best P of L entries, where rank counting compares all L^2 pairs.
 
-Used by pallas_kernels.ddtree_bitonic: each DDTree level's best np of Cp candidates
+Used by pallas_kernels.ddtree_build: each DDTree level's best np of Cp candidates
 (`top_sorted`) and the running best np of all levels' survivors (`merge_best`).
 """
 

@@ -1,31 +1,34 @@
 """DDTree's level loop and assembly (`kdtree_jax.tree.build_ddtree` after `topk_logprobs`) as ONE
-Pallas Triton program (build_ddtree's `auto` builder on a GPU up to AUTO_MAX_PADDED_CANDIDATES;
-`impl="pallas"` at any budget).
+Pallas Triton program: build_ddtree's `auto` builder on a GPU up to AUTO_MAX_PADDED_CANDIDATES,
+`impl="pallas"` at any budget. The same tree as `kdtree_jax.tree._build_from_topk`, node for node.
 
-The XLA build is ~45 kernels per step at budget 15 / block 16 (a sort and an update fusion per
-level, then a global sort, scatters and gathers): launches, not work. Here one program holds
-every array in registers (all tiny: n budget nodes, K candidates per depth, J depths) and
-  - selects by RANK COUNTING: a candidate's rank = how many candidates beat it under exactly the
-    XLA sort's key order (valid first, double-f32 score desc, tie key asc, slot asc), so the
-    kept ones are those of rank < n, in rank order;
-  - gathers and scatters as one-hot compares + sums (x + 0 is exact, and lax.sort compares
-    -0.0 == 0.0, so a zero's sign, the only thing a sum can change, never matters).
-Triton's blocks are powers of two: every axis is padded, and padding ranks after every real
-entry (a leading key) and is never selected.
+Why: XLA's build is ~45 kernels per step at budget 15 / block 16 (a sort and an update fusion per
+level, then a global sort, scatters and gathers): launches, not work. Here one program holds the
+tiny arrays (n budget nodes, K candidates per depth, J depths) and per depth:
+  - the level's nodes go to a scratch buffer in global memory (L1 / L2; a barrier each side), and
+    each candidate LOADS its parent's fields (hi, lo, ok, lexrank) and its log-prob: O(Cp) loads;
+  - the best np of the Cp candidates, in order, by a bitonic network (pallas_kernels.bitonic:
+    sort blocks of np, then halve by best-of-pairs + merges), over three words per candidate
+    (score key, lo key, one int32 = padding flag | tie key | candidate index): the exact order of
+    XLA's stable sort, the index being the stable sort's last tie-break;
+  - the level's survivors merge into the running best np of all levels (descending; one best-of-
+    pairs + log2(np) stages): the global pop order without comparing every survivor with every
+    survivor.
+After the loop one merge turns the running best ascending (pop order), and the tree (parents,
+visibility) is compared out ([Np, Np]; `write_tree`). Measured on an H100 (2026-12-05, 4 warps,
+CUPTI us per build): 30.7 / 40.3 / 51.3 / 65.1 / 84.9 at budgets 7 / 15 / 31 / 47 / 63, XLA's
+sorts 138.5-352.6 (notes/tree_builder.md, which also has the rank-counting selection this
+replaced: [Cp, Cp] compares, register spills from Cp 256 on).
 
-Structure (two loops, so the Triton program stays small: the first, fully unrolled version took
-~3 minutes of XLA:GPU compile): a loop over depths builds the survivors [Jp, np] (each level's n
-kept nodes: [Cp, Cp] candidate compares), a loop over the survivors' levels counts their global
-ranks ([np, Jp, np] compares a step), a loop over levels gathers them into tree order, then the
-parents and visibility ([Np, Np]) are compared out. At budget 15 / block 16: Cp = 64 (C = 45),
-Jp = np = 16, Np = 32; at budget 63: Cp = 512 (C = 273), the [Cp, Cp] compare is 256k entries
-per level: the trained pair's step at budget 63 took 5.92 ms with this kernel, 0.91 with XLA's
-builder (H100, 2026-12-05).
-
-This module is the "rank" selection (`build_from_topk(selection="rank")`); the DEFAULT is the
-"bitonic" one (pallas_kernels.ddtree_bitonic: bitonic networks and memory gathers, no [Cp, Cp] or
-[np, Jp, np] compares, no register spills at Cp 512; default_selection), faster at every budget on
-an H100 (notes/tree_builder.md). It shares the candidate pairs and the output stage (`write_tree`).
+Exactness: every key is the XLA builder's: valid first, double-f32 score desc, tie key asc, then
+the slot / candidate index; floats compare as IEEE (-0.0 == 0.0, as lax.sort), the candidate
+index and (level, slot) index make the orders total. Within a level, XLA's order of valid nodes
+(score, tie) is the global order's (score, rank tuple): the tie key (parent's lexicographic rank,
+r) orders as the rank tuple, so merging sorted levels gives the global sort. A candidate is valid
+iff its score key is finite (log-probs are clamped at -1e30 by topk_logprobs, so valid scores are
+finite). Gathers from registers are one-hot compares + sums (x + 0 is exact, and lax.sort
+compares -0.0 == 0.0, so a zero's sign, the only thing a sum can change, never matters). Triton's
+blocks are powers of two: every axis is padded, and padding sorts after every real entry.
 
 Letters: n budget, K = min(n, V) top-k per depth, J depths, C static (parent, rank) candidate
 pairs per level, N = n + 1 tree indices (root 0); a `p` suffix is the padded (power-of-2) size.
@@ -39,7 +42,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import bitonic
+
 _INT_MAX = np.iinfo(np.int32).max
+_PAD_BIT = 30
 
 
 def pow2(x: int) -> int:
@@ -52,6 +58,17 @@ def digit_packing(k: int) -> tuple[int, int]:
   and 0 (padding past a node's depth) in `bits` bits, big-endian, `per` per non-negative key."""
   bits = int(np.ceil(np.log2(k + 2)))
   return bits, max(1, 31 // bits)
+
+
+def key_layout(n: int, k: int, cp: int) -> tuple[int, int]:
+  """(index bits, tie bits) of the candidates' packed int32 key pad<<30 | tie<<ib | index: the
+  index < Cp, the tie key lexrank * k + r < pow2(n) * k."""
+  ib = bitonic.log2(cp)
+  tb = max(1, (pow2(n) * k - 1).bit_length())
+  if ib + tb > _PAD_BIT:
+    raise ValueError(f"bitonic selection packs tie and index in 30 bits: n={n}, k={k} need "
+                     f"{ib + tb}")
+  return ib, tb
 
 
 def _take(vec, idx, axis_ids, zero):
@@ -85,141 +102,119 @@ def _lexrank(tie, ok, slot):
   return jnp.sum(before.astype(jnp.int32), axis=0)
 
 
-def _row(x2d, rows, d, zero):
-  """Row d (traced) of a [Jp, P] array, as a masked sum (exact: one term is not zero)."""
-  return jnp.sum(jnp.where(rows[:, None] == d, x2d, zero), axis=0)
+def _candidate_before(a, b):
+  """Candidates (score key, lo key, packed int) in XLA's level order (the int is unique)."""
+  return _beats(list(a[:2]), list(b[:2]), a[2], b[2])
 
 
-def _set_row(x2d, rows, d, v):
-  """x2d with row d (traced) replaced by v [P]."""
-  return jnp.where(rows[:, None] == d, v[None, :], x2d)
+def _global_before(m):
+  """Survivors (score key, lo key, m rank-tuple keys, level * np + slot, payload...) in XLA's
+  global pop order."""
+  def before(a, b):
+    return _beats(list(a[:2 + m]), list(b[:2 + m]), a[2 + m], b[2 + m])
+  return before
 
 
-# A level's nodes (1D over slots) and the survivors of every level (2D [Jp, np]) are carried
-# through the loops as tuples in this order; `keys` (the packed rank tuples) are appended.
-_LEVEL = ("hi", "lo", "ok", "tie")
-_SURV = ("hi", "lo", "ok", "parent", "token")
-
-
-def _children(lvl, lp_row, cj, cr, *, n, k, c):
-  """The n kept children (score desc, rank tuple asc) of one level's nodes, in pop order, by
-  rank counting: tree._level. Returns (hi, lo, ok, parent slot, r, tie) over slots."""
-  slot = jnp.arange(lvl["hi"].shape[0], dtype=jnp.int32)
-  cidx = jnp.arange(cj.shape[0], dtype=jnp.int32)
-  kk = jnp.arange(lp_row.shape[0], dtype=jnp.int32)
-  lexrank = _lexrank(lvl["tie"], lvl["ok"] > 0, slot)
-  pad = cidx >= c
-  c_ok = (_take(lvl["ok"], cj, slot, 0) > 0) & ~pad
-  c_hi, c_lo = _dd_add(_take(lvl["hi"], cj, slot, 0.0), _take(lvl["lo"], cj, slot, 0.0),
-                       _take(lp_row, cr, kk, 0.0))
-  c_hi, c_lo = jnp.where(c_ok, c_hi, -jnp.inf), jnp.where(c_ok, c_lo, 0.0)
-  tie = _take(lexrank, cj, slot, 0) * k + cr
-  keys = [pad.astype(jnp.int32), jnp.where(c_ok, -c_hi, jnp.inf), -c_lo, tie]
-  before = _beats([x[:, None] for x in keys], [x[None, :] for x in keys],
-                  cidx[:, None], cidx[None, :])
-  rank = jnp.sum(before.astype(jnp.int32), axis=0)
-  pick = lambda v, zero: jnp.sum(jnp.where(rank[None, :] == slot[:, None], v[None, :], zero), 1)
-  ok = (pick(c_ok.astype(jnp.int32), 0) > 0) & (slot < n)
-  return (pick(c_hi, 0.0), pick(c_lo, 0.0), ok.astype(jnp.int32), pick(cj, 0), pick(cr, 0),
-          pick(tie, 0))
-
-
-def _first_level(lp, ids, np_, *, k, bits, per, m):
-  """Depth 1 (the top-k of block position 1, rank r = slot, the rest invalid) as a level tuple
-  (_LEVEL + keys) and its survivor row (_SURV + keys)."""
-  rows = jnp.arange(lp.shape[0], dtype=jnp.int32)
-  slot = jnp.arange(np_, dtype=jnp.int32)
-  kk = jnp.arange(lp.shape[1], dtype=jnp.int32)
+def _first_level(lp_ref, ids_ref, slot, *, k, bits, per, m):
+  """Depth 1: the top-k of block position 1 (r = slot), the rest invalid: (hi, lo, ok, tie,
+  keys) and the token of each slot."""
   ok = slot < k
   r = jnp.where(ok, slot, 0)
-  hi = jnp.where(ok, _take(_row(lp, rows, 0, 0.0), r, kk, 0.0), -jnp.inf)
-  lo = jnp.zeros_like(hi)
-  keys = [((r + 1) << (bits * (per - 1))) if i == 0 else jnp.zeros_like(r) for i in range(m)]
-  token = _take(_row(ids, rows, 0, 0), r, kk, 0)
-  return ((hi, lo, ok.astype(jnp.int32), r, *keys),
-          (hi, lo, ok.astype(jnp.int32), jnp.full_like(r, -1), token, *keys))
+  hi = jnp.where(ok, lp_ref[0, r], -jnp.inf)
+  keys = tuple(((r + 1) << (bits * (per - 1))) if i == 0 else jnp.zeros_like(r)
+               for i in range(m))
+  return (hi, jnp.zeros_like(hi), ok.astype(jnp.int32), r, *keys), ids_ref[0, r]
 
 
-def _survivors(lp, ids, cj, cr, np_, *, n, k, j, c, bits, per, m):
-  """Every level's kept nodes as survivors [Jp, np] (_SURV + packed rank tuples): depth 1, then
-  one loop step per depth (tree._level + tree._digits)."""
-  jp, kp = lp.shape
-  rows = jnp.arange(jp, dtype=jnp.int32)
+def _survivor_entry(level, token, parent, d, slot, np_):
+  """A level's nodes as global-order entries: (score key, lo key, keys, index, token, parent)."""
+  hi, lo, ok, _, *keys = level
+  score = jnp.where(ok > 0, -hi, jnp.inf)
+  return (score, -lo, *keys, d * np_ + slot, token, parent)
+
+
+def _barrier(interpret):
+  """All threads of the program meet (global-memory writes before it are visible after it); a
+  no-op in interpret mode, where the program is one sequential evaluation."""
+  if not interpret:
+    plt.debug_barrier()
+
+
+def _children(level, d, refs, cand, *, n, k, c, np_, bits, per, m, interpret):
+  """One depth: the best np children (slots >= n invalid) of `level`'s nodes in XLA's level
+  order, as (hi, lo, ok, tie, keys) plus each one's token and parent slot."""
+  lp_ref, ids_ref, cj_ref, cr_ref, hl_ref, is_ref = refs
+  cj, cr, cidx = cand
+  hi, lo, ok, tie, *keys = level
   slot = jnp.arange(np_, dtype=jnp.int32)
-  kk = jnp.arange(kp, dtype=jnp.int32)
-  put = lambda vals, d, old: tuple(_set_row(x2d, rows, d, v) for x2d, v in zip(old, vals))
-  level, first = _first_level(lp, ids, np_, k=k, bits=bits, per=per, m=m)
-  zeros = lambda x: jnp.zeros((jp, np_), x.dtype)
-  surv = put(first, 0, tuple(zeros(x) for x in first))
+  hl_ref[0, :] = hi
+  hl_ref[1, :] = lo
+  is_ref[0, :] = ok
+  is_ref[1, :] = _lexrank(tie, ok > 0, slot)
+  for i, key in enumerate(keys):
+    is_ref[2 + i, :] = key
+  _barrier(interpret)                              # the level is in memory for every thread
+  pad = cidx >= c
+  c_ok = (is_ref[0, cj] > 0) & ~pad
+  c_hi, c_lo = _dd_add(hl_ref[0, cj], hl_ref[1, cj], lp_ref[d, cr])
+  score = jnp.where(c_ok, -c_hi, jnp.inf)
+  lo_key = -jnp.where(c_ok, c_lo, 0.0)
+  ib, tb = key_layout(n, k, cj.shape[0])
+  packed = (pad.astype(jnp.int32) << _PAD_BIT) | ((is_ref[1, cj] * k + cr) << ib) | cidx
+  score, lo_key, packed = bitonic.top_sorted((score, lo_key, packed), _candidate_before, np_)
+  index = packed & ((1 << ib) - 1)
+  parent, r = cj_ref[index], cr_ref[index]
+  ok = (score < jnp.inf) & (slot < n)
+  digit = (r + 1) << (bits * (per - 1 - jax.lax.rem(d, per)))  # d >= 0: rem, div = %, //
+  new_keys = tuple(is_ref[2 + i, parent] + jnp.where(i == jax.lax.div(d, per), digit, 0)
+                   for i in range(m))
+  token = ids_ref[d, r]
+  _barrier(interpret)                              # every read done before the next level writes
+  tie = (packed >> ib) & ((1 << tb) - 1)
+  return (-score, -lo_key, ok.astype(jnp.int32), tie, *new_keys), token, parent
+
+
+def _best_survivors(refs, *, n, k, j, c, bits, per, m, interpret):
+  """The best np survivors of all levels in pop order (ascending), as global-order entries."""
+  lp_ref, ids_ref, cj_ref, cr_ref = refs[:4]
+  np_ = pow2(n)
+  slot = jnp.arange(np_, dtype=jnp.int32)
+  cj, cr = cj_ref[...], cr_ref[...]
+  cand = (cj, cr, jnp.arange(cj.shape[0], dtype=jnp.int32))
+  before = _global_before(m)
+  level, token = _first_level(lp_ref, ids_ref, slot, k=k, bits=bits, per=per, m=m)
+  first = _survivor_entry(level, token, jnp.full_like(slot, -1), 0, slot, np_)
+  worst = tuple(jnp.full_like(x, jnp.inf if x.dtype == jnp.float32 else _INT_MAX)
+                for x in first)                    # after every entry, real or invalid
+  acc = bitonic.merge_best(worst, first, before)
 
   def step(d, carry):
-    level, surv = carry
-    lvl = dict(zip(_LEVEL, level[:4]))
-    hi, lo, ok, parent, r, tie = _children(lvl, _row(lp, rows, d, 0.0), cj, cr, n=n, k=k, c=c)
-    digit = (r + 1) << (bits * (per - 1 - jax.lax.rem(d, per)))  # d >= 0: rem, div = %, //
-    keys = [_take(pk, parent, slot, 0) + jnp.where(i == jax.lax.div(d, per), digit, 0)
-            for i, pk in enumerate(level[4:])]
-    token = _take(_row(ids, rows, d, 0), r, kk, 0)
-    return (hi, lo, ok, tie, *keys), put((hi, lo, ok, parent, token, *keys), d, surv)
+    level, acc = carry
+    level, token, parent = _children(level, d, refs, cand, n=n, k=k, c=c, np_=np_, bits=bits,
+                                     per=per, m=m, interpret=interpret)
+    entry = _survivor_entry(level, token, parent, d, slot, np_)
+    return level, bitonic.merge_best(acc, entry, before)
 
-  return jax.lax.fori_loop(1, j, step, (level, surv))[1]
+  acc = jax.lax.fori_loop(1, j, step, (level, acc))[1]
+  return bitonic.merge(acc, before, np_, None)
 
 
-def _global_rank(surv, n, j):
-  """rank [Jp, np]: position of survivor (level d, slot s) in the heap's pop order
-  (tree._assemble's sort keys: valid first, score desc, rank tuple asc, then level and slot);
-  padding (slots >= n, levels >= J) last. One loop step per level of the rival survivors."""
-  hi, lo, ok = surv[:3]
-  keys2d = surv[5:]
-  jp, np_ = hi.shape
-  rows = jnp.arange(jp, dtype=jnp.int32)
-  slot = jnp.arange(np_, dtype=jnp.int32)
-  real = (slot[None, :] < n) & (rows[:, None] < j)
-  keys = [(~real).astype(jnp.int32), jnp.where(ok > 0, -hi, jnp.inf), -lo, *keys2d]
-  index = rows[:, None] * np_ + slot[None, :]
-
-  def step(d, acc):
-    rival = [_row(x, rows, d, x.dtype.type(0)) for x in keys]
-    before = _beats([x[:, None, None] for x in rival], [x[None] for x in keys],
-                    (d * np_ + slot)[:, None, None], index[None])
-    return acc + jnp.sum(before.astype(jnp.int32), axis=0)
-
-  return jax.lax.fori_loop(0, j, step, jnp.zeros((jp, np_), jnp.int32))
-
-
-def _outputs(surv, rank, n, j, npos):
-  """Per tree index t (0 = root, 1..n = pop order): valid, depth, token, parent slot, slot and
-  packed keys of the survivor of rank t - 1 (zeros for the root and padding)."""
-  jp, np_ = rank.shape
-  rows = jnp.arange(jp, dtype=jnp.int32)
-  slot = jnp.arange(np_, dtype=jnp.int32)
+def _tree_fields(acc, npos, np_, m):
+  """Per tree index t (0 = root, t = pop position + 1): ok, depth, token, parent slot, slot, keys
+  (zeros for the root and past np)."""
+  score, _, *rest = acc
+  keys, index, token, parent = rest[:m], rest[m], rest[m + 1], rest[m + 2]
   t = jnp.arange(npos, dtype=jnp.int32)
-  ok, parent, token, keys = surv[2], surv[3], surv[4], surv[5:]
-  fields = (ok, jnp.broadcast_to(rows[:, None] + 1, rank.shape), token, parent,
-            jnp.broadcast_to(slot[None, :], rank.shape), *keys)
-
-  def step(d, acc):
-    hit = ((_row(rank, rows, d, 0) + 1)[None, :] == t[:, None]) & (slot < n)[None, :]
-    return tuple(a + jnp.sum(jnp.where(hit, _row(x, rows, d, 0)[None, :], 0), axis=1)
-                 for a, x in zip(acc, fields))
-
-  out = jax.lax.fori_loop(0, j, step, tuple(jnp.zeros((npos,), jnp.int32) for _ in fields))
-  return t, dict(zip(("ok", "depth", "token", "parent", "slot"), out[:5])), list(out[5:])
-
-
-def _kernel(lp_ref, ids_ref, cj_ref, cr_ref, tok_ref, dep_ref, par_ref, vis_ref, *,
-            n, k, j, c, bits, per, m):
-  """lp/ids [Jp, Kp] top-k log-probs and ids per depth, cj/cr [Cp] static candidate pairs ->
-  tokens/depths/parents [Np] and visibility [Np, Np] (int32) over tree indices."""
-  surv = _survivors(lp_ref[...], ids_ref[...], cj_ref[...], cr_ref[...], pow2(n),
-                    n=n, k=k, j=j, c=c, bits=bits, per=per, m=m)
-  t, f, keys = _outputs(surv, _global_rank(surv, n, j), n, j, tok_ref.shape[0])
-  write_tree(tok_ref, dep_ref, par_ref, vis_ref, t, f, keys, n=n, bits=bits, per=per)
+  pos = jnp.arange(np_, dtype=jnp.int32)
+  shift = lambda v: _take(v, t - 1, pos, 0)
+  fields = dict(ok=shift((score < jnp.inf).astype(jnp.int32)), depth=shift(index // np_ + 1),
+                token=shift(token), parent=shift(parent), slot=shift(index % np_))
+  return t, fields, [shift(key) for key in keys]
 
 
 def write_tree(tok_ref, dep_ref, par_ref, vis_ref, t, f, keys, *, n, bits, per):
-  """The outputs from the per-tree-index fields (t, f, keys as `_outputs` gives them): tokens,
-  depths, parents and visibility (shared with pallas_kernels.ddtree_bitonic)."""
+  """The outputs from the per-tree-index fields (t, f, keys as `_tree_fields` gives them):
+  tokens, depths, parents and visibility."""
   valid = (f["ok"] > 0) & (t >= 1) & (t <= n)
   depth = jnp.where(valid, f["depth"], 0)
   tok_ref[...] = jnp.where(valid, f["token"], 0)
@@ -244,10 +239,21 @@ def _visibility(t, depth, ok, keys, bits, per):
   return vis | (t[:, None] == t[None, :])
 
 
+def _kernel(lp_ref, ids_ref, cj_ref, cr_ref, tok_ref, dep_ref, par_ref, vis_ref, hl_ref, is_ref,
+            *, n, k, j, c, bits, per, m, interpret):
+  """lp/ids [Jp, Kp] top-k log-probs and ids per depth, cj/cr [Cp] static candidate pairs ->
+  tokens/depths/parents [Np] and visibility [Np, Np] (int32) over tree indices; hl_ref [2, np]
+  f32 and is_ref [2 + m, np] int32 are the level scratch (outputs nobody reads)."""
+  refs = (lp_ref, ids_ref, cj_ref, cr_ref, hl_ref, is_ref)
+  acc = _best_survivors(refs, n=n, k=k, j=j, c=c, bits=bits, per=per, m=m, interpret=interpret)
+  t, f, keys = _tree_fields(acc, tok_ref.shape[0], pow2(n), m)
+  write_tree(tok_ref, dep_ref, par_ref, vis_ref, t, f, keys, n=n, bits=bits, per=per)
+
+
 # The largest padded candidate count Cp = pow2(C) at which build_ddtree's `auto` takes this
-# kernel on a GPU (above it, XLA's sorts): Cp 512 = budgets 60-105 at K = n (63 measured). The bitonic selection
-# (default_selection) beat XLA's sorts at every Cp up to 512 on an H100 (2026-12-05,
-# scripts/bench_tree_builder.py, CUPTI us per build): 84.9 vs 352.6 at budget 63. The rank
+# kernel on a GPU (above it, XLA's sorts): Cp 512 = budgets 60-105 at K = n (63 measured). The
+# kernel beat XLA's sorts at every Cp up to 512 on an H100 (2026-12-05,
+# scripts/bench_tree_builder.py, CUPTI us per build): 84.9 vs 352.6 at budget 63. The rank-counting
 # selection it replaced fell off at Cp 256 (1161.9 vs 304.3) and took the trained pair's step at
 # budget 63 to 5.92 ms (vs 0.90 with XLA's builder), which is why the cap was 128 before.
 AUTO_MAX_PADDED_CANDIDATES = 512
@@ -269,58 +275,32 @@ def candidate_pairs(n, k):
   return tree._candidate_pairs(n, k)  # pylint: disable=protected-access
 
 
-def default_warps(cp: int) -> int:
-  """Triton warps by padded candidate count: measured on an H100 (2026-12-05,
-  scripts/bench_tree_builder.py, CUPTI us per build): Cp 16 / 64 4 warps 48.7 / 77.6 vs 8 warps
-  59.1 / 87.5; Cp 128 4 warps 149.2 vs 8 warps 140.1."""
-  return 8 if cp >= 128 else 4
-
-
-# The kernel's per-depth selection: "rank" (this module: rank counting, [Cp, Cp] compares) or
-# "bitonic" (pallas_kernels.ddtree_bitonic: bitonic networks and memory gathers, O(Cp log^2 np)).
-SELECTIONS = ("rank", "bitonic")
-
-
-def default_selection(cp: int) -> str:
-  """The selection by padded candidate count: "bitonic" at every Cp. Measured on an H100
-  (2026-12-05, scripts/bench_tree_builder.py, CUPTI us per build, bitonic 4 warps vs rank vs XLA's
-  sorts): Cp 16 30.7 / 48.3 / 138.5, Cp 64 40.3 / 77.7 / 213.9, Cp 128 51.3 / 140.8 / 262.8,
-  Cp 256 65.1 / 447.0 / 305.5, Cp 512 84.9 / 1178 / 352.6. "rank" stays selectable by name."""
-  del cp
-  return "bitonic"
-
-
-# Triton warps of the bitonic selection: 4 at every Cp (H100, 2026-12-05: 4 vs 8 warps 30.7 / 36.1
-# us at Cp 16, 40.3 / 47.6 at 64, 51.3 / 53.1 at 128, 65.1 / 75.7 at 256).
+# Triton warps: 4 at every Cp (H100, 2026-12-05: 4 vs 8 warps 30.7 / 36.1 us at Cp 16, 40.3 / 47.6
+# at 64, 51.3 / 53.1 at 128, 65.1 / 75.7 at 256).
 BITONIC_WARPS = 4
 
 
 def build_from_topk(lp_jk, ids_jk, n: int, interpret: bool = False,
-                    num_warps: int | None = None, selection: str | None = None):
-  """tree.build_ddtree's result from topk_logprobs' (log-probs, ids) [J, K], as one kernel.
-  selection: one of SELECTIONS (None: default_selection(Cp))."""
+                    num_warps: int = BITONIC_WARPS):
+  """tree.build_ddtree's result from topk_logprobs' (log-probs, ids) [J, K], as one kernel."""
   j, k = lp_jk.shape
   cj, cr = candidate_pairs(n, k)
   c = len(cj)
-  cp, jp, kp, npos = pow2(c), pow2(j), pow2(k), pow2(n + 1)
-  selection = selection or default_selection(cp)
-  if selection not in SELECTIONS:
-    raise ValueError(f"{selection=} is not one of {SELECTIONS}")
-  if selection == "bitonic":
-    from pallas_kernels import ddtree_bitonic  # pylint: disable=import-outside-toplevel
-    return ddtree_bitonic.build_from_topk(lp_jk, ids_jk, n, interpret=interpret,
-                                          num_warps=num_warps or BITONIC_WARPS)
+  cp, jp, kp, npos, np_ = pow2(c), pow2(j), pow2(k), pow2(n + 1), pow2(n)
+  key_layout(n, k, cp)                              # fails early if the keys do not fit
   bits, per = digit_packing(k)
+  m = -(-j // per)
   pad2 = lambda x: jnp.pad(x, ((0, jp - j), (0, kp - k)))
   cand = lambda x: jnp.asarray(np.pad(x, (0, cp - c)).astype(np.int32))
-  kernel = functools.partial(_kernel, n=n, k=k, j=j, c=c, bits=bits, per=per,
-                             m=-(-j // per))
+  kernel = functools.partial(_kernel, n=n, k=k, j=j, c=c, bits=bits, per=per, m=m,
+                             interpret=interpret)
   vec = jax.ShapeDtypeStruct((npos,), jnp.int32)
-  tok, dep, par, vis = pl.pallas_call(
+  tok, dep, par, vis, _, _ = pl.pallas_call(
       kernel,
-      out_shape=[vec, vec, vec, jax.ShapeDtypeStruct((npos, npos), jnp.int32)],
-      compiler_params=plt.CompilerParams(num_warps=num_warps or default_warps(cp),
-                                         num_stages=1),
+      out_shape=[vec, vec, vec, jax.ShapeDtypeStruct((npos, npos), jnp.int32),
+                 jax.ShapeDtypeStruct((2, np_), jnp.float32),
+                 jax.ShapeDtypeStruct((2 + m, np_), jnp.int32)],
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
   )(pad2(lp_jk), pad2(ids_jk), cand(cj), cand(cr))
   return tok[1:n + 1], dep[1:n + 1], par[:n + 1], vis[:n + 1, :n + 1] != 0

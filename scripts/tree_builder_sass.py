@@ -1,6 +1,6 @@
 """The DDTree builder kernel's machine code for an H200, compiled on a machine WITHOUT a GPU:
 registers, spilled bytes (stack frame), SASS instructions and local-memory loads / stores per
-(budget, selection, warps), before any device time is spent.
+(budget, warps), before any device time is spent.
 
 XLA:GPU's own compiler (kdtree_jax.deviceless) compiles `ddtree_build.build_from_topk` for a
 compile-only H200 with `xla_gpu_kernel_cache_file` set, which makes it write every kernel's
@@ -8,12 +8,12 @@ cubin, uncompressed, to that file; the `_kernel` cubin's .nv.info gives register
 (EIATTR_REGCOUNT) and the frame (EIATTR_FRAME_SIZE: bytes of spilled registers per thread),
 and nvdisasm (.deviceless/nvidia/cu13/bin: `pip install --target .deviceless
 nvidia-cuda-nvdisasm`) its static SASS (counts of the code, not of executed instructions). A
-frame > 0 (LDL / STL) is the register spilling that made the rank-counting kernel 8x slower past
-Cp 128 (notes/tree_builder.md):
+frame > 0 (LDL / STL) is the register spilling that made the removed rank-counting kernel 8x
+slower past Cp 128 (notes/tree_builder.md):
 
-  python scripts/tree_builder_sass.py --budgets 15,31,47,63 --num_warps 4,8 --selections rank,bitonic
+  python scripts/tree_builder_sass.py --budgets 15,31,47,63 --num_warps 4,8
 
-~1-20 s per rank program, ~10-50 s per bitonic program on 2 CPU cores.
+~5-50 s per program on 2 CPU cores.
 """
 
 import collections
@@ -33,7 +33,6 @@ from kdtree_jax import deviceless  # pylint: disable=wrong-import-position
 
 _BUDGETS = flags.DEFINE_list("budgets", ["15", "31", "47", "63"], "Tree budgets n (K = n).")
 _WARPS = flags.DEFINE_list("num_warps", ["4", "8"], "Triton warps.")
-_SELECTIONS = flags.DEFINE_list("selections", ["rank", "bitonic"], "ddtree_build.SELECTIONS.")
 _DEPTHS = flags.DEFINE_integer("depths", 15, "Draft depths J (block - 1).")
 _NVDISASM = flags.DEFINE_string(
     "nvdisasm", deviceless.NVDISASM,
@@ -95,13 +94,12 @@ def sass_counts(elf: bytes, nvdisasm: str) -> collections.Counter:
   return counts
 
 
-def compile_kernel(target, n, warps, selection, depths, cache_file):
+def compile_kernel(target, n, warps, depths, cache_file):
   """Compiles the builder (top-k log-probs [J, n] in) for the target; returns compile seconds."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from pallas_kernels import ddtree_build  # pylint: disable=import-outside-toplevel
-  fn = jax.jit(functools.partial(ddtree_build.build_from_topk, n=n, num_warps=warps,
-                                 selection=selection))
+  fn = jax.jit(functools.partial(ddtree_build.build_from_topk, n=n, num_warps=warps))
   args = deviceless.on(target, (jax.ShapeDtypeStruct((depths, n), jnp.float32),
                                 jax.ShapeDtypeStruct((depths, n), jnp.int32)))
   t0 = time.perf_counter()
@@ -111,17 +109,17 @@ def compile_kernel(target, n, warps, selection, depths, cache_file):
   return time.perf_counter() - t0
 
 
-def kernel_row(target, n, warps, selection, depths, nvdisasm):
+def kernel_row(target, n, warps, depths, nvdisasm):
   """One program's row: the Triton `_kernel`'s registers, frame and SASS counts."""
   from pallas_kernels import ddtree_build  # pylint: disable=import-outside-toplevel
   with tempfile.TemporaryDirectory() as tmp:
     cache = os.path.join(tmp, "kernels.bin")
-    secs = compile_kernel(target, n, warps, selection, depths, cache)
+    secs = compile_kernel(target, n, warps, depths, cache)
     with open(cache, "rb") as f:
       blob = f.read()
   for elf in cubins(blob):
     if b".text._kernel" in elf:
-      return dict(budget=n, selection=selection, warps=warps,
+      return dict(budget=n, warps=warps,
                   cp=ddtree_build.padded_candidates(n, n), compile_s=secs, **nv_info(elf),
                   **sass_counts(elf, nvdisasm))
   raise RuntimeError("no _kernel cubin in XLA's kernel cache")
@@ -132,15 +130,14 @@ def main(_):
   target = deviceless.h200()
   jax.config.update("jax_enable_compilation_cache", False)   # compile, do not load
   nvdisasm = _NVDISASM.value if os.path.exists(_NVDISASM.value) else ""
-  print(f"{'budget':>6} {'Cp':>4} {'selection':>9} {'warps':>5} {'regs':>4} {'frame B':>7} "
+  print(f"{'budget':>6} {'Cp':>4} {'warps':>5} {'regs':>4} {'frame B':>7} "
         f"{'SASS':>6} {'LDL':>5} {'STL':>5} {'BAR':>4} {'comp s':>6}   (H200, deviceless)")
   for n in [int(b) for b in _BUDGETS.value]:
-    for sel in _SELECTIONS.value:
-      for w in [int(x) for x in _WARPS.value]:
-        r = kernel_row(target, n, w, sel, _DEPTHS.value, nvdisasm)
-        print(f"{n:>6} {r['cp']:>4} {sel:>9} {w:>5} {r.get('regs', '-'):>4} "
-              f"{r.get('frame', '-'):>7} {r.get('sass', '-'):>6} {r.get('LDL', 0):>5} "
-              f"{r.get('STL', 0):>5} {r.get('BAR', 0):>4} {r['compile_s']:6.1f}", flush=True)
+    for w in [int(x) for x in _WARPS.value]:
+      r = kernel_row(target, n, w, _DEPTHS.value, nvdisasm)
+      print(f"{n:>6} {r['cp']:>4} {w:>5} {r.get('regs', '-'):>4} "
+            f"{r.get('frame', '-'):>7} {r.get('sass', '-'):>6} {r.get('LDL', 0):>5} "
+            f"{r.get('STL', 0):>5} {r.get('BAR', 0):>4} {r['compile_s']:6.1f}", flush=True)
 
 
 if __name__ == "__main__":

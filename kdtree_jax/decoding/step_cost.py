@@ -324,8 +324,8 @@ def k26_models(calibration_json: str | None = None) -> dict:
 # A fixed-budget DDTree step that costs more than this many times the next smaller budget's
 # (budgets here at most double) is flagged SUSPECT: the verify and the builder grow with the node
 # count far slower than that on this pair (H100, 2026-12-05: budget 1 -> 31 took 0.38 -> 0.60
-# ms/step), and a jump meant a path fell off its fast form (the rank-selection builder at 63:
-# 5.92 ms after 0.60 at 31; ddtree_build.AUTO_MAX_PADDED_CANDIDATES).
+# ms/step), and a jump meant a path fell off its fast form (the removed rank-selection builder at
+# 63: 5.92 ms after 0.60 at 31; notes/tree_builder.md, ddtree_build.AUTO_MAX_PADDED_CANDIDATES).
 CLIFF_FACTOR = 2.0
 
 

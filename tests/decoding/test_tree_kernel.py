@@ -1,8 +1,10 @@
-"""The one-kernel DDTree builder (pallas_kernels.ddtree_build, build_ddtree(impl=...)) against the
-XLA build_ddtree (itself tested against the published heap in test_ddtree.py): node for node in
-interpret mode on random logits with exact ties, masked (-inf) logits and exhaustion (budget >
-the valid nodes), a mutation that must fail, lowering for an abstract H200, and the option's
-plumbing (SpecConfig.tree_impl, bench.tree_impl)."""
+"""The one-kernel DDTree builder (pallas_kernels.ddtree_build: bitonic selection; build_ddtree(
+impl=...)) against the XLA build_ddtree (itself tested against the published heap in
+test_ddtree.py): node for node in interpret mode on random logits with exact ties, masked (-inf)
+logits and exhaustion (budget > the valid nodes), at K = n and K < n; the bitonic networks
+(pallas_kernels.bitonic) against numpy's lexsort; mutations that must fail; lowering for an
+abstract H200 and `auto`'s choice; the option's plumbing (SpecConfig.tree_impl, bench.tree_impl);
+the compiled kernel on a GPU."""
 
 import functools
 import pathlib
@@ -15,7 +17,7 @@ import pytest
 from kdtree_jax import tree
 from kdtree_jax.cli import UsageError
 from kdtree_jax.decoding.spec_config import SpecConfig
-from pallas_kernels import ddtree_build
+from pallas_kernels import bitonic, ddtree_build
 
 
 def _logits(seed, batch, depth, vocab):
@@ -48,32 +50,94 @@ def _mismatch(budget, logits):
           if a.shape != b.shape or a.dtype != b.dtype or not np.array_equal(a, b)]
 
 
-# block 8 (J = 7): every padding boundary up to 63; block 16 (J = 15): the bench's budgets and
-# boundaries (each budget is one interpret-mode compile, ~10-20 s on this CPU).
+# block 8 (J = 7): every padding boundary up to 63 (K = min(n, 40)); block 16 (J = 15): the bench's
+# budgets at K = n (Cp 16 .. 512) and K = 10 < n; one node, one depth (block 2); exhaustion (tiny
+# V). Each budget is one interpret-mode compile, ~3-12 s on this CPU.
 @pytest.mark.parametrize("budget,block,vocab", [
     (b, 8, 40) for b in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63)] + [
-    (b, 16, 40) for b in (1, 7, 15, 16, 31, 63)] + [
-    (15, 16, 3), (63, 8, 2), (31, 16, 5)])                          # exhaustion: tiny V
+    (b, 16, 80) for b in (7, 15, 31, 47, 63)] + [
+    (b, 16, 10) for b in (15, 47, 63)] + [
+    (1, 16, 40), (16, 16, 40), (5, 2, 40), (15, 16, 3), (63, 8, 2), (31, 16, 5)])
 def test_kernel_equals_xla(budget, block, vocab):
   logits = _logits(budget * 100 + block + vocab, 10, block - 1, vocab)
   assert _mismatch(budget, logits) == []
 
 
-def test_tie_order_mutation_fails(monkeypatch):
-  """The tie order flipped (the level's tie key and the global rank tuples compared descending:
-  every integer key after the padding flag negated) must change trees."""
-  honest = ddtree_build._beats
-
-  def flipped(keys_a, keys_b, idx_a, idx_b):
-    neg = lambda keys: keys[:1] + [-x if jnp.issubdtype(x.dtype, jnp.integer) else x
-                                   for x in keys[1:]]
-    return honest(neg(keys_a), neg(keys_b), idx_a, idx_b)
-
-  monkeypatch.setattr(ddtree_build, "_beats", flipped)
+def _mutated_trees_differ(monkeypatch, module, name, mutant):
+  """Whether build_ddtree (interpret) with `module.name` replaced by mutant(original) builds other
+  trees than XLA's on tie-heavy logits (block 8, budget 15). Fresh jits: a cached trace would
+  keep the honest kernel."""
+  monkeypatch.setattr(module, name, mutant(getattr(module, name)))
   logits = _logits(7, 10, 7, 40)
   fn = jax.jit(jax.vmap(lambda x: tree.build_ddtree(x, 15, impl="interpret")))
-  ref = jax.jit(jax.vmap(lambda x: tree.build_ddtree(x, 15)))
-  assert any(not np.array_equal(a, b) for a, b in zip(ref(logits), fn(logits)))
+  ref = jax.jit(jax.vmap(lambda x: tree.build_ddtree(x, 15, impl="xla")))
+  return any(not np.array_equal(a, b) for a, b in zip(ref(logits), fn(logits)))
+
+
+def test_tie_order_mutation_fails(monkeypatch):
+  """The global order's rank tuples compared descending (every integer key after the first of
+  each `_beats` call negated: the level's candidate keys are floats) must change trees."""
+  def flip(honest):
+    def flipped(keys_a, keys_b, idx_a, idx_b):
+      neg = lambda keys: keys[:1] + [-x if jnp.issubdtype(x.dtype, jnp.integer) else x
+                                     for x in keys[1:]]
+      return honest(neg(keys_a), neg(keys_b), idx_a, idx_b)
+    return flipped
+  assert _mutated_trees_differ(monkeypatch, ddtree_build, "_beats", flip)
+
+
+def test_flipped_exchange_direction_fails(monkeypatch):
+  """Every compare-exchange with its order reversed (sorts descending) must change trees."""
+  flip = lambda honest: lambda xs, before, h, d: honest(xs, lambda a, b: before(b, a), h, d)
+  assert _mutated_trees_differ(monkeypatch, bitonic, "exchange", flip)
+
+
+def test_reversed_candidate_tie_break_fails(monkeypatch):
+  """The candidates' packed tie key (tie, then index) compared descending must change trees: the
+  tie order is what makes the kernel equal XLA's stable sort."""
+  def flip(_):
+    return lambda a, b: ddtree_build._beats(list(a[:2]), list(b[:2]), -a[2], -b[2])  # pylint: disable=protected-access
+  assert _mutated_trees_differ(monkeypatch, ddtree_build, "_candidate_before", flip)
+
+
+def _before3(a, b):
+  """(float key, int key, unique index) ascending."""
+  return ddtree_build._beats([a[0], a[1]], [b[0], b[1]], a[2], b[2])  # pylint: disable=protected-access
+
+
+def _random_entries(rng, length, offset=0):
+  """Three arrays: a float and an int key with many ties, a unique index."""
+  return (jnp.asarray(rng.integers(0, 4, length).astype(np.float32)),
+          jnp.asarray(rng.integers(0, 3, length).astype(np.int32)),
+          jnp.asarray(rng.permutation(length).astype(np.int32) + offset))
+
+
+def _lexsorted(xs):
+  """xs sorted by (key 0, key 1, index) with numpy."""
+  order = np.lexsort(tuple(np.asarray(x) for x in reversed(xs)))
+  return [np.asarray(x)[order] for x in xs]
+
+
+@pytest.mark.parametrize("length,best", [(512, 64), (256, 64), (64, 64), (16, 4), (8, 8),
+                                         (2, 1), (4, 1)])
+def test_top_sorted_is_lexsort(length, best):
+  rng = np.random.default_rng(length + best)
+  for _ in range(3):
+    xs = _random_entries(rng, length)
+    got = jax.jit(lambda xs: bitonic.top_sorted(xs, _before3, best))(xs)
+    want = _lexsorted(xs)
+    assert all(np.array_equal(np.asarray(g), w[:best]) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("size", [1, 2, 16, 64])
+def test_merge_best_is_lexsort_of_both(size):
+  rng = np.random.default_rng(size)
+  a = _lexsorted(_random_entries(rng, size))
+  b = _lexsorted(_random_entries(rng, size, offset=size))
+  acc_desc = tuple(jnp.asarray(x[::-1]) for x in a)
+  got = bitonic.merge_best(acc_desc, tuple(jnp.asarray(x) for x in b), _before3)
+  want = _lexsorted([np.concatenate([x, y]) for x, y in zip(a, b)])
+  assert all(np.array_equal(np.asarray(g)[::-1], w[:size]) for g, w in zip(got, want))
 
 
 def _lower_h200(budget, block, vocab, batch=1, impl="pallas"):
@@ -145,13 +209,24 @@ def test_padding_helpers():
   assert [ddtree_build.pow2(x) for x in (1, 2, 3, 15, 16, 17, 64)] == [1, 2, 4, 16, 16, 32, 64]
   bits, per = ddtree_build.digit_packing(15)
   assert (1 << bits) >= 15 + 2 and bits * per <= 31
+  assert ddtree_build.key_layout(63, 63, 512) == (9, 12)       # index < 512, tie < 64 * 63
+  with pytest.raises(ValueError, match="30 bits"):
+    ddtree_build.key_layout(4000, 4000, 1 << 15)
 
 
 @pytest.mark.gpu  # skipped without a GPU by tests/conftest.py; `-m gpu` selects it
-@pytest.mark.parametrize("budget,block", [(1, 16), (7, 8), (15, 16), (31, 16), (63, 16)])
-def test_compiled_kernel_equals_xla_on_gpu(budget, block):
-  """On a GPU: impl='pallas' (the compiled Triton program) == the XLA builder, node for node."""
-  logits = _logits(budget + block, 10, block - 1, 40)
-  fn = jax.jit(jax.vmap(lambda x: tree.build_ddtree(x, budget, impl="pallas")))
-  xla, _ = _builders(budget)
-  assert all(np.array_equal(a, b) for a, b in zip(xla(logits), fn(logits)))
+@pytest.mark.parametrize("budget", [1, 7, 15, 31, 47, 63])
+@pytest.mark.parametrize("num_warps", [4, 8])
+def test_compiled_kernel_equals_xla_on_gpu(budget, num_warps, request):
+  """On a GPU: the compiled Triton program == the XLA builder, node for node. The default GPU
+  set compiles two of the twelve programs, budgets 15 and 63 at the default 4 warps (H100
+  compiles 16.7 and 68.3 s); the rest with pytest's --gpu-full-grid."""
+  if (budget, num_warps) not in ((15, 4), (63, 4)) and not request.config.getoption(
+      "--gpu-full-grid"):
+    pytest.skip("DDTree builder GPU grid: pass --gpu-full-grid")
+  logits = _logits(budget + num_warps, 10, 15, 80)
+  lp, ids = jax.jit(jax.vmap(lambda x: tree.topk_logprobs(x, budget)))(logits)
+  xla = jax.jit(jax.vmap(functools.partial(tree._build_from_topk, n=budget)))  # pylint: disable=protected-access
+  kern = jax.jit(jax.vmap(functools.partial(ddtree_build.build_from_topk, n=budget,
+                                            num_warps=num_warps)))
+  assert all(np.array_equal(a, b) for a, b in zip(xla(lp, ids), kern(lp, ids)))
