@@ -120,11 +120,10 @@
 #               ddtree 1..63 / switch / auto (scripts/bench_pair.py; without a calibration it says so and uses the shipped
 #               configs/k2tiny.step_cost.json, not the analytic floor); pair:480 cold
 #   tree_builder  scripts/bench_tree_builder.py: DDTree's builder alone per budget (31, 47, 63,
-#               15), XLA's sorts vs the Triton kernel's bitonic selection (`bitonic w4 / w8`,
-#               default off: ddtree_build.default_selection) and rank counting (`pallas w4 / w8`),
-#               CUPTI us, trees checked node for node: decides default_selection and
-#               ddtree_build.AUTO_MAX_PADDED_CANDIDATES; the bitonic compiles take ~20-50 s each:
-#               tree_builder:330
+#               15), XLA's sorts vs the Triton kernel at 4 and 8 warps (`bitonic w4 / w8`),
+#               CUPTI us, trees checked node for node: decides
+#               ddtree_build.AUTO_MAX_PADDED_CANDIDATES and BITONIC_WARPS; the kernel compiles
+#               take ~8-70 s each: tree_builder:330
 #   sharding    scripts/check_sharding_gpu.py over all visible GPUs (2 on nvidia-h200-x2)
 #   multiprocess  two processes of one GPU each (jax.distributed, NCCL) vs one process, 2 GPUs
 #   train_pair  train the k2tiny target, then its draft (configs/k2tiny.py, ~7 min with

@@ -219,9 +219,10 @@ def test_padding_helpers():
 @pytest.mark.parametrize("num_warps", [4, 8])
 def test_compiled_kernel_equals_xla_on_gpu(budget, num_warps, request):
   """On a GPU: the compiled Triton program == the XLA builder, node for node. The default GPU
-  set compiles two of the twelve programs, budgets 15 and 63 at the default 4 warps (H100
-  compiles 16.7 and 68.3 s); the rest with pytest's --gpu-full-grid."""
-  if (budget, num_warps) not in ((15, 4), (63, 4)) and not request.config.getoption(
+  set compiles one of the twelve programs, budget 15 at the default 4 warps (16.7 s on an H100;
+  budget 63 took 68.3 s, which alone would break the set's 2 minutes); the rest with pytest's
+  --gpu-full-grid. scripts/bench_tree_builder.py checks every budget's trees node for node too."""
+  if (budget, num_warps) != (15, 4) and not request.config.getoption(
       "--gpu-full-grid"):
     pytest.skip("DDTree builder GPU grid: pass --gpu-full-grid")
   logits = _logits(budget + num_warps, 10, 15, 80)
