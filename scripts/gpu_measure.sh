@@ -163,7 +163,8 @@ TARGET_LAYOUTS="packed"
 run_part() {
   local part=$1 secs=$2
   case $part in
-    gpu_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs --durations=25 -m gpu tests ;;
+    gpu_tests) # -v: a run cut by its time box still names each test it passed (s15's -q showed dots)
+               one_gpu timeout "$secs" python3 -m pytest -v -rs --durations=25 -m gpu tests ;;
     moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs --durations=12 -m gpu \
                  tests/kernels/test_grouped_matmul_kernel.py \
                  tests/kernels/test_grouped_matmul_small_t.py ;;
