@@ -224,12 +224,15 @@ def test_expert_ffn_through_the_kernel_equals_xla_path():
     assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 1e-2
 
 
-# The default GPU set (~11 Mosaic compiles, each a few seconds; the issue wants < 2 minutes):
-# every code path once, on shapes and tunings shared across tests so compiles are reused.
-# bf16 / INT4, registers / SMEM operand: RAGGED with one tuning; gated with and
-# without split-K and the slots loop: RAGGED; the routed-expert FFN at K2.6's T=1 shape with the
-# default tunings (split 7, one slot column) through both glues. The old shape x path grid runs
-# with --gpu-full-grid.
+# The default GPU set (`pytest -m gpu`, issue 16's < 2 minutes; tests/GPU_TESTS.md): every kernel
+# and every tuning branch a default run or a promoted default takes, once. bf16 / INT4 (register
+# operand) plain calls: RAGGED with one tuning; gated INT4 fused (1 split) and bf16 split-K
+# through the slots loop: RAGGED; the routed-expert FFN at K2.6's T=1 shape with the promoted
+# tunings through both glues; expert_mlp with the T=16 and T=65 classes' promoted tunings on
+# plain stacks (the model's layout under a mesh). With --gpu-full-grid: the old shape x path
+# grid, and the cases whose branches the set above already compiles or that only an A/B takes
+# (the SMEM operand, INT4 split-K without store_once, the lean options incl. dequant_batch 4,
+# the promoted tunings on K-packed stacks: kpack's loads run in test_grouped_matmul_small_t).
 RAGGED = ([30, 0, 50, 3, 10], 100, 1024, 256)  # empty groups, a 2-window expert, 8k+r rows
 AR_SIZES = [1] * 8 + [0] * 40                  # one ar token: 8 experts of 48, one row each
 K26_VERIFY = list(np.bincount(np.random.default_rng(2).integers(0, 48, 520), minlength=48))
@@ -248,8 +251,11 @@ def _full_grid(request):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,a_operand", [("bf16", "registers"), ("int4", "registers"),
                                           ("int4", "smem")])
-def test_kernel_gpu_ragged_matches_reference(fmt, a_operand):
-  """One call per operand path (a_operand: INT4 only) on ragged sizes."""
+def test_kernel_gpu_ragged_matches_reference(fmt, a_operand, request):
+  """One call per operand path (a_operand: INT4 only) on ragged sizes. The SMEM operand (an A/B
+  on a GPU: every default tuning takes registers there) with --gpu-full-grid."""
+  if a_operand == "smem":
+    _full_grid(request)
   sizes, m, k, n = RAGGED
   x, w_bf16, w_int4 = _operands(m, k, n, len(sizes), 32)
   ws = w_int4 if fmt == "int4" else w_bf16
@@ -261,9 +267,12 @@ def test_kernel_gpu_ragged_matches_reference(fmt, a_operand):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,splits,slots", [("int4", 1, 0), ("int4", 2, 2), ("bf16", 2, 2)])
-def test_gated_kernel_gpu_ragged_matches_reference(fmt, splits, slots):
+def test_gated_kernel_gpu_ragged_matches_reference(fmt, splits, slots, request):
   """gate and up in one call: the fused SiLU epilogue (1 split) or split-K partials with 2 CTA
-  columns looping over the items."""
+  columns looping over the items. INT4 split-K here (no store_once: no default INT4 call) with
+  --gpu-full-grid: its branches are bf16's split-K and INT4's fused case."""
+  if (fmt, splits) == ("int4", 2):
+    _full_grid(request)
   sizes, m, k, n = RAGGED
   x, w_a, q_a = _operands(m, k, n, len(sizes), 32, seed=3)
   _, w_b, q_b = _operands(m, k, n, len(sizes), 32, seed=4)
@@ -636,11 +645,13 @@ def test_bench_mlp_variants_lower_for_h200():
                                   dict(LEAN, int4_scale_concat=True, int4_k_packed=True),
                                   dict(LEAN, int4_scale_concat=True, int4_k_packed=True,
                                        int4_interleave_stacks=True, int4_acc_chains=2)])
-def test_gated_kernel_gpu_lean_options_match_reference(opts):
+def test_gated_kernel_gpu_lean_options_match_reference(opts, request):
   """store_once + items_smem + dequant_batch 4 (or the select-free scales, or those + K-packed
   weights through 32-bit loads relabelled as registers: the register operand, which interpret
   mode cannot run; or those + gate and up interleaved over two accumulators each) on the GPU:
-  gated split-K with the slots loop."""
+  gated split-K with the slots loop. --gpu-full-grid: the promoted tunings' cases compile these
+  branches (dequant_batch 4: no default tuning takes it)."""
+  _full_grid(request)
   sizes, m, k, n = RAGGED
   x, _, q_a = _operands(m, k, n, len(sizes), 32, seed=3)
   _, _, q_b = _operands(m, k, n, len(sizes), 32, seed=4)
@@ -678,12 +689,15 @@ def test_k_packed_stacks_follow_into_the_tuning_and_the_reference():
 @pytest.mark.gpu
 @pytest.mark.parametrize("k_packed", [False, True])
 @pytest.mark.parametrize("t,touched", [(16, 4), (65, 36)])
-def test_expert_mlp_gpu_promoted_tunings_k26(t, touched, k_packed):
+def test_expert_mlp_gpu_promoted_tunings_k26(t, touched, k_packed, request):
   """expert_mlp at K2.6's INT4 shapes (48 local experts, D 7168, F 2048) with the promoted
   default tunings of the T=16 class (x4c4+s2: split-K partials through the slots loop) and the
   T=65 class (R = 8, 2 stages), on plain or K-packed stacks (int4.pack_k, as the decode layout
   holds them) == the f32 dequantise-first XLA path on the plain stacks within bf16 rounding
-  (T=1's is test_expert_ffn_gpu_k26_ar_token_both_glues)."""
+  (T=1's is test_expert_ffn_gpu_k26_ar_token_both_glues). K-packed stacks with --gpu-full-grid
+  (the same tunings; kpack's and kpairs' loads: test_grouped_matmul_small_t)."""
+  if k_packed:
+    _full_grid(request)
   e_l, d, f, m = 48, 7168, 2048, 8 * t
   gs = _class_sizes(t, touched)
   ks = jax.random.split(jax.random.key(t), 4)

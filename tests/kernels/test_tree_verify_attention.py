@@ -17,9 +17,16 @@ BACKEND = "pallas" if ON_GPU else "interpret"
 TOL = {jnp.bfloat16: 1e-2, jnp.float32: 1e-5}
 
 
-def GPU(values):  # pylint: disable=invalid-name
-  """A parametrization that is also in the default GPU set (`pytest -m gpu`; TestKernelGPU)."""
-  return pytest.param(*values, marks=pytest.mark.gpu)
+# pytest's --gpu-full-grid (tests/conftest.py) as a mark, for single parametrizations.
+FULL_GRID = pytest.mark.skipif("not config.getoption('--gpu-full-grid')",
+                               reason="GPU full grid: pass --gpu-full-grid")
+
+
+def GPU(values, full_grid=False):  # pylint: disable=invalid-name
+  """A parametrization that is also in the default GPU set (`pytest -m gpu`; TestKernelGPU), or
+  with full_grid only in --gpu-full-grid's (a path another default case compiles, or one only
+  an A/B tuning takes; tests/GPU_TESTS.md)."""
+  return pytest.param(*values, marks=[pytest.mark.gpu] + ([FULL_GRID] if full_grid else []))
 C, R = 576, 512
 
 
@@ -214,8 +221,9 @@ SMALL = [
                                                                    # L < 64 (one tile), one split
     (2, 9, 8, 300, [290, 0], Tuning(num_splits=4, merge="triton")),  # one-kernel merge
     (2, 9, 8, 300, [290, 0], Tuning(num_splits=3, merge="triton")),  # its 2 + 1 pieces
-    # GPU: Triton merge of 2 + 1 pieces at M 128 (2 row tiles unpadded), ragged
-    GPU((2, 16, 8, 3000, [2984, 1000], Tuning(num_splits=3, merge="triton"))),
+    # GPU full grid: Triton merge of 2 + 1 pieces at M 128 (2 row tiles unpadded), ragged (the
+    # default set's N=15 case: 2 row tiles, 16 + 4 + 2 pieces)
+    GPU((2, 16, 8, 3000, [2984, 1000], Tuning(num_splits=3, merge="triton")), full_grid=True),
     # swap_ab (kernel_swap.py: keys as the wgmma M, the M q rows its N): M = 8 one split (final
     # output), M = 40 ragged with len 0 and empty splits, M = 32 past L / len > L / L % 8 != 0,
     # M = 8 from N*H = 3 (q pad) with L < 64, M = 64 (N=8, H=8) over several masked tiles
@@ -225,18 +233,23 @@ SMALL = [
     (2, 3, 1, 40, [10, 30], Tuning(num_splits=1, swap_ab=True)),
     (1, 8, 8, 300, [250], Tuning(num_splits=4, swap_ab=True)),
     (2, 8, 8, 700, [630, 64], Tuning(num_splits=3, swap_ab=True, merge="triton")),
-    # GPU: swap_ab at N=1, H=8 (the ar shape's M = 8), ragged, many tiles a split, Triton merge
-    GPU((2, 1, 8, 3000, [2999, 1000], Tuning(num_splits=5, swap_ab=True, merge="triton"))),
-    # GPU: swap_ab at M = 16 (two reduction registers), XLA merge, masked tiles
-    GPU((1, 2, 8, 1000, [900], Tuning(num_splits=2, swap_ab=True))),
+    # GPU full grid: swap_ab at N=1, H=8 (the ar shape's M = 8), ragged, many tiles a split,
+    # Triton merge, unbalanced splits (the default's swap_ab splits are balanced: 1x1x8x46000)
+    GPU((2, 1, 8, 3000, [2999, 1000], Tuning(num_splits=5, swap_ab=True, merge="triton")),
+        full_grid=True),
+    # GPU full grid: swap_ab at M = 16 (two reduction registers; default swap_ab: M <= 8), XLA
+    # merge, masked tiles
+    GPU((1, 2, 8, 1000, [900], Tuning(num_splits=2, swap_ab=True)), full_grid=True),
     # cluster_rows (the row tiles of a split in one cluster, KV tiles multicast; the interpreter
     # runs the cluster barriers, each CTA loads the whole tile): M = 128 from N = 15 (q pad), tree;
     # M = 256 in one cluster of 4, ragged with len 0 (empty splits); Triton merge, wider programs
     (1, 15, 8, 136, [100], Tuning(num_splits=3, cluster_rows=2)),
     (2, 32, 8, 300, [268, 0], Tuning(num_splits=3, cluster_rows=4, merge="triton",
                                     merge_cols=256)),
-    # GPU: cluster_rows=2 at N=16, H=8 (the DDTree 15 verify's M = 128), ragged, Triton merge
-    GPU((2, 16, 8, 3000, [2984, 1000], Tuning(num_splits=5, cluster_rows=2, merge="triton"))),
+    # GPU full grid: cluster_rows=2 at N=16, H=8 (the DDTree 15 verify's M = 128), ragged,
+    # Triton merge (an A/B: default_tuning keeps cluster_rows 1)
+    GPU((2, 16, 8, 3000, [2984, 1000], Tuning(num_splits=5, cluster_rows=2, merge="triton")),
+        full_grid=True),
 ]
 
 
@@ -403,27 +416,29 @@ class TestLowersForGpu:
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")
 class TestKernelGPU:
-  """The default GPU set (`pytest -m gpu`): 14 cases, one compiled kernel program each, the f32
-  reference on the CPU. One case per path (M = kernel rows; windows of min(M, 64) rows):
+  """The default GPU set (`pytest -m gpu`; tests/GPU_TESTS.md): 9 cases, one compiled kernel
+  program each, the f32 reference on the CPU. One case per path a default tuning takes (M =
+  kernel rows; windows of min(M, 64) rows):
   - SMALL GPU(...): ragged with len 0 + XLA merge (M 40); L % 8 != 0 cache pad, tree past L,
-    len > L (M 32); q pad N*H % 8 != 0, L < 64 keys, one split (M 8); Triton merge of 2 + 1
-    pieces (M 128, 2 row tiles unpadded);
-    swap_ab at M 8 (B=2 ragged, 5 splits, Triton merge) and M 16 (2 splits, XLA merge);
-    cluster_rows=2 at M 128 (clusters of the 2 row tiles, multicast KV tiles, cluster barriers;
-    B=2 ragged, 5 splits, Triton merge).
-  - test_every_output_written_and_deterministic[3-True]: raw partials in NaN-filled buffers.
-  - here, default tuning: 1x1x8x46000 (the ar shape: 132 splits, merge pieces 128 + 4, M 8);
-    B=4 ragged with len 0 at L=4100 (32 splits, one piece, L % 8 != 0); N=15 = 8k-1 (q padded to
-    2 row tiles, B=3, len 1, 22 splits = 16 + 4 + 2); N=100 (13 row tiles, 4 mask words, 5
-    splits); test_tunings: one split over 8 row tiles (N=64: final output, no merge);
+    len > L (M 32); q pad N*H % 8 != 0, L < 64 keys, one split (M 8).
+  - test_every_output_written_and_deterministic[3-False]: raw partials in NaN-filled buffers.
+  - here, default tuning: 1x1x8x46000 (the ar shape: swap_ab, 128 balanced splits, the Triton
+    merge with its loads first, M 8); N=15 = 8k-1 (q padded to 2 row tiles, B=3, len 1, 22
+    splits = 16 + 4 + 2 pieces); N=100 (13 row tiles, 4 mask words, 5 splits); test_tunings: one
+    split over 8 row tiles (N=64: final output, no merge);
     tests/sharding: the kernel in the model's head-sharded shard_map.
+  With --gpu-full-grid (FULL_GRID: the same paths at other shapes, or A/B tunings): SMALL's
+  Triton merge of 2 + 1 pieces (M 128 unpadded), swap_ab at M 8 with unbalanced splits and at
+  M 16, cluster_rows=2 at M 128 (clusters of the 2 row tiles, multicast KV tiles, cluster
+  barriers); B=4 ragged with len 0 at L=4100 (swap_ab, 32 balanced splits, one piece).
   Now CPU-only (their paths run on the GPU in the cases above): test_correct_over_rows[9-8] (q
   padded 72 -> 128, 3 splits, XLA merge: the N=15 case has the same two 64-row windows, the M 40
   case the XLA merge) and SMALL's 2x9x8x300 Triton merge of 4 splits (one power-of-2 piece: the
-  B=4 case's 32). The bench checks its shapes against the reference too."""
+  ar case's 128). The bench checks its shapes against the reference too."""
 
   @pytest.mark.parametrize("b,n,h,l,lengths", [
-      (1, 1, 8, 46000, [45999]), (4, 1, 8, 4100, [4099, 0, 17, 2050]),
+      (1, 1, 8, 46000, [45999]),
+      pytest.param(4, 1, 8, 4100, [4099, 0, 17, 2050], marks=FULL_GRID),  # the ar case's path
       (3, 15, 8, 3000, [2985, 1, 1500]), (2, 100, 8, 1000, [900, 64])])
   def test_default_tuning(self, b, n, h, l, lengths):
     q, cache, ln, mask = make_inputs(b, n, h, l, lengths, seed=n * 131 + h + l)
