@@ -33,7 +33,8 @@
 #               programs, XLA's and the default's rows first, no row started after secs - 20 (a
 #               cut box loses the last variants only): dense_dots:150
 #   gpu_tests   the whole default GPU test set (`pytest -m gpu tests`: every compiled-kernel path
-#               once; the brief's "< 2 minutes" check), slowest 25 listed: gpu_tests:240
+#               once, 23 tests, tests/GPU_TESTS.md; the brief's "< 2 minutes" check), slowest 25
+#               listed: gpu_tests:240
 #   verify      tree-verify kernel: GPU tests (-m gpu: the sharded file first, then 13 cases,
 #               one kernel compile each, the f32 reference on the CPU: < 2 min), short bench
 #               (default L=46000 grid); verify:240

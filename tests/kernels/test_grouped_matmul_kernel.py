@@ -691,7 +691,7 @@ def test_k_packed_stacks_follow_into_the_tuning_and_the_reference():
 @pytest.mark.parametrize("t,touched", [(16, 4), (65, 36)])
 def test_expert_mlp_gpu_promoted_tunings_k26(t, touched, k_packed, request):
   """expert_mlp at K2.6's INT4 shapes (48 local experts, D 7168, F 2048) with the promoted
-  default tunings of the T=16 class (x4c4+s2: split-K partials through the slots loop) and the
+  default tunings of the T=16 class (p2c4+s2+il+a2: gated split-K partials through the slots loop) and the
   T=65 class (R = 8, 2 stages), on plain or K-packed stacks (int4.pack_k, as the decode layout
   holds them) == the f32 dequantise-first XLA path on the plain stacks within bf16 rounding
   (T=1's is test_expert_ffn_gpu_k26_ar_token_both_glues). K-packed stacks with --gpu-full-grid
