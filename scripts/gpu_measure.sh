@@ -34,7 +34,8 @@
 #               cut box loses the last variants only): dense_dots:150
 #   gpu_tests   the whole default GPU test set (`pytest -m gpu tests`: every compiled-kernel path
 #               once, 23 tests, tests/GPU_TESTS.md; the brief's "< 2 minutes" check), slowest 25
-#               listed: gpu_tests:240
+#               listed, 4 pytest-xdist workers when the wheels are carried (pip download -d .whl
+#               pytest-xdist execnet): gpu_tests:240
 #   verify      tree-verify kernel: GPU tests (-m gpu: the sharded file first, then 13 cases,
 #               one kernel compile each, the f32 reference on the CPU: < 2 min), short bench
 #               (default L=46000 grid); verify:240
@@ -160,12 +161,23 @@ one_gpu() { CUDA_VISIBLE_DEVICES=0 "$@"; }
 # no faster and was removed: WORKSPACE.md; the pair-layout launch lost: notes/moe.md
 XLA_VARIANTS="default,block_level,heroless,all_triton"  # xla_options' option sets (probe_xla_options VARIANTS)
 TARGET_LAYOUTS="packed"
+GPU_TEST_WORKERS=4  # gpu_tests' pytest-xdist processes (16 host cores; the tests' GPU memory is small)
 
 run_part() {
   local part=$1 secs=$2
   case $part in
-    gpu_tests) # -v: a run cut by its time box still names each test it passed (s15's -q showed dots)
-               one_gpu timeout "$secs" python3 -m pytest -v -rs --durations=25 -m gpu tests ;;
+    gpu_tests) # -v: a run cut by its time box still names each test it passed (s15's -q showed dots).
+               # The set is compile-bound (Mosaic / Triton / ptxas on the host's CPUs): with
+               # pytest-xdist carried in .whl, GPU_TEST_WORKERS processes share the one GPU
+               # (memory on demand, not XLA's 75% preallocation each); without it, serial.
+               if python3 -c "import xdist" 2>/dev/null; then
+                 echo "== gpu_tests: $GPU_TEST_WORKERS pytest-xdist workers on one GPU"
+                 one_gpu env XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$secs" python3 -m pytest \
+                   -v -rs --durations=25 -n "$GPU_TEST_WORKERS" --dist load -m gpu tests
+               else
+                 echo "== gpu_tests: pytest-xdist not installed (carry its wheel in .whl): serial"
+                 one_gpu timeout "$secs" python3 -m pytest -v -rs --durations=25 -m gpu tests
+               fi ;;
     moe_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs --durations=12 -m gpu \
                  tests/kernels/test_grouped_matmul_kernel.py \
                  tests/kernels/test_grouped_matmul_small_t.py ;;
