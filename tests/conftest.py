@@ -14,14 +14,17 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_collection_modifyitems(config, items):
-  """Marks every `gpu` test skipped when JAX has no GPU backend."""
-  del config
-  if jax.default_backend() == "gpu":
-    return
-  skip = pytest.mark.skip(reason="gpu: a compiled Mosaic GPU kernel; this machine has no GPU")
+  """Marks every `gpu` test skipped when JAX has no GPU backend, and every `gpu_full_grid` test
+  (or parametrization) skipped without --gpu-full-grid."""
+  full_grid = config.getoption("--gpu-full-grid")
+  skip_grid = pytest.mark.skip(reason="GPU full grid: pass --gpu-full-grid")
+  on_gpu = jax.default_backend() == "gpu"
+  skip_gpu = pytest.mark.skip(reason="gpu: a compiled Mosaic GPU kernel; this machine has no GPU")
   for item in items:
-    if item.get_closest_marker("gpu"):
-      item.add_marker(skip)
+    if not on_gpu and item.get_closest_marker("gpu"):
+      item.add_marker(skip_gpu)
+    elif not full_grid and item.get_closest_marker("gpu_full_grid"):
+      item.add_marker(skip_grid)
 
 
 def pytest_addoption(parser):

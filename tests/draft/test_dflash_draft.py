@@ -354,23 +354,22 @@ def test_ctx_kernel_lowers_for_h200():
     assert "draft_ctx_attention" in text
 
 
-def _full_grid_unless(default_case, request):
-  """The default GPU set (`pytest -m gpu`) compiles each kernel path once (tests/GPU_TESTS.md);
-  the same path at other shapes runs with pytest's --gpu-full-grid (tests/conftest.py)."""
-  if not default_case and not request.config.getoption("--gpu-full-grid"):
-    pytest.skip("GPU full grid: pass --gpu-full-grid")
+def _grid(*values):
+  """A parametrization of the GPU full grid only (tests/GPU_TESTS.md: the default GPU set
+  compiles each kernel path once; the same path at other shapes with --gpu-full-grid)."""
+  return pytest.param(*values, marks=pytest.mark.gpu_full_grid)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernel: GPU only")
-@pytest.mark.parametrize("kv_heads,q_heads,ctx", [(1, 8, 46000), (8, 32, 3000), (1, 8, 5)])
-def test_ctx_kernel_compiled_matches_float64(kv_heads, q_heads, ctx, request):
+@pytest.mark.parametrize("kv_heads,q_heads,ctx", [(1, 8, 46000), _grid(8, 32, 3000),
+                                                   _grid(1, 8, 5)])
+def test_ctx_kernel_compiled_matches_float64(kv_heads, q_heads, ctx):
   """The compiled kernel (default tuning, bf16 cache) on bench_k26_full's / bench_k26's draft
   head shapes: the merged attention over rows < ctx_len equals a float64 softmax of the same
   bf16 inputs (rel L2 <= 1e-2: p is rounded to bf16 for the PV dot, as in the XLA path).
   Default GPU set: bench_k26_full's 8 / 1 heads at 46000 (the same program at the other shapes
   with --gpu-full-grid)."""
-  _full_grid_unless((kv_heads, q_heads, ctx) == (1, 8, 46000), request)
   B, M, E = 2, q_heads // kv_heads * 16, 128
   C = model.cache_rows(ctx + 16)
   ks = jax.random.split(jax.random.key(8), 3)
@@ -393,13 +392,12 @@ def test_ctx_kernel_compiled_matches_float64(kv_heads, q_heads, ctx, request):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernel: GPU only")
-@pytest.mark.parametrize("programs", [None, 131])
-def test_ctx_kernel_with_block_compiled_matches_float64(programs, request):
+@pytest.mark.parametrize("programs", [None, _grid(131)])
+def test_ctx_kernel_with_block_compiled_matches_float64(programs):
   """The compiled kernel with the block's own 16 K/V rows as its extra program (bench_k26_full's
   draft heads: 1 kv head, 128 query rows): attention over rows < ctx_len plus every block row
   equals a float64 softmax of the same bf16 inputs (rel L2 <= 1e-2). Default GPU set: the
   default tuning's programs (131: the same program, --gpu-full-grid)."""
-  _full_grid_unless(programs is None, request)
   B, G, M, E, S = 2, 1, 128, 128, 16
   C = model.cache_rows(3000 + S)
   ks = jax.random.split(jax.random.key(9), 5)
@@ -729,14 +727,13 @@ def test_ab_forms_lower_at_k26_share(tuning):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernel: GPU only")
-@pytest.mark.parametrize("ctx", [46000, 3000, 0])
-def test_packed_io_compiled_matches_float64(ctx, request):
+@pytest.mark.parametrize("ctx", [46000, _grid(3000), _grid(0)])
+def test_packed_io_compiled_matches_float64(ctx):
   """The compiled packed kernel I/O at bench_k26_full's draft heads (8 q / 1 kv head of 128,
   block 16, bf16, default tuning: 131 ctx programs + the block's): q and the block's K/V read
   from a packed [B, S, H+2G, Y] array, merged by merge_to_heads into [B, S, H*Y], equal a
   float64 softmax over ctx rows < ctx_len plus every block row (rel L2 <= 1e-2, bf16 inputs).
   Default GPU set: ctx 46000 (the same programs at 3000 and 0, --gpu-full-grid)."""
-  _full_grid_unless(ctx == 46000, request)
   B, G, H, S, E = 2, 1, 8, 16, 128
   C = model.cache_rows(max(ctx, 1) + S)
   ks = jax.random.split(jax.random.key(12), 3)
@@ -770,15 +767,14 @@ DRAFT_BLOCK_FORMS = {"default": (dict(),),
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernels: GPU only")
-@pytest.mark.parametrize("forms", list(DRAFT_BLOCK_FORMS))
-def test_packed_io_draft_block_compiled_matches_float64(tmp_path, forms, request):
+@pytest.mark.parametrize("forms", ["default", _grid("other_forms_and_table")])
+def test_packed_io_draft_block_compiled_matches_float64(tmp_path, forms):
   """Compiled draft_block (bf16 params and cache, 8 q / 1 kv head of 128, block 16, 3000 ctx
   rows) in its kernel forms (packed_io + qk_in_kernel = the default, packed_io with XLA's q/k
   norm + rope, the older split I/O, the A/B OPTIONS, the default with pack_token_qkv's table)
   against the float64 numpy draft of the same bf16 weights: rel L2 <= 3e-2 each (bf16
   activations through 2 layers); the table's form within 1e-2 of the default's. One draft_block
   compile per form: the default GPU set runs `default` (DRAFT_BLOCK_FORMS)."""
-  _full_grid_unless(forms == "default", request)
   cfg = draft.DraftConfig.tiny(hidden_size=256, num_attention_heads=8, num_key_value_heads=1,
                                head_dim=128, intermediate_size=256, vocab_size=512,
                                mask_token_id=511, block_size=16)

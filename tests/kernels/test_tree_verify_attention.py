@@ -17,16 +17,11 @@ BACKEND = "pallas" if ON_GPU else "interpret"
 TOL = {jnp.bfloat16: 1e-2, jnp.float32: 1e-5}
 
 
-# pytest's --gpu-full-grid (tests/conftest.py) as a mark, for single parametrizations.
-FULL_GRID = pytest.mark.skipif("not config.getoption('--gpu-full-grid')",
-                               reason="GPU full grid: pass --gpu-full-grid")
-
-
 def GPU(values, full_grid=False):  # pylint: disable=invalid-name
   """A parametrization that is also in the default GPU set (`pytest -m gpu`; TestKernelGPU), or
   with full_grid only in --gpu-full-grid's (a path another default case compiles, or one only
   an A/B tuning takes; tests/GPU_TESTS.md)."""
-  return pytest.param(*values, marks=[pytest.mark.gpu] + ([FULL_GRID] if full_grid else []))
+  return pytest.param(*values, marks=[pytest.mark.gpu] + ([pytest.mark.gpu_full_grid] if full_grid else []))
 C, R = 576, 512
 
 
@@ -428,7 +423,7 @@ class TestKernelGPU:
     splits = 16 + 4 + 2 pieces); N=100 (13 row tiles, 4 mask words, 5 splits); test_tunings: one
     split over 8 row tiles (N=64: final output, no merge);
     tests/sharding: the kernel in the model's head-sharded shard_map.
-  With --gpu-full-grid (FULL_GRID: the same paths at other shapes, or A/B tunings): SMALL's
+  With --gpu-full-grid (gpu_full_grid marks: the same paths at other shapes, or A/B tunings): SMALL's
   Triton merge of 2 + 1 pieces (M 128 unpadded), swap_ab at M 8 with unbalanced splits and at
   M 16, cluster_rows=2 at M 128 (clusters of the 2 row tiles, multicast KV tiles, cluster
   barriers).
