@@ -215,16 +215,14 @@ def test_padding_helpers():
 
 
 @pytest.mark.gpu  # skipped without a GPU by tests/conftest.py; `-m gpu` selects it
-@pytest.mark.parametrize("budget", [1, 7, 15, 31, 47, 63])
-@pytest.mark.parametrize("num_warps", [4, 8])
-def test_compiled_kernel_equals_xla_on_gpu(budget, num_warps, request):
+@pytest.mark.parametrize("num_warps,budget", [
+    (w, b) if (w, b) == (4, 15) else pytest.param(w, b, marks=pytest.mark.gpu_full_grid)
+    for w in (4, 8) for b in (1, 7, 15, 31, 47, 63)])
+def test_compiled_kernel_equals_xla_on_gpu(budget, num_warps):
   """On a GPU: the compiled Triton program == the XLA builder, node for node. The default GPU
   set compiles one of the twelve programs, budget 15 at the default 4 warps (16.7 s on an H100;
   budget 63 took 68.3 s, which alone would break the set's 2 minutes); the rest with pytest's
   --gpu-full-grid. scripts/bench_tree_builder.py checks every budget's trees node for node too."""
-  if (budget, num_warps) != (15, 4) and not request.config.getoption(
-      "--gpu-full-grid"):
-    pytest.skip("DDTree builder GPU grid: pass --gpu-full-grid")
   logits = _logits(budget + num_warps, 10, 15, 80)
   lp, ids = jax.jit(jax.vmap(lambda x: tree.topk_logprobs(x, budget)))(logits)
   xla = jax.jit(jax.vmap(functools.partial(tree._build_from_topk, n=budget)))  # pylint: disable=protected-access

@@ -243,19 +243,18 @@ def _ragged_tuning(fmt, **kw):
   return Tuning(rows=32, block_n=64, block_k=256 if fmt == "int4" else 128, stages=2, **kw)
 
 
-def _full_grid(request):
-  if not request.config.getoption("--gpu-full-grid"):
-    pytest.skip("GPU full grid: pass --gpu-full-grid")
+def full_grid(*values):
+  """A parametrization run on a GPU only with --gpu-full-grid (tests/GPU_TESTS.md: the default
+  GPU set compiles each kernel path once; tests/conftest.py skips the `gpu_full_grid` mark)."""
+  return pytest.param(*values, marks=pytest.mark.gpu_full_grid)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,a_operand", [("bf16", "registers"), ("int4", "registers"),
-                                          ("int4", "smem")])
-def test_kernel_gpu_ragged_matches_reference(fmt, a_operand, request):
+                                          full_grid("int4", "smem")])
+def test_kernel_gpu_ragged_matches_reference(fmt, a_operand):
   """One call per operand path (a_operand: INT4 only) on ragged sizes. The SMEM operand (an A/B
   on a GPU: every default tuning takes registers there) with --gpu-full-grid."""
-  if a_operand == "smem":
-    _full_grid(request)
   sizes, m, k, n = RAGGED
   x, w_bf16, w_int4 = _operands(m, k, n, len(sizes), 32)
   ws = w_int4 if fmt == "int4" else w_bf16
@@ -266,13 +265,12 @@ def test_kernel_gpu_ragged_matches_reference(fmt, a_operand, request):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,splits,slots", [("int4", 1, 0), ("int4", 2, 2), ("bf16", 2, 2)])
-def test_gated_kernel_gpu_ragged_matches_reference(fmt, splits, slots, request):
+@pytest.mark.parametrize("fmt,splits,slots", [("int4", 1, 0), full_grid("int4", 2, 2),
+                                               ("bf16", 2, 2)])
+def test_gated_kernel_gpu_ragged_matches_reference(fmt, splits, slots):
   """gate and up in one call: the fused SiLU epilogue (1 split) or split-K partials with 2 CTA
   columns looping over the items. INT4 split-K here (no store_once: no default INT4 call) with
   --gpu-full-grid: its branches are bf16's split-K and INT4's fused case."""
-  if (fmt, splits) == ("int4", 2):
-    _full_grid(request)
   sizes, m, k, n = RAGGED
   x, w_a, q_a = _operands(m, k, n, len(sizes), 32, seed=3)
   _, w_b, q_b = _operands(m, k, n, len(sizes), 32, seed=4)
@@ -314,6 +312,7 @@ def check_one_token_ffn_both_glues(e_l, d, f, impl, k=8, e=384):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_full_grid
 @pytest.mark.parametrize("fmt,a_operand", [("bf16", "registers"), ("int4", "registers"),
                                              ("int4", "smem")])  # a_operand: INT4 only
 @pytest.mark.parametrize("sizes,m,k,n", [
@@ -322,9 +321,8 @@ def check_one_token_ffn_both_glues(e_l, d, f, impl, k=8, e=384):
     (K26_VERIFY, 520, 7168, 2048),      # a K2.6 verify step's experts on one of 8 GPUs
     (AR_SIZES, 8, 7168, 2048),          # one ar token
 ])
-def test_kernel_gpu_full_grid(sizes, m, k, n, fmt, a_operand, request):
+def test_kernel_gpu_full_grid(sizes, m, k, n, fmt, a_operand):
   """--gpu-full-grid: each shape x operand path with its default tuning, split-K 2, gated."""
-  _full_grid(request)
   x, w_bf16, w_int4 = _operands(m, k, n, len(sizes), 32)
   ws = w_int4 if fmt == "int4" else w_bf16
   gs = jnp.asarray(sizes, jnp.int32)
@@ -641,17 +639,17 @@ def test_bench_mlp_variants_lower_for_h200():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_full_grid
 @pytest.mark.parametrize("opts", [dict(LEAN, dequant_batch=4),
                                   dict(LEAN, int4_scale_concat=True, int4_k_packed=True),
                                   dict(LEAN, int4_scale_concat=True, int4_k_packed=True,
                                        int4_interleave_stacks=True, int4_acc_chains=2)])
-def test_gated_kernel_gpu_lean_options_match_reference(opts, request):
+def test_gated_kernel_gpu_lean_options_match_reference(opts):
   """store_once + items_smem + dequant_batch 4 (or the select-free scales, or those + K-packed
   weights through 32-bit loads relabelled as registers: the register operand, which interpret
   mode cannot run; or those + gate and up interleaved over two accumulators each) on the GPU:
   gated split-K with the slots loop. --gpu-full-grid: the promoted tunings' cases compile these
   branches (dequant_batch 4: no default tuning takes it)."""
-  _full_grid(request)
   sizes, m, k, n = RAGGED
   x, _, q_a = _operands(m, k, n, len(sizes), 32, seed=3)
   _, _, q_b = _operands(m, k, n, len(sizes), 32, seed=4)
@@ -687,17 +685,15 @@ def test_k_packed_stacks_follow_into_the_tuning_and_the_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k_packed", [False, True])
+@pytest.mark.parametrize("k_packed", [False, full_grid(True)])
 @pytest.mark.parametrize("t,touched", [(16, 4), (65, 36)])
-def test_expert_mlp_gpu_promoted_tunings_k26(t, touched, k_packed, request):
+def test_expert_mlp_gpu_promoted_tunings_k26(t, touched, k_packed):
   """expert_mlp at K2.6's INT4 shapes (48 local experts, D 7168, F 2048) with the promoted
   default tunings of the T=16 class (p2c4+s2+il+a2: gated split-K partials through the slots loop) and the
   T=65 class (R = 8, 2 stages), on plain or K-packed stacks (int4.pack_k, as the decode layout
   holds them) == the f32 dequantise-first XLA path on the plain stacks within bf16 rounding
   (T=1's is test_expert_ffn_gpu_k26_ar_token_both_glues). K-packed stacks with --gpu-full-grid
   (the same tunings; kpack's and kpairs' loads: test_grouped_matmul_small_t)."""
-  if k_packed:
-    _full_grid(request)
   e_l, d, f, m = 48, 7168, 2048, 8 * t
   gs = _class_sizes(t, touched)
   ks = jax.random.split(jax.random.key(t), 4)

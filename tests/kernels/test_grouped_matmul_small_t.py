@@ -86,22 +86,20 @@ def test_new_bench_rows_interpret_match_reference(t, touched):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated,opts", [  # the T=65 / T=1 / T=16 control rows' step shapes
-    (True, dict(rows=8, block_k=256, stages=3)),
+    base.full_grid(True, dict(rows=8, block_k=256, stages=3)),
     (False, dict(rows=8, block_k=256, stages=2, int4_acc_chains=2)),
     (True, dict(rows=8, block_k=128, stages=4, int4_interleave_stacks=True, int4_acc_chains=2,
                 splits=2, slots=4)),
-    (True, dict(rows=16, block_k=256, stages=2, int4_interleave_stacks=True, int4_acc_chains=2,
-                splits=2, slots=4)),
+    base.full_grid(True, dict(rows=16, block_k=256, stages=2, int4_interleave_stacks=True,
+                              int4_acc_chains=2, splits=2, slots=4)),
 ])
-def test_k_interleaved_gpu_register_operand_equals_k_packed(gated, opts, request):
+def test_k_interleaved_gpu_register_operand_equals_k_packed(gated, opts):
   """kpi (kpairs.py: one LOP3 per bf16 pair, its PTX and register relabel, which interpret mode
   cannot run) on the H200's register A operand: bit-equal to the kp kernel on the same weights
   (the same dequantised values into the same wgmmas) and within one bf16 rounding of XLA.
   The default GPU set (tests/GPU_TESTS.md) runs the T=1 rows' plain and gated step shapes (kpi
   and kp on a plain call and on interleaved gate / up stacks with split-K and the slots loop);
   the T=65 / T=16 gated shapes, the same branches at other tile sizes, with --gpu-full-grid."""
-  if (gated, opts["rows"], opts["block_k"]) not in {(False, 8, 256), (True, 8, 128)}:
-    base._full_grid(request)
   # pylint: disable-next=import-outside-toplevel
   from pallas_kernels.grouped_matmul import kpack, kpairs
   t = Tuning(block_n=64, int4_scale_concat=True, int4_k_packed=True, **base.LEAN, **opts)

@@ -447,15 +447,11 @@ class TestKernelGPU:
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_full_grid
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernel: GPU only")
 class TestKernelFullGridGPU:
   """Every (N, H) pair with ragged batches, and a sweep over L; compiled kernel. Runs only with
   pytest's --gpu-full-grid (tests/conftest.py)."""
-
-  @pytest.fixture(autouse=True)
-  def _full_grid_only(self, request):
-    if not request.config.getoption("--gpu-full-grid"):
-      pytest.skip("GPU full grid: pass --gpu-full-grid")
 
   @pytest.mark.parametrize("b,n,h,l,lengths", [
       (2, 2, 8, 46000, [45998, 30000]), (2, 5, 8, 8192, [8187, 4000]), (1, 9, 8, 8192, [8183]),
