@@ -33,7 +33,7 @@
 #               programs, XLA's and the default's rows first, no row started after secs - 20 (a
 #               cut box loses the last variants only): dense_dots:150
 #   gpu_tests   the whole default GPU test set (`pytest -m gpu tests`: every compiled-kernel path
-#               once, 23 tests, tests/GPU_TESTS.md; the brief's "< 2 minutes" check), slowest 25
+#               once, 24 tests, tests/GPU_TESTS.md; the brief's "< 2 minutes" check), slowest 25
 #               listed, 4 pytest-xdist workers when the wheels are carried (pip download -d .whl
 #               pytest-xdist execnet): gpu_tests:240
 #   verify      tree-verify kernel: GPU tests (-m gpu: the sharded file first, then 13 cases,
