@@ -19,8 +19,26 @@ def wall_time_s(fn, *args, reps=20, warmup=2):
   return statistics.median(ts)
 
 
+COPY_LIVE_BUFFERS = 8  # the input, the 5 outputs a timed call keeps alive, slack
+MIN_COPY_BYTES = 1 << 28  # 256 MiB: still 5x an H100's / H200's 50 MB L2
+
+
+def fit_copy_bytes(n_bytes, memory_stats):
+  """The copy buffer's size: n_bytes, or less where the device's free memory (its allocator's
+  bytes_limit - bytes_in_use) cannot hold COPY_LIVE_BUFFERS of them (a benchmark measuring its
+  ceilings after loading a model that fills the GPU: bench_k26_full's 32 layers on an H100
+  asked for 4 GiB and ran out, s17); never under MIN_COPY_BYTES. memory_stats None (CPU): n_bytes."""
+  if not memory_stats or "bytes_limit" not in memory_stats:
+    return n_bytes
+  free = memory_stats["bytes_limit"] - memory_stats.get("bytes_in_use", 0)
+  fitted = (free // COPY_LIVE_BUFFERS) >> 20 << 20  # whole MiB
+  return max(MIN_COPY_BYTES, min(n_bytes, fitted))
+
+
 def measure_copy_tbps(n_bytes=1 << 32):
-  """Device copy bandwidth (bytes read + written) of a large buffer: max of copy and x * 2."""
+  """Device copy bandwidth (bytes read + written) of a large buffer: max of copy and x * 2. The
+  buffer shrinks to fit the device's free memory (fit_copy_bytes)."""
+  n_bytes = fit_copy_bytes(n_bytes, jax.devices()[0].memory_stats())
   x = jax.random.normal(jax.random.key(0), (n_bytes // 4,), jnp.float32)
   best = 0.0
   for f in (jax.jit(lambda a: a.copy()), jax.jit(lambda a: a * 2)):
