@@ -92,6 +92,22 @@ def test_table_has_parts_on_step_routing_and_a_step_without_command_buffers():
   assert "matmuls" in by["verify"].note
 
 
+def test_parts_compile_without_command_buffers_when_the_process_uses_them(monkeypatch):
+  """Verify's parts run their layers side by side in a CONCURRENT graph (they do not depend on
+  each other), so where the runtime turns graphs on they are compiled without them."""
+  pair, spec = _setup("ar")
+  state = profiling.bench_state(pair.tcfg, pair.dcfg, spec, 1, 48, jnp.float32)
+  seen, compile_programs = [], profiling.compile_phase_programs
+  def spy(*args, **kw):
+    seen.append(args[6] if len(args) > 6 else kw.get("extra_options"))
+    return compile_programs(*args, **kw)
+  monkeypatch.setattr(profiling, "compile_phase_programs", spy)
+  monkeypatch.setattr(profiling.runtime, "command_buffers_on", lambda: True)
+  rows = profiling.profile_step(pair, spec, state, CEIL, reps=1)
+  assert seen == [timing.NO_COMMAND_BUFFERS]
+  assert {"attention", "moe", "rest", "step_nograph"} <= {r.phase for r in rows}
+
+
 def test_rest_kernels_subtract_the_parts_families():
   verify = [("gemm", 4, 40.0), ("tree_verify", 2, 30.0), ("glue", 3, 9.0)]
   parts = [[("tree_verify", 2, 30.0)], [("gemm", 1, 10.0), ("router", 1, 2.0)]]
