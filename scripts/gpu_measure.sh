@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU measurement entry point: runs the named parts, each under its own time box, on one
-# device call; every part logs to $OUT/raw/<part>.log and writes its JSON lines beside it; at the
+# device call; every part logs to $OUT/raw/<part>.log and writes its JSON lines beside it (a script
+# taking --out_dir: into $OUT/raw/<part>/, so two parts of one script cannot overwrite); at the
 # end raw/ is packed into $OUT/results.tgz (a device call returns at most 8 files; if the call is
 # cut off before that, raw/ comes back as it is).
 #   bash scripts/gpu_measure.sh OUT_DIR PART[:SECONDS] ...
@@ -203,71 +204,71 @@ run_part() {
                 tests/kernels/test_tree_verify_attention.py; python3 -m pallas_kernels.tree_verify.profile_kernels; \
                 python3 -m pallas_kernels.tree_verify.bench --full_grid --budget_s=$(( secs / 2 )) \
                 --json_out=$RAW/bench_verify_attention.jsonl" ;;
-    k26_full) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+    k26_full) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
                 --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
-    k26_core) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+    k26_core) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
                 --config configs/bench_k26_core.py --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
-    k26_cmdbuf) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+    k26_cmdbuf) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
                 --config configs/bench_k26_core.py --ab_loop_modes=ddtree \
                 --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
-    k26_pdl) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+    k26_pdl) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
                 --config configs/bench_k26_loops.py --ab_loop_options=xla_gpu_enable_pdl=false \
                 --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
-    k26_conc) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+    k26_conc) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
                 --config configs/bench_k26_loops.py \
                 --ab_loop_options=xla_gpu_command_buffer_scheduling_mode=LHS \
                 --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
-    k26_tput) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+    k26_tput) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
                 --config configs/bench_k26_tput.py --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
-    k26_chain) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+    k26_chain) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
                 --config configs/bench_k26_chain.py --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
-    k26_loops) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+    k26_loops) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
                 --config configs/bench_k26_loops.py --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
-    k26_ddtree) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+    k26_ddtree) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
                 --config configs/bench_k26_core.py --config.bench.phase_modes=ddtree \
                 --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
-    xla_options) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
+    xla_options) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW/$part" \
                 --layouts packed --variants "$XLA_VARIANTS" $K26_LAYERS ;;
-    target_layout) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
+    target_layout) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW/$part" \
                 --variants default --layouts "$TARGET_LAYOUTS" $K26_LAYERS ;;
-    target_pdl) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW" \
+    target_pdl) one_gpu timeout "$secs" python3 scripts/probe_xla_options.py --out_dir "$RAW/$part" \
                 --variants default --layouts packed,packed+mosaic_pdl=true $K26_LAYERS ;;
     draft_waves) one_gpu timeout "$secs" python3 scripts/bench_draft.py --ctx 46000 \
-                --drafts k26_dflash_share --out_dir "$RAW" --ctx_impls \
+                --drafts k26_dflash_share --out_dir "$RAW/$part" --ctx_impls \
                 pallas:p131:64:8:3+block+packed,pallas:p263:64:8:3+block+packed,pallas:p263:64:4:3+block+packed,pallas:p395:64:4:2+block+packed,pallas:p263:128:8:2+block+packed ;;
     draft_io) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
-                --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv packed --top 40 \
+                --ctx 46000 --drafts k26_dflash_share --out_dir $RAW/$part --ctx_kv packed --top 40 \
                 --ctx_impls pallas+block+packed+splitio+xlaqk,pallas+block+packed+xlaqk,pallas+block+packed" ;;
     draft_gap) one_gpu timeout "$secs" bash -c "timeout 35 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed; python3 scripts/bench_draft.py \
-                --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv= --top 40 --f32_ref \
+                --ctx 46000 --drafts k26_dflash_share --out_dir $RAW/$part --ctx_kv= --top 40 --f32_ref \
                 --ctx_impls pallas+block+packed,pallas+block+packed+qkjoin,pallas+block+packed+hg2,pallas+block+packed+expe,pallas+block+packed+msplit2,pallas:p65+block+packed+hg2" ;;
     draft_tokqkv) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed_io_draft_block_compiled; \
                 python3 scripts/bench_draft.py \
-                --ctx 46000 --drafts k26_dflash_share --out_dir $RAW --ctx_kv= --top 40 --f32_ref \
+                --ctx 46000 --drafts k26_dflash_share --out_dir $RAW/$part --ctx_kv= --top 40 --f32_ref \
                 --ctx_impls pallas+block+packed,pallas+block+packed+tokqkv,pallas+block+packed" ;;
-    k26_nokpi) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+    k26_nokpi) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
                 --config configs/bench_k26_core.py --config.target.int4_k_interleaved=false \
                 --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
     k26_tree) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/decoding/test_tree_kernel.py; python3 scripts/bench_k26_full.py \
-                --out_dir $RAW --config configs/bench_k26_core.py \
+                --out_dir $RAW/$part --config configs/bench_k26_core.py \
                 --config.bench.phase_modes=ddtree --config.bench.tree_impl=xla \
                 --time_budget_s $(( secs - 80 )) $K26_LAYERS" ;;
-    k26_tokqkv) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW" \
+    k26_tokqkv) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
                 --config configs/bench_k26_core.py --config.bench.phase_modes=ddtree \
                 --config.bench.draft_token_qkv=true --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
     draft_tests) one_gpu timeout "$secs" python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py -k packed ;;
     draft) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
-                tests/draft/test_dflash_draft.py; python3 scripts/bench_draft.py --ctx 46000 --out_dir $RAW" ;;
+                tests/draft/test_dflash_draft.py; python3 scripts/bench_draft.py --ctx 46000 --out_dir $RAW/$part" ;;
     draft_share) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/draft/test_dflash_draft.py; python3 scripts/bench_draft.py --ctx 46000 \
-                --drafts k26_dflash_share --out_dir $RAW" ;;
+                --drafts k26_dflash_share --out_dir $RAW/$part" ;;
     calibrate) one_gpu timeout "$secs" python3 scripts/calibrate_step_cost.py \
-                 --config configs/bench_k26_full.py --nofixed_programs --out_dir "$RAW" ;;
+                 --config configs/bench_k26_full.py --nofixed_programs --out_dir "$RAW/$part" ;;
     pair) local t0 left
           t0=$(date +%s)
           one_gpu timeout $(( secs / 2 < 220 ? secs / 2 : 220 )) python3 scripts/calibrate_step_cost.py --config configs/k2tiny.py \
@@ -305,9 +306,12 @@ for arg in "$@"; do
   [ "$secs" = "$arg" ] && secs=300
   t0=$(date +%s)
   echo "== part $part (time box ${secs} s)"
+  mkdir -p "$RAW/$part"  # scripts with --out_dir write there: two parts of one script in one
+                         # call overwrote each other's JSON lines (s17: k26_chain's by k26_pdl's)
   run_part "$part" "$secs" 2>&1 | quiet > "$RAW/$part.log"
   rc=${PIPESTATUS[0]}
   echo "== part $part exit $rc after $(( $(date +%s) - t0 )) s"
   tail -n 25 "$RAW/$part.log"
 done
+find "$RAW" -mindepth 1 -type d -empty -delete  # the folders of parts without --out_dir
 tar czf "$OUT/results.tgz" -C "$RAW" . && rm -rf "$RAW"
