@@ -27,7 +27,10 @@ Command buffers follow the runtime config (on by default; `--nocommand_buffers` 
 bench.ab_loop_modes (or --ab_loop_modes=ddtree,...) compiles those modes' loops again with the
 other setting (`_cmdbuf` rows: with command buffers; `_nograph`: without) for the throughput
 A/B, or with the run's setting plus --ab_loop_options (`_opts` rows; e.g.
-xla_gpu_enable_pdl=false: does PDL make the graph loop faster than its no-graph kernels?); a
+xla_gpu_enable_pdl=false: does PDL make the graph loop faster than its no-graph kernels?), or
+lowered again from a spec with --ab_loop_bench's overrides (`_spec` rows; e.g. tree_impl=xla: a
+spec A/B inside one process, since two calls' loops of one program can differ by more than the
+A/B: DDTree 15 6.015 vs 6.295 ms/step on an H100, s17); a
 `_cmdbuf` compile also dumps XLA's thunks and prints which parts became CUDA graphs (the
 optimised HLO cannot show it: notes/runtime.md), keeping the thunk files in out_dir.
 The printed summary puts compile times and the ar / first-budget tables first; a host gap
@@ -37,6 +40,7 @@ for a host-launched loop; for a graph loop (command buffers) it is what the grap
 The config's `bench` section chooses the sizes (configs/bench_tiny.py runs it on a CPU).
 """
 
+import copy
 import json
 import os
 import shutil
@@ -71,6 +75,11 @@ _AB_LOOP_OPTIONS = flags.DEFINE_string(
     "ab_loop_options", "", "Comma-separated XLA compiler options, e.g. 'xla_gpu_enable_pdl=false':"
     " the A/B loops of --ab_loop_modes then keep this run's command-buffer setting and add these "
     "options (`_opts` rows) instead of flipping the setting.")
+_AB_LOOP_BENCH = flags.DEFINE_string(
+    "ab_loop_bench", "", "Comma-separated bench-config overrides of the decode spec, e.g. "
+    "'tree_impl=xla': the A/B loops of --ab_loop_modes are lowered again from that spec with "
+    "this run's compiler options (`_spec` rows). Keys: SPEC_AB_KEYS.")
+SPEC_AB_KEYS = ("tree_impl",)  # bench keys bench_spec reads that leave the loop's state alone
 runtime.define_flags()
 
 
@@ -95,9 +104,9 @@ def _loop_capacity(c, spec):
   return max(c.bench.ctxs) + spec.commit_width * throughput.loop_state_steps(c.bench.gen)
 
 
-def lower_programs(m, c, spec):
-  """{part: Lowered} of `spec`'s prefill program and device loop (lowered here, in order: the
-  Mosaic kernels compile at lowering, once per shape), and the loop's capacity."""
+def lower_programs(m, c, spec, parts=("prefill", "loop")):
+  """{part: Lowered} of `spec`'s prefill program and device loop (those in `parts`; lowered here,
+  in order: the Mosaic kernels compile at lowering, once per shape), and the loop's capacity."""
   tcfg, tp, dcfg, dp, dtype = m
   max_len = _loop_capacity(c, spec)
   pair, kw = Pair(tcfg, tp, dcfg, dp), dict(spec=spec)
@@ -105,9 +114,11 @@ def lower_programs(m, c, spec):
   lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
   state = jax.eval_shape(lambda: bench_state(tcfg, dcfg, spec, 1, max(c.bench.ctxs), dtype,
                                              steps=throughput.loop_state_steps(c.bench.gen)))
-  return {"prefill": loop.prefill_device.lower(pair, prompts, lengths, jax.random.key(0),
-                                               max_len=max_len, cache_dtype=dtype, **kw),
-          "loop": loop.steps_device.lower(pair, state, jnp.int32(0), **kw)}, max_len
+  lower = {"prefill": lambda: loop.prefill_device.lower(
+               pair, prompts, lengths, jax.random.key(0), max_len=max_len, cache_dtype=dtype,
+               **kw),
+           "loop": lambda: loop.steps_device.lower(pair, state, jnp.int32(0), **kw)}
+  return {part: lower[part]() for part in parts}, max_len
 
 
 def _compile(lowered, options=None):
@@ -117,16 +128,41 @@ def _compile(lowered, options=None):
 
 
 def ab_variant():
-  """(suffix, compiler_options, command buffers on) of the A/B loop: with --ab_loop_options,
-  this process's command-buffer setting (`runtime`) plus those options (`_opts`); else the other
+  """(suffix, compiler_options, command buffers on) of the A/B loop: with --ab_loop_bench, the
+  default loop's options (None) on another spec (`_spec`); with --ab_loop_options, this
+  process's command-buffer setting (`runtime`) plus those options (`_opts`); else the other
   setting than this process's (`_nograph` under the default, `_cmdbuf` with them off)."""
   on = runtime.command_buffers_on()
+  if _AB_LOOP_OPTIONS.value and _AB_LOOP_BENCH.value:
+    raise ValueError("--ab_loop_options and --ab_loop_bench: one A/B per run")
+  if _AB_LOOP_BENCH.value:
+    return "_spec", None, on
   if _AB_LOOP_OPTIONS.value:
     base = runtime.COMMAND_BUFFER_OPTIONS if on else timing.NO_COMMAND_BUFFERS
     return "_opts", dict(base, **parse_options(_AB_LOOP_OPTIONS.value)), on
   if on:
     return "_nograph", timing.NO_COMMAND_BUFFERS, False
   return "_cmdbuf", runtime.COMMAND_BUFFER_OPTIONS, True
+
+
+def ab_spec(c, mode):
+  """The A/B loop's decode spec: `mode`'s, with --ab_loop_bench's overrides of c.bench."""
+  if not _AB_LOOP_BENCH.value:
+    return bench_spec(c, mode)
+  c_ab = copy.deepcopy(c)
+  with c_ab.unlocked():
+    c_ab.bench.update(spec_overrides(_AB_LOOP_BENCH.value))
+  return bench_spec(c_ab, mode)
+
+
+def spec_overrides(text):
+  """--ab_loop_bench's 'k=v,...' as a dict, every key one of SPEC_AB_KEYS."""
+  over = parse_options(text)
+  unknown = sorted(set(over) - set(SPEC_AB_KEYS))
+  if unknown:
+    raise ValueError(f"--ab_loop_bench: {unknown} not in {SPEC_AB_KEYS} (a key that changes the "
+                     "loop's state shapes cannot share its state)")
+  return over
 
 
 def parse_options(text):
@@ -163,7 +199,8 @@ def compile_modes(m, c, specs, deadline, rec):
       loops[spec.mode] = None
       continue
     if spec.mode in _ab_modes(c):
-      lowered["loop" + ab_variant()[0]] = lowered["loop"]
+      lowered["loop" + ab_variant()[0]] = (lower_programs(m, c, ab_spec(c, spec.mode), ("loop",))
+                                           [0]["loop"] if _AB_LOOP_BENCH.value else lowered["loop"])
     jobs += [(spec, part, low, max_len, (t0 - deadline.left()) / 2) for part, low in lowered.items()]
   suffix, options, _ = ab_variant()
   dumps = {}  # the `_cmdbuf` loops' XLA dump folders (their thunks: `thunk_graph_report`)
@@ -410,7 +447,7 @@ def run_parts(m, c, deadline, rec):
   host_gaps(c, rec)  # before the A/B loops: a graph run that crashes leaves these rows written
   suffix = ab_variant()[0]
   for mode in (x for x in modes if loops.get(x + suffix) is not None):
-    if not throughput_rows(m, c, bench_spec(c, mode), loops[mode + suffix], deadline, rec,
+    if not throughput_rows(m, c, ab_spec(c, mode), loops[mode + suffix], deadline, rec,
                            variant=suffix):
       return
   for b in budgets[1:] if "ddtree" in tables else ():  # without the attention / moe split

@@ -101,9 +101,11 @@
 #               beside +tokqkv (layer 0's q|k|v rows looked up, no layer-0 q|k|v dot; same
 #               floor), rel L2 vs the default and vs f32, kernels per call; draft_tokqkv:150
 #   k26_tree    the DDTree builder's A/B: its GPU tests (the one Triton program, the default on a GPU
-#               since 2026-12-05: bench.tree_impl=auto), then k26_ddtree with bench.tree_impl=xla
-#               (the sorts: tree phase 0.237 vs 0.104 ms and the ddtree loop at 46k, H200 s11;
-#               compare with k26_ddtree on the same warm machine: k26_ddtree:360 then k26_tree:420)
+#               since 2026-12-05: bench.tree_impl=auto), then the ddtree 15 loop at 46k twice in
+#               one process, the default and bench.tree_impl=xla (`ddtree_spec` rows,
+#               --ab_loop_bench; no phase tables: k26_core has the default's). One process,
+#               because two calls' loops of the same program differed by 4.6% on an H100 (s17)
+#               while the two builders' loops differed by 2% (k26_tree:300)
 # Every k26_* part runs K2.6's 61-layer one-GPU share (77.7 GB of weights) on an H200; on a
 # smaller GPU the first 32 layers (K26_LAYERS below): numbers of record need needs_h200=true.
 #   k26_tokqkv  k26_ddtree with bench.draft_token_qkv=true (the ddtree 15 phase table and loop
@@ -255,8 +257,8 @@ run_part() {
     k26_tree) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/decoding/test_tree_kernel.py; python3 scripts/bench_k26_full.py \
                 --out_dir $RAW/$part --config configs/bench_k26_core.py \
-                --config.bench.phase_modes=ddtree --config.bench.tree_impl=xla \
-                --time_budget_s $(( secs - 80 )) $K26_LAYERS" ;;
+                --config.bench.phase_modes=none --ab_loop_modes=ddtree \
+                --ab_loop_bench=tree_impl=xla --time_budget_s $(( secs - 80 )) $K26_LAYERS" ;;
     k26_tokqkv) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
                 --config configs/bench_k26_core.py --config.bench.phase_modes=ddtree \
                 --config.bench.draft_token_qkv=true --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;

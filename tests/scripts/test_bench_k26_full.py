@@ -168,6 +168,26 @@ def test_ab_loop_options_compile_the_loop_again_with_those_options(tmp_path):
 
 
 @pytest.mark.slow
+def test_ab_loop_bench_times_a_second_spec_in_the_same_process(tmp_path):
+  """--ab_loop_bench=tree_impl=xla: ddtree's loop lowered again from the overridden spec
+  (`loop_spec`, the run's compiler options) and timed beside the default, rows marked `_spec`."""
+  _, rows = _run(tmp_path, "--config.bench.phase_modes=none", "--ab_loop_modes=ddtree",
+                 "--ab_loop_bench=tree_impl=xla")
+  parts = [r["part"] for r in rows if r["kind"] == "compile" and r["mode"] == "ddtree"]
+  assert parts == ["prefill", "loop", "loop_spec"]
+  tput = [r for r in rows if r["kind"] == "throughput" and r["mode"] == "ddtree"]
+  assert [(r["ctx"], r["variant"]) for r in tput] == [(32, ""), (64, ""), (32, "_spec"),
+                                                      (64, "_spec")]
+  assert len({r["command_buffers"] for r in tput}) == 1
+
+
+def test_ab_loop_bench_takes_only_keys_that_leave_the_state_alone(bench):
+  assert bench.spec_overrides("tree_impl=xla") == {"tree_impl": "xla"}
+  with pytest.raises(ValueError, match="state shapes"):
+    bench.spec_overrides("tree_impl=xla,budget=31")
+
+
+@pytest.mark.slow
 def test_loops_only_ab_times_each_loop_with_and_without_command_buffers(tmp_path):
   """configs/bench_k26_loops.py's form at tiny size (phase_modes none, both modes' loops A/B'd):
   no phase table, one throughput row per mode and ctx for each command-buffer setting, the
