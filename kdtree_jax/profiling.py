@@ -15,11 +15,11 @@ own verify gives it, captured from a forward of the same state and tree: the sam
 same experts touched, as the step), `rest` = verify - attention - moe. Both parts are compiled
 without command buffers: their layers do not depend on each other, so a CONCURRENT graph
 (runtime's default) runs them side by side, which the step never does, and CUPTI then sums
-overlapping kernels (H100, s17: attention + moe 4.42 ms of a 3.42 ms ar verify). `step_nograph`: the fused
-step compiled without command buffers (every kernel launched by the host, so CUPTI sees all of
-them): its kernel time is the device time a loop step needs, whatever graphs do to tracing;
-compiled only when the process runs with command buffers (`runtime`: on by default; without them
-`step` is that program). The verify row lists its kernels by jax op (`format_listing`).
+overlapping kernels (H100, s17: attention + moe 4.42 ms of a 3.42 ms ar verify).
+`step_nograph`: the fused step compiled without command buffers (every kernel launched by the
+host, so CUPTI sees all of them): its kernel time is the device time a loop step needs, whatever
+graphs do to tracing; compiled only when the process runs with command buffers (`runtime`: on by
+default; without them `step` is that program). The verify row lists its kernels by jax op (`format_listing`).
 """
 
 import dataclasses

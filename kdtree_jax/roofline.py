@@ -27,7 +27,7 @@ def fit_copy_bytes(n_bytes, memory_stats):
   """The copy buffer's size: n_bytes, or less where the device's free memory (its allocator's
   bytes_limit - bytes_in_use) cannot hold COPY_LIVE_BUFFERS of them (a benchmark measuring its
   ceilings after loading a model that fills the GPU: bench_k26_full's 32 layers on an H100
-  asked for 4 GiB and ran out, s17); never under MIN_COPY_BYTES. memory_stats None (CPU): n_bytes."""
+  asked for 4 GiB and ran out, s17); never under MIN_COPY_BYTES. No memory_stats (CPU): n_bytes."""
   if not memory_stats or "bytes_limit" not in memory_stats:
     return n_bytes
   free = memory_stats["bytes_limit"] - memory_stats.get("bytes_in_use", 0)

@@ -199,8 +199,9 @@ def compile_modes(m, c, specs, deadline, rec):
       loops[spec.mode] = None
       continue
     if spec.mode in _ab_modes(c):
-      lowered["loop" + ab_variant()[0]] = (lower_programs(m, c, ab_spec(c, spec.mode), ("loop",))
-                                           [0]["loop"] if _AB_LOOP_BENCH.value else lowered["loop"])
+      ab_loop = (lower_programs(m, c, ab_spec(c, spec.mode), ("loop",))[0]["loop"]
+                 if _AB_LOOP_BENCH.value else lowered["loop"])
+      lowered["loop" + ab_variant()[0]] = ab_loop
     jobs += [(spec, part, low, max_len, (t0 - deadline.left()) / 2) for part, low in lowered.items()]
   suffix, options, _ = ab_variant()
   dumps = {}  # the `_cmdbuf` loops' XLA dump folders (their thunks: `thunk_graph_report`)
