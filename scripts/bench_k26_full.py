@@ -28,9 +28,10 @@ bench.ab_loop_modes (or --ab_loop_modes=ddtree,...) compiles those modes' loops 
 other setting (`_cmdbuf` rows: with command buffers; `_nograph`: without) for the throughput
 A/B, or with the run's setting plus --ab_loop_options (`_opts` rows; e.g.
 xla_gpu_enable_pdl=false: does PDL make the graph loop faster than its no-graph kernels?), or
-lowered again from a spec with --ab_loop_bench's overrides (`_spec` rows; e.g. tree_impl=xla: a
-spec A/B inside one process, since two calls' loops of one program can differ by more than the
-A/B: DDTree 15 6.015 vs 6.295 ms/step on an H100, s17); a
+lowered again with --ab_loop_bench's overrides of the spec or of the target's run-time fields
+(`_spec` rows; e.g. tree_impl=xla, target.mosaic_pdl=true: an A/B inside one process, since
+two processes' loops of one program can differ by more than the A/B: DDTree 15 6.003 vs 6.280
+ms/step on an H100, s17); a
 `_cmdbuf` compile also dumps XLA's thunks and prints which parts became CUDA graphs (the
 optimised HLO cannot show it: notes/runtime.md), keeping the thunk files in out_dir.
 The printed summary puts compile times and the ar / first-budget tables first; a host gap
@@ -56,6 +57,7 @@ from ml_collections import config_flags
 from kdtree_jax import profiling, profiling_hlo, roofline, runtime, throughput, timing
 from kdtree_jax.bench_setup import bench_spec, load_bench_pair
 from kdtree_jax.bench_state import bench_state
+from kdtree_jax.config_overrides import with_overrides
 from kdtree_jax.decoding import loop
 from kdtree_jax.loader import DTYPES
 from kdtree_jax.pair import Pair
@@ -76,10 +78,16 @@ _AB_LOOP_OPTIONS = flags.DEFINE_string(
     " the A/B loops of --ab_loop_modes then keep this run's command-buffer setting and add these "
     "options (`_opts` rows) instead of flipping the setting.")
 _AB_LOOP_BENCH = flags.DEFINE_string(
-    "ab_loop_bench", "", "Comma-separated bench-config overrides of the decode spec, e.g. "
-    "'tree_impl=xla': the A/B loops of --ab_loop_modes are lowered again from that spec with "
-    "this run's compiler options (`_spec` rows). Keys: SPEC_AB_KEYS.")
+    "ab_loop_bench", "", "Comma-separated overrides of the decode spec's bench keys and of the "
+    "target config's run-time fields, e.g. 'tree_impl=xla' or 'target.mosaic_pdl=true': the A/B "
+    "loops of --ab_loop_modes are lowered again with them and this run's compiler options "
+    "(`_spec` rows), on the same params and state. Keys: SPEC_AB_KEYS, 'target.' + "
+    "TARGET_AB_FIELDS.")
 SPEC_AB_KEYS = ("tree_impl",)  # bench keys bench_spec reads that leave the loop's state alone
+# TargetConfig fields that choose kernels and glue only: the same params serve both loops (a
+# pack-time field such as fold_norm_weights or int4_k_interleaved would read unpacked weights
+# as packed ones: same shapes, wrong values)
+TARGET_AB_FIELDS = ("mosaic_pdl", "moe_glue", "lean_glue", "router_impl", "expert_backend")
 runtime.define_flags()
 
 
@@ -147,22 +155,40 @@ def ab_variant():
 
 def ab_spec(c, mode):
   """The A/B loop's decode spec: `mode`'s, with --ab_loop_bench's overrides of c.bench."""
-  if not _AB_LOOP_BENCH.value:
+  bench_over, _ = ab_overrides(_AB_LOOP_BENCH.value)
+  if not bench_over:
     return bench_spec(c, mode)
   c_ab = copy.deepcopy(c)
   with c_ab.unlocked():
-    c_ab.bench.update(spec_overrides(_AB_LOOP_BENCH.value))
+    c_ab.bench.update(bench_over)
   return bench_spec(c_ab, mode)
 
 
-def spec_overrides(text):
-  """--ab_loop_bench's 'k=v,...' as a dict, every key one of SPEC_AB_KEYS."""
-  over = parse_options(text)
-  unknown = sorted(set(over) - set(SPEC_AB_KEYS))
-  if unknown:
-    raise ValueError(f"--ab_loop_bench: {unknown} not in {SPEC_AB_KEYS} (a key that changes the "
-                     "loop's state shapes cannot share its state)")
-  return over
+def ab_model(m):
+  """The A/B loop's (tcfg, tparams, dcfg, dparams, dtype): m with --ab_loop_bench's target.*
+  fields set in its target config (the same params)."""
+  _, target_items = ab_overrides(_AB_LOOP_BENCH.value)
+  if not target_items:
+    return m
+  tcfg, *rest = m
+  return (with_overrides(tcfg, target_items, "--ab_loop_bench"), *rest)
+
+
+def ab_overrides(text):
+  """--ab_loop_bench's 'k=v,...' as ({bench key: value}, ['field=value' of the target]); every
+  key one of SPEC_AB_KEYS or 'target.' + one of TARGET_AB_FIELDS."""
+  bench_over, target_items = {}, []
+  for item in (x.strip() for x in text.split(",") if x.strip()):
+    key = item.split("=", 1)[0].strip()
+    if key.removeprefix("target.") in TARGET_AB_FIELDS and key.startswith("target."):
+      target_items.append(item.removeprefix("target."))
+    elif key in SPEC_AB_KEYS:
+      bench_over.update(parse_options(item))
+    else:
+      raise ValueError(f"--ab_loop_bench: {key!r} is not one of {SPEC_AB_KEYS} or target.* of "
+                       f"{TARGET_AB_FIELDS} (a key that changes the loop's state or params "
+                       "cannot share them)")
+  return bench_over, target_items
 
 
 def parse_options(text):
@@ -199,7 +225,7 @@ def compile_modes(m, c, specs, deadline, rec):
       loops[spec.mode] = None
       continue
     if spec.mode in _ab_modes(c):
-      ab_loop = (lower_programs(m, c, ab_spec(c, spec.mode), ("loop",))[0]["loop"]
+      ab_loop = (lower_programs(ab_model(m), c, ab_spec(c, spec.mode), ("loop",))[0]["loop"]
                  if _AB_LOOP_BENCH.value else lowered["loop"])
       lowered["loop" + ab_variant()[0]] = ab_loop
     jobs += [(spec, part, low, max_len, (t0 - deadline.left()) / 2) for part, low in lowered.items()]
@@ -448,7 +474,7 @@ def run_parts(m, c, deadline, rec):
   host_gaps(c, rec)  # before the A/B loops: a graph run that crashes leaves these rows written
   suffix = ab_variant()[0]
   for mode in (x for x in modes if loops.get(x + suffix) is not None):
-    if not throughput_rows(m, c, ab_spec(c, mode), loops[mode + suffix], deadline, rec,
+    if not throughput_rows(ab_model(m), c, ab_spec(c, mode), loops[mode + suffix], deadline, rec,
                            variant=suffix):
       return
   for b in budgets[1:] if "ddtree" in tables else ():  # without the attention / moe split

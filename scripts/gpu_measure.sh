@@ -108,6 +108,10 @@
 #               while the two builders' loops differed by 2% (k26_tree:300)
 # Every k26_* part runs K2.6's 61-layer one-GPU share (77.7 GB of weights) on an H200; on a
 # smaller GPU the first 32 layers (K26_LAYERS below): numbers of record need needs_h200=true.
+#   k26_mpdl    TargetConfig.mosaic_pdl (our Mosaic kernels with PDL) in the ar and ddtree 15 graph
+#               loops at 46k, default and mosaic_pdl=true in one process (`_spec` rows,
+#               --ab_loop_bench=target.mosaic_pdl=true; target_pdl's one-step wall ms was
+#               inconclusive on an H100, s17): k26_mpdl:330
 #   k26_tokqkv  k26_ddtree with bench.draft_token_qkv=true (the ddtree 15 phase table and loop
 #               at 46k with the table; compare with k26_ddtree in the same call): k26_tokqkv:360
 #   k26_nokpi   k26_core with target.int4_k_interleaved=false (the experts K-packed, without the
@@ -253,6 +257,10 @@ run_part() {
                 --ctx_impls pallas+block+packed,pallas+block+packed+tokqkv,pallas+block+packed" ;;
     k26_nokpi) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
                 --config configs/bench_k26_core.py --config.target.int4_k_interleaved=false \
+                --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
+    k26_mpdl) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
+                --config configs/bench_k26_core.py --config.bench.phase_modes=none \
+                --ab_loop_modes=ar,ddtree --ab_loop_bench=target.mosaic_pdl=true \
                 --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
     k26_tree) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/decoding/test_tree_kernel.py; python3 scripts/bench_k26_full.py \

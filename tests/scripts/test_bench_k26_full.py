@@ -181,10 +181,25 @@ def test_ab_loop_bench_times_a_second_spec_in_the_same_process(tmp_path):
   assert len({r["command_buffers"] for r in tput}) == 1
 
 
-def test_ab_loop_bench_takes_only_keys_that_leave_the_state_alone(bench):
-  assert bench.spec_overrides("tree_impl=xla") == {"tree_impl": "xla"}
-  with pytest.raises(ValueError, match="state shapes"):
-    bench.spec_overrides("tree_impl=xla,budget=31")
+@pytest.mark.slow
+def test_ab_loop_bench_target_field_compiles_the_loop_on_the_same_params(tmp_path):
+  """--ab_loop_bench=target.lean_glue=false: ar's loop lowered again with that target config
+  (run-time field: the same params) and timed beside the default, the same tokens per step."""
+  _, rows = _run(tmp_path, "--config.bench.phase_modes=none", "--ab_loop_modes=ar",
+                 "--ab_loop_bench=target.lean_glue=false")
+  assert [r["part"] for r in rows if r["kind"] == "compile" and r["mode"] == "ar"] == [
+      "prefill", "loop", "loop_spec"]
+  tput = [r for r in rows if r["kind"] == "throughput" and r["mode"] == "ar"]
+  assert [r["variant"] for r in tput] == ["", "", "_spec", "_spec"]
+  assert {r["emitted_per_step"] for r in tput} == {1.0}
+
+
+def test_ab_loop_bench_takes_only_keys_that_leave_the_state_and_params_alone(bench):
+  assert bench.ab_overrides("tree_impl=xla, target.mosaic_pdl=true") == (
+      {"tree_impl": "xla"}, ["mosaic_pdl=true"])
+  for bad in ("budget=31", "target.fold_norm_weights=true", "mosaic_pdl=true"):
+    with pytest.raises(ValueError, match="cannot share"):
+      bench.ab_overrides(bad)
 
 
 @pytest.mark.slow
