@@ -180,7 +180,8 @@ def ab_overrides(text):
   bench_over, target_items = {}, []
   for item in (x.strip() for x in text.split(",") if x.strip()):
     key = item.split("=", 1)[0].strip()
-    if key.removeprefix("target.") in TARGET_AB_FIELDS and key.startswith("target."):
+    field = key.removeprefix("target.")
+    if key.startswith("target.") and field in TARGET_AB_FIELDS:
       target_items.append(item.removeprefix("target."))
     elif key in SPEC_AB_KEYS:
       bench_over.update(parse_options(item))

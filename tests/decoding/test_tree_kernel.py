@@ -18,6 +18,7 @@ from kdtree_jax import tree
 from kdtree_jax.cli import UsageError
 from kdtree_jax.decoding.spec_config import SpecConfig
 from pallas_kernels import bitonic, ddtree_build
+from gpu_grid import full_grid  # tests/gpu_grid.py
 
 
 def _logits(seed, batch, depth, vocab):
@@ -216,7 +217,7 @@ def test_padding_helpers():
 
 @pytest.mark.gpu  # skipped without a GPU by tests/conftest.py; `-m gpu` selects it
 @pytest.mark.parametrize("num_warps,budget", [
-    (w, b) if (w, b) == (4, 15) else pytest.param(w, b, marks=pytest.mark.gpu_full_grid)
+    (w, b) if (w, b) == (4, 15) else full_grid(w, b)
     for w in (4, 8) for b in (1, 7, 15, 31, 47, 63)])
 def test_compiled_kernel_equals_xla_on_gpu(budget, num_warps):
   """On a GPU: the compiled Triton program == the XLA builder, node for node. The default GPU

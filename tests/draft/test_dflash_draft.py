@@ -14,6 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 from kdtree_jax import draft
 from kdtree_jax.draft import checkpoint, ctx_attention, model
+from gpu_grid import full_grid  # tests/gpu_grid.py
 
 SLIDING_CFG = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=3)
 
@@ -354,16 +355,10 @@ def test_ctx_kernel_lowers_for_h200():
     assert "draft_ctx_attention" in text
 
 
-def _grid(*values):
-  """A parametrization of the GPU full grid only (tests/GPU_TESTS.md: the default GPU set
-  compiles each kernel path once; the same path at other shapes with --gpu-full-grid)."""
-  return pytest.param(*values, marks=pytest.mark.gpu_full_grid)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernel: GPU only")
-@pytest.mark.parametrize("kv_heads,q_heads,ctx", [(1, 8, 46000), _grid(8, 32, 3000),
-                                                   _grid(1, 8, 5)])
+@pytest.mark.parametrize("kv_heads,q_heads,ctx", [(1, 8, 46000), full_grid(8, 32, 3000),
+                                                   full_grid(1, 8, 5)])
 def test_ctx_kernel_compiled_matches_float64(kv_heads, q_heads, ctx):
   """The compiled kernel (default tuning, bf16 cache) on bench_k26_full's / bench_k26's draft
   head shapes: the merged attention over rows < ctx_len equals a float64 softmax of the same
@@ -392,7 +387,7 @@ def test_ctx_kernel_compiled_matches_float64(kv_heads, q_heads, ctx):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernel: GPU only")
-@pytest.mark.parametrize("programs", [None, _grid(131)])
+@pytest.mark.parametrize("programs", [None, full_grid(131)])
 def test_ctx_kernel_with_block_compiled_matches_float64(programs):
   """The compiled kernel with the block's own 16 K/V rows as its extra program (bench_k26_full's
   draft heads: 1 kv head, 128 query rows): attention over rows < ctx_len plus every block row
@@ -727,7 +722,7 @@ def test_ab_forms_lower_at_k26_share(tuning):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernel: GPU only")
-@pytest.mark.parametrize("ctx", [46000, _grid(3000), _grid(0)])
+@pytest.mark.parametrize("ctx", [46000, full_grid(3000), full_grid(0)])
 def test_packed_io_compiled_matches_float64(ctx):
   """The compiled packed kernel I/O at bench_k26_full's draft heads (8 q / 1 kv head of 128,
   block 16, bf16, default tuning: 131 ctx programs + the block's): q and the block's K/V read
@@ -767,7 +762,7 @@ DRAFT_BLOCK_FORMS = {"default": (dict(),),
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernels: GPU only")
-@pytest.mark.parametrize("forms", ["default", _grid("other_forms_and_table")])
+@pytest.mark.parametrize("forms", ["default", full_grid("other_forms_and_table")])
 def test_packed_io_draft_block_compiled_matches_float64(tmp_path, forms):
   """Compiled draft_block (bf16 params and cache, 8 q / 1 kv head of 128, block 16, 3000 ctx
   rows) in its kernel forms (packed_io + qk_in_kernel = the default, packed_io with XLA's q/k

@@ -23,6 +23,7 @@ from pallas_kernels.grouped_matmul import (Tuning, gated_grouped_matmul, grouped
 from pallas_kernels.grouped_matmul import kpack
 from pallas_kernels.grouped_matmul import tuning as tuning_module
 from pallas_kernels.grouped_matmul.tuning import apply_variant, default_tuning, scale_splits
+from gpu_grid import full_grid  # tests/gpu_grid.py
 
 
 def _items_brute_force(sizes, rows):
@@ -241,12 +242,6 @@ K26_VERIFY = list(np.bincount(np.random.default_rng(2).integers(0, 48, 520), min
 def _ragged_tuning(fmt, **kw):
   """One tuning per format for RAGGED: 4 K steps (2 per split at splits=2)."""
   return Tuning(rows=32, block_n=64, block_k=256 if fmt == "int4" else 128, stages=2, **kw)
-
-
-def full_grid(*values):
-  """A parametrization run on a GPU only with --gpu-full-grid (tests/GPU_TESTS.md: the default
-  GPU set compiles each kernel path once; tests/conftest.py skips the `gpu_full_grid` mark)."""
-  return pytest.param(*values, marks=pytest.mark.gpu_full_grid)
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ from pallas_kernels.grouped_matmul import expert_mlp as pallas_expert_mlp
 from pallas_kernels.grouped_matmul import bench
 from pallas_kernels.grouped_matmul.tuning import apply_variant, default_tuning
 import test_grouped_matmul_kernel as base  # the sibling module's operands, checks, lowering
+from gpu_grid import full_grid  # tests/gpu_grid.py
 
 SIZES = [30, 0, 50, 3, 10]  # ragged, one empty expert: M = 100 rows over 5 experts
 
@@ -86,12 +87,12 @@ def test_new_bench_rows_interpret_match_reference(t, touched):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated,opts", [  # the T=65 / T=1 / T=16 control rows' step shapes
-    base.full_grid(True, dict(rows=8, block_k=256, stages=3)),
+    full_grid(True, dict(rows=8, block_k=256, stages=3)),
     (False, dict(rows=8, block_k=256, stages=2, int4_acc_chains=2)),
     (True, dict(rows=8, block_k=128, stages=4, int4_interleave_stacks=True, int4_acc_chains=2,
                 splits=2, slots=4)),
-    base.full_grid(True, dict(rows=16, block_k=256, stages=2, int4_interleave_stacks=True,
-                              int4_acc_chains=2, splits=2, slots=4)),
+    full_grid(True, dict(rows=16, block_k=256, stages=2, int4_interleave_stacks=True,
+                         int4_acc_chains=2, splits=2, slots=4)),
 ])
 def test_k_interleaved_gpu_register_operand_equals_k_packed(gated, opts):
   """kpi (kpairs.py: one LOP3 per bf16 pair, its PTX and register relabel, which interpret mode
