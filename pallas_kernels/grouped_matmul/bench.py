@@ -76,23 +76,24 @@ _MLP_CASES = flags.DEFINE_list(
 _D1 = "once+ismem+cat+kp+a2+p4"
 _G1 = "once+ismem+cat+kp+il+a2+k128+p8"
 _G1_K64 = "once+ismem+cat+kp+il+k64+p16"
-_D16 = "once+ismem+cat+kp+s2+w4+a2"
+_D16 = "once+ismem+cat+kp+n128+s2+w4+a2"  # block_n 128 promoted in s18 (H100); 64's row kept below
 _G16 = "once+ismem+p2c4+s2+cat+kp+il+a2"
 _D65 = "once+ismem+r8+s2+w16+cat+kp+a2"
 _G65 = "once+ismem+r8+s3+w16+cat+kp"
 # kpi (dq11, kpairs.py): each case's control with the pair-interleaved K-pack (one LOP3 per
 # bf16 pair, no PRMT; the same values), right after it.
-# T=9 (8 experts; issue 12's T=9 line, 88.3 us vs its 75.6 bound, s8): the control, kpi, and the
-# T=16 / T=65 classes' forms at R 8 (a persistent grid over 8 live experts, or 2 K splits +
-# il + a2).
-_G9 = "once+ismem+x4c4+s2+r8+cat+kp"
-_D9 = "once+ismem+cat+s2+r8+w4+a2+kp"
+# T=9 (8 experts; issue 12's T=9 line, 88.3 us vs its 75.6 bound, s8 with x4c4): the control
+# (promoted in s18 from H100 runs: the T=16 class's gate|up form at R 8, down at block_n 128),
+# kpi, the previous gate|up (x4c4) and the previous down (block_n 64) for the H200's A/B, and
+# the T=65 class's form at R 8 (a persistent grid over 8 live experts; its w8 form, the slowest
+# row on an H100 in s14 at 112.0 us, and x4c4 + il + a2 were dropped to keep 18 programs).
+_G9 = "once+ismem+p2c4+s2+cat+kp+il+a2+r8"
+_D9 = "once+ismem+cat+kp+n128+s2+r8+w4+a2"  # block_n 128 promoted in s18 (H100)
 MLP_VARIANTS = {
-    9: (f"{_G9}|{_D9}", f"{_G9}+kpi|{_D9}+kpi", f"{_G9}+il+a2|{_D9}",
-        f"once+ismem+p2c4+s2+cat+kp+il+a2+r8|{_D9}", f"{_G65}|{_D65}", f"{_G65}+kpi|{_D65}+kpi",
-        "once+ismem+r8+s3+w8+cat+kp|once+ismem+r8+s2+w8+cat+kp+a2"),
+    9: (f"{_G9}|{_D9}", f"{_G9}+kpi|{_D9}+kpi", f"once+ismem+x4c4+s2+r8+cat+kp|{_D9}",
+        f"{_G9}|once+ismem+cat+s2+r8+w4+a2+kp", f"{_G65}|{_D65}", f"{_G65}+kpi|{_D65}+kpi"),
     1: (f"{_G1}|{_D1}", f"{_G1}+kpi|{_D1}+kpi", f"{_G1_K64}|{_D1}"),
-    16: (f"{_G16}|{_D16}", f"{_G16}+kpi|{_D16}+kpi"),
+    16: (f"{_G16}|{_D16}", f"{_G16}+kpi|{_D16}+kpi", f"{_G16}|once+ismem+cat+kp+s2+w4+a2"),
     65: (f"{_G65}|{_D65}", f"{_G65}+kpi|{_D65}+kpi", f"{_G65}+s4|{_D65}", f"{_G65}|{_D65}+s3"),
 }
 # pdl (pdl11, pallas_kernels/pdl.py): the T=1 / T=16 control rows with programmatic dependent

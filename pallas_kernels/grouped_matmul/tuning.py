@@ -21,11 +21,15 @@ DEFAULT_VARIANTS = (
     (8, "once+ismem+cat+il+a2+k128+p8|once+ismem+cat+a2+p4", "s8 T=1 (1 expert): + kp 22.8 us "
      "vs 24.4 once+ismem+cat+kp (gated 9.3 vs 10.8, down 6.1 vs 6.6; down a2 without p4 6.4; "
      "s6: 24.3 vs 26.2, s5: once+ismem 26.6 vs 27.3 base)"),
-    (12 * 8, "once+ismem+x4c4+s2+r8+cat|once+ismem+cat+s2+r8+w4+a2", "s8 T=9 (8 experts): + kp "
-     "88.3 us vs 98.2 (down 27.9 vs 36.6; gate|up il+a2 51.0 vs 50.6: not taken; s6: + kp 98.6 "
-     "vs 106.9; s5 run 2: 107.9 vs 123.8 with R 16, the T=16 class's); T=2..12: up to the "
-     "midpoint to T=16"),
-    (33 * 8 - 1, "once+ismem+p2c4+s2+cat+il+a2|once+ismem+cat+s2+w4+a2", "s8 T=16 (4 experts): + kp "
+    (12 * 8, "once+ismem+p2c4+s2+cat+il+a2+r8|once+ismem+cat+n128+s2+r8+w4+a2", "T=9 (8 "
+     "experts): gate|up in the T=16 class's form at R 8 and down at block_n 128, measured on "
+     "H100s only (s18: + kp 98.8 us vs 102.5 with x4c4+s2+r8, gated 58.1 vs 60.5; s14: 99.2 vs "
+     "103.6; down at 128 31.2 / 30.9 vs 32.1 / 31.8 at 64, two pairs); the H200 number of record "
+     "is still x4c4's (s8: + kp 88.3 us vs 98.2, down 27.9 vs 36.6; gate|up x4c4+il+a2 51.0 vs "
+     "50.6: not taken; s6: + kp 98.6 vs 106.9); T=2..12: up to the midpoint to T=16"),
+    (33 * 8 - 1, "once+ismem+p2c4+s2+cat+il+a2|once+ismem+cat+n128+s2+w4+a2", "down at block_n "
+     "128 measured on H100s only (s18, two runs: + kp down 17.8 / 18.1 us vs 19.0 / 19.1 at 64, "
+     "whole 61.6 / 61.8 vs 63.0 / 62.6; the H200 row of record is block_n 64's); s8 T=16 (4 experts): + kp "
      "53.7 us vs 58.0 with x4c4 (gate|up 27.6 vs 31.2: 2 K splits of 14 steps, 8 slot columns; "
      "7 splits 40.6, none 41.9) vs 72.8 once+ismem+x4c4+s2+cat+kp (down unsplit w4+a2 16.5 vs "
      "22.4; s6: 72.5 vs 74.1, s5: 78.0 vs 87.3 base); T=13..32 unmeasured"),
