@@ -29,10 +29,11 @@ DEFAULT_VARIANTS = (
      "50.6: not taken; s6: + kp 98.6 vs 106.9); T=2..12: up to the midpoint to T=16"),
     (33 * 8 - 1, "once+ismem+p2c4+s2+cat+il+a2|once+ismem+cat+n128+s2+w4+a2", "down at block_n "
      "128 measured on H100s only (s18, two runs: + kp down 17.8 / 18.1 us vs 19.0 / 19.1 at 64, "
-     "whole 61.6 / 61.8 vs 63.0 / 62.6; the H200 row of record is block_n 64's); s8 T=16 (4 experts): + kp "
-     "53.7 us vs 58.0 with x4c4 (gate|up 27.6 vs 31.2: 2 K splits of 14 steps, 8 slot columns; "
-     "7 splits 40.6, none 41.9) vs 72.8 once+ismem+x4c4+s2+cat+kp (down unsplit w4+a2 16.5 vs "
-     "22.4; s6: 72.5 vs 74.1, s5: 78.0 vs 87.3 base); T=13..32 unmeasured"),
+     "whole 61.6 / 61.8 vs 63.0 / 62.6; the H200 row of record is block_n 64's); s8 T=16 (4 "
+     "experts): + kp 53.7 us vs 58.0 with x4c4 (gate|up 27.6 vs 31.2: 2 K splits of 14 steps, "
+     "8 slot columns; 7 splits 40.6, none 41.9) vs 72.8 once+ismem+x4c4+s2+cat+kp (down "
+     "unsplit w4+a2 16.5 vs 22.4; s6: 72.5 vs 74.1, s5: 78.0 vs 87.3 base); T=13..32 "
+     "unmeasured"),
     (65 * 8, "once+ismem+r8+s3+w16+cat|once+ismem+r8+s2+w16+cat+a2", "s8 T=65 (36 experts): + kp "
      "299.4 us (72.0% of copy) vs 315.0 (gate|up 3 stages 192.4 vs 204.5; w8 / w24 / k128 no "
      "gain); down a2 94.7 vs 99.4 (s8 run 2: 303.2 vs 308.3); s6: 318.5 vs 324.9; s5 run 2: "

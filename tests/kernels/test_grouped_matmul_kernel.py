@@ -402,11 +402,10 @@ def test_default_variants_promote_per_row_count():
   """default_tuning gives INT4 calls DEFAULT_VARIANTS' entry for their M, the gated and the down
   call their own half of a 'GATED|DOWN' name: T=1 (M 8) fixed-cost options, gate|up in 8 splits
   of K 128 with interleaved stacks and two accumulator chains, down in 4 splits; T=9 (M 72..96,
-  R = 8) gate|up in 2 K splits with il+a2 as T=13..32's, T=13..32 (M 97..263) 2 K splits with il+a2; down
-  at T=2..32 unsplit at block_n 128 in 9 slot columns of its 56 N tiles (~4 CTAs per SM) with
-  two chains; T=33..65 (M 264..520) R = 8 in a
-  persistent grid, gate|up on 3 stages, down on 2 with two chains, larger M (prefill) the base; bf16 calls and
-  variant='default' the base."""
+  R = 8) and T=13..32 (M 97..263) gate|up in 2 K splits with il+a2, down unsplit at block_n 128
+  in 9 slot columns of its 56 N tiles (~4 CTAs per SM) with two chains; T=33..65 (M 264..520)
+  R = 8 in a persistent grid, gate|up on 3 stages, down on 2 with two chains; larger M (prefill)
+  the base; bf16 calls and variant='default' the base."""
   d, f = 7168, 2048
   base = lambda m, k, n, **kw: default_tuning(m, 48, k, n, True, variant="default", **kw)
   t1 = ("once+ismem+cat+il+a2+k128+p8", "once+ismem+cat+a2+p4")
@@ -687,8 +686,9 @@ def test_expert_mlp_gpu_promoted_tunings_k26(t, touched, k_packed):
   """expert_mlp at K2.6's INT4 shapes (48 local experts, D 7168, F 2048) with the promoted
   default tunings of the T=9 class (the T=16 class's gate|up at R 8), the T=16 class
   (p2c4+s2+il+a2: gated split-K partials through the slots loop; both classes' down at block_n
-  128) and the T=65 class (R = 8, 2 stages), on plain or K-packed stacks (int4.pack_k, as the decode layout
-  holds them) == the f32 dequantise-first XLA path on the plain stacks within bf16 rounding
+  128) and the T=65 class (R = 8, 2 stages), on plain or K-packed stacks (int4.pack_k, as the
+  decode layout holds them) == the f32 dequantise-first XLA path on the plain stacks within bf16
+  rounding
   (T=1's is test_expert_ffn_gpu_k26_ar_token_both_glues). K-packed stacks with --gpu-full-grid
   (the same tunings; kpack's and kpairs' loads: test_grouped_matmul_small_t)."""
   e_l, d, f, m = 48, 7168, 2048, 8 * t
