@@ -76,7 +76,8 @@ _MLP_CASES = flags.DEFINE_list(
 _D1 = "once+ismem+cat+kp+a2+p4"
 _G1 = "once+ismem+cat+kp+il+a2+k128+p8"
 _G1_K64 = "once+ismem+cat+kp+il+k64+p16"
-_D16 = "once+ismem+cat+kp+n128+s2+w4+a2"  # block_n 128 promoted in s18 (H100); 64's row kept below
+_D16 = "once+ismem+cat+kp+n128+s2+w4+a2"  # block_n 128 promoted in s18 (H100)
+D16_BLOCK_N64 = "once+ismem+cat+kp+s2+w4+a2"  # the T=16 down before s18: a row for the H200 A/B
 _G16 = "once+ismem+p2c4+s2+cat+kp+il+a2"
 _D65 = "once+ismem+r8+s2+w16+cat+kp+a2"
 _G65 = "once+ismem+r8+s3+w16+cat+kp"
@@ -93,7 +94,7 @@ MLP_VARIANTS = {
     9: (f"{_G9}|{_D9}", f"{_G9}+kpi|{_D9}+kpi", f"once+ismem+x4c4+s2+r8+cat+kp|{_D9}",
         f"{_G9}|once+ismem+cat+s2+r8+w4+a2+kp", f"{_G65}|{_D65}", f"{_G65}+kpi|{_D65}+kpi"),
     1: (f"{_G1}|{_D1}", f"{_G1}+kpi|{_D1}+kpi", f"{_G1_K64}|{_D1}"),
-    16: (f"{_G16}|{_D16}", f"{_G16}+kpi|{_D16}+kpi", f"{_G16}|once+ismem+cat+kp+s2+w4+a2"),
+    16: (f"{_G16}|{_D16}", f"{_G16}+kpi|{_D16}+kpi", f"{_G16}|{D16_BLOCK_N64}"),
     65: (f"{_G65}|{_D65}", f"{_G65}+kpi|{_D65}+kpi", f"{_G65}+s4|{_D65}", f"{_G65}|{_D65}+s3"),
 }
 # pdl (pdl11, pallas_kernels/pdl.py): the T=1 / T=16 control rows with programmatic dependent
