@@ -36,6 +36,21 @@ import jax
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}  # compiler_options: no CUDA graphs
 
 
+def check_compiler_options(options: dict | None) -> None:
+  """Compile a one-op program with `options` (XLA DebugOptions fields for `compiler_options`) and
+  raise ValueError naming them where XLA refuses one: a benchmark checks its A/B options before
+  loading weights. A name can be in jaxlib's binary and still not be an option of this jax
+  (jax 0.11.2: 'xla_gpu_enable_split_k_autotuning' is "No such compile option"; an H100 call
+  found it only after 95 s of loading and compiling, 2026-12-06)."""
+  if not options:
+    return
+  program = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), "float32"))
+  try:
+    program.compile(compiler_options=options)
+  except jax.errors.JaxRuntimeError as e:
+    raise ValueError(f"XLA refuses compiler options {options}: {e}") from None
+
+
 def same_args(args, out):
   """`feed` for programs that donate nothing: every call sees the same arguments."""
   del out

@@ -485,6 +485,10 @@ def run_parts(m, c, deadline, rec):
 
 def main(_):
   c = _CONFIG.value
+  try:  # a misspelt or removed --ab_loop_options field fails here, before any weights load
+    timing.check_compiler_options(ab_variant()[1])
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   deadline = timing.Deadline(_BUDGET_S.value)
   rec = Recorder(_OUT.value)
   dtype = DTYPES[c.dtype]

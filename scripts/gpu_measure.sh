@@ -112,6 +112,11 @@
 #               loops at 46k, default and mosaic_pdl=true in one process (`_spec` rows,
 #               --ab_loop_bench=target.mosaic_pdl=true; target_pdl's one-step wall ms was
 #               inconclusive on an H100, s17): k26_mpdl:330
+#   k26_nosplitk  XLA's split-K Triton GEMMs off (xla_gpu_experimental_force_split_k=1) in the
+#               ar and ddtree 15 graph loops at 46k, default and option in one process (`_opts`
+#               rows, --ab_loop_options): the dense dots' split-K sums are ~4 glue kernels a
+#               layer (notes/roadmap.md lever 1); without them the dots fill fewer SMs:
+#               k26_nosplitk:330 (DONE s19, H100 32 layers: ar +2.0%, DDTree 15 +1.8%: lost)
 #   k26_tokqkv  k26_ddtree with bench.draft_token_qkv=true (the ddtree 15 phase table and loop
 #               at 46k with the table; compare with k26_ddtree in the same call): k26_tokqkv:360
 #   k26_nokpi   k26_core with target.int4_k_interleaved=false (the experts K-packed, without the
@@ -261,6 +266,10 @@ run_part() {
     k26_mpdl) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
                 --config configs/bench_k26_core.py --config.bench.phase_modes=none \
                 --ab_loop_modes=ar,ddtree --ab_loop_bench=target.mosaic_pdl=true \
+                --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
+    k26_nosplitk) one_gpu timeout "$secs" python3 scripts/bench_k26_full.py --out_dir "$RAW/$part" \
+                --config configs/bench_k26_core.py --config.bench.phase_modes=none \
+                --ab_loop_modes=ar,ddtree --ab_loop_options=xla_gpu_experimental_force_split_k=1 \
                 --time_budget_s $(( secs - 20 )) $K26_LAYERS ;;
     k26_tree) one_gpu timeout "$secs" bash -c "timeout 60 python3 -m pytest -q -rs -m gpu \
                 tests/decoding/test_tree_kernel.py; python3 scripts/bench_k26_full.py \

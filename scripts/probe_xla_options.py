@@ -124,6 +124,11 @@ def make_layouts(tcfg, tp, names):
 
 def main(_):
   c = _CONFIG.value
+  for v in _VARIANTS.value:  # every option set XLA accepts, before any weights load
+    try:
+      timing.check_compiler_options(options(v))
+    except ValueError as e:
+      raise app.UsageError(f"variant {v!r}: {e}") from None
   dtype = DTYPES[c.dtype]
   box = {}
 

@@ -1,6 +1,8 @@
 """Device-busy time from kernel intervals: overlapping kernels (concurrent graph nodes) count
 once, gaps between kernels do not count."""
 
+import pytest
+
 from kdtree_jax import timing
 
 
@@ -35,3 +37,12 @@ def test_family_strips_instance_numbers_only():
 def test_breakdown_sums_calls_and_us_per_program_call():
   rows = timing.breakdown([("a", 1.0), ("b", 0.5), ("a", 1.0), ("a", 2.0)], 2)
   assert rows == [("a", 1.5, 2000.0), ("b", 0.5, 250.0)]
+
+
+def test_check_compiler_options_refuses_an_unknown_field_and_accepts_known_ones():
+  """XLA itself is the reference: a field it does not parse raises before any weights load."""
+  timing.check_compiler_options(None)
+  timing.check_compiler_options({"xla_gpu_experimental_force_split_k": 1})
+  timing.check_compiler_options(timing.NO_COMMAND_BUFFERS)
+  with pytest.raises(ValueError, match="xla_gpu_enable_split_k_autotuning"):
+    timing.check_compiler_options({"xla_gpu_enable_split_k_autotuning": False})

@@ -167,6 +167,21 @@ def test_ab_loop_options_compile_the_loop_again_with_those_options(tmp_path):
   assert not [r for r in rows if r["kind"] == "thunks"] and "==== summary" in stdout
 
 
+def test_unknown_ab_loop_option_stops_the_run_before_loading(tmp_path):
+  """A field XLA does not parse (jax 0.11.2 has no 'xla_gpu_enable_split_k_autotuning') is a
+  usage error naming it, before the weights load and no JSON line is written."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_k26_full.py"), "--config",
+         os.path.join(ROOT, "configs", "bench_tiny.py"), "--out_dir", str(tmp_path),
+         "--compile_cache_dir=", "--ab_loop_modes=ar",
+         "--ab_loop_options=xla_gpu_enable_split_k_autotuning=false"]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  assert "No such compile option: 'xla_gpu_enable_split_k_autotuning'" in proc.stderr
+  assert not (tmp_path / "bench_k26_full.jsonl").exists()
+
+
 @pytest.mark.slow
 def test_ab_loop_bench_times_a_second_spec_in_the_same_process(tmp_path):
   """--ab_loop_bench=tree_impl=xla: ddtree's loop lowered again from the overridden spec
