@@ -16,6 +16,8 @@ NUM_SMS = 132  # H200 SXM
 # `kp` (int4_k_packed) is not named here: it follows the weights (api.py's k_packed, from
 # Int4Weight.k_packed: target.pack.pack_for_decode packs the routed stacks); s6 measured each
 # row + cat + kp 1.02-1.08x faster than the row (cat alone: noise), so every row has + cat.
+# R 8 (`r8`) wins only while each expert has <= 8 local rows (H100 s19: 9 rows on one expert
+# cost +17% at T=9, 16-17 rows +23% at T=65): notes/int4_small_t.md "R against the routing".
 DEFAULT_VARIANTS = (
     # max_rows, variant, measured
     (8, "once+ismem+cat+il+a2+k128+p8|once+ismem+cat+a2+p4", "s8 T=1 (1 expert): + kp 22.8 us "
