@@ -1,5 +1,6 @@
 """Device-busy time from kernel intervals: overlapping kernels (concurrent graph nodes) count
-once, gaps between kernels do not count."""
+once, gaps between kernels do not count; and the compiler-option check benchmarks run before
+loading weights."""
 
 import pytest
 

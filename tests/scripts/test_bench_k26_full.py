@@ -73,13 +73,18 @@ def test_summary_prints_no_trace_gap_for_a_graph_loop(bench):
   assert "-486.0" in host and "no host gap visible" in host and "IMPOSSIBLE" not in text
 
 
-def _run(out_dir, *args, timeout=600):
+def _launch(out_dir, *args, timeout=600):
+  """The script at tiny size on the CPU, no compilation cache: the finished process."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_k26_full.py"), "--config",
          os.path.join(ROOT, "configs", "bench_tiny.py"), "--out_dir", str(out_dir),
          "--compile_cache_dir=", *args]
-  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _run(out_dir, *args, timeout=600):
+  proc = _launch(out_dir, *args, timeout=timeout)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [json.loads(x) for x in (out_dir / "bench_k26_full.jsonl").read_text().splitlines()]
   return proc.stdout, rows
@@ -170,13 +175,8 @@ def test_ab_loop_options_compile_the_loop_again_with_those_options(tmp_path):
 def test_unknown_ab_loop_option_stops_the_run_before_loading(tmp_path):
   """A field XLA does not parse (jax 0.11.2 has no 'xla_gpu_enable_split_k_autotuning') is a
   usage error naming it, before the weights load and no JSON line is written."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_k26_full.py"), "--config",
-         os.path.join(ROOT, "configs", "bench_tiny.py"), "--out_dir", str(tmp_path),
-         "--compile_cache_dir=", "--ab_loop_modes=ar",
-         "--ab_loop_options=xla_gpu_enable_split_k_autotuning=false"]
-  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  proc = _launch(tmp_path, "--ab_loop_modes=ar",
+                 "--ab_loop_options=xla_gpu_enable_split_k_autotuning=false", timeout=300)
   assert proc.returncode != 0
   assert "No such compile option: 'xla_gpu_enable_split_k_autotuning'" in proc.stderr
   assert not (tmp_path / "bench_k26_full.jsonl").exists()
