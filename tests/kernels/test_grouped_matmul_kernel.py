@@ -688,9 +688,8 @@ def test_expert_mlp_gpu_promoted_tunings_k26(t, touched, k_packed):
   (p2c4+s2+il+a2: gated split-K partials through the slots loop; both classes' down at block_n
   128) and the T=65 class (R = 8, 2 stages), on plain or K-packed stacks (int4.pack_k, as the
   decode layout holds them) == the f32 dequantise-first XLA path on the plain stacks within bf16
-  rounding
-  (T=1's is test_expert_ffn_gpu_k26_ar_token_both_glues). K-packed stacks with --gpu-full-grid
-  (the same tunings; kpack's and kpairs' loads: test_grouped_matmul_small_t)."""
+  rounding (T=1's is test_expert_ffn_gpu_k26_ar_token_both_glues). K-packed stacks with
+  --gpu-full-grid (the same tunings; kpack's and kpairs' loads: test_grouped_matmul_small_t)."""
   e_l, d, f, m = 48, 7168, 2048, 8 * t
   gs = _class_sizes(t, touched)
   ks = jax.random.split(jax.random.key(t), 4)
