@@ -65,7 +65,8 @@ _MLP_CASES = flags.DEFINE_list(
 #   aN: each stack's chunks alternate over N accumulators (two chains per stack);
 #   pN / xN: exactly N / N x the K splits (more CTAs, fewer K steps each), cC: ~C CTAs per SM;
 #   wN: no split, slot columns for ~N CTAs per SM (one pipeline fill per live item);
-#   kBK / sN: K per pipeline step, stages.
+#   kBK / sN: K per pipeline step, stages;
+#   nrN: items with <= N rows in their window take a second path with wgmma N = N.
 # The eighth session's four sweeps and what they promoted: WORKSPACE.md "INT4 expert kernels:
 # the eighth session's sweeps". Open from its last round (cut by the time box): T=65 gate|up on
 # 4 stages, down on 3. Each case's first row is the promoted variant + kp (the decode layout's),
@@ -114,7 +115,7 @@ _MLP_VARIANTS = flags.DEFINE_list(
     "mlp_variants", [],
     "mlp_tune: rows for every case: 'promoted' (default_tuning's choice) or tuning.apply_variant "
     "names ('+'-joined changes to both calls' base tunings: once, ismem, cat, kp, il, dqN, aN, "
-    "rN, kBK, sN, nBN, xN[cC], pN[cC], wN, kpi; 'default': none; 'GATED|DOWN': "
+    "rN, nrN, kBK, sN, nBN, xN[cC], pN[cC], wN, kpi; 'default': none; 'GATED|DOWN': "
     "one per call, same rN); empty: MLP_VARIANTS[T] per case, else promoted (18 programs): "
     f"{MLP_VARIANTS}.")
 # A row whose output is further than this from the f32 XLA reference (relative L2 error) is

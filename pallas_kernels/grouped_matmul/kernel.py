@@ -20,7 +20,10 @@ grid axis (few items cannot fill 132 SMs) into partials (f32 as bf16 hi + lo) th
 sums (a gated call then returns the gate and up partials: the SiLU-multiply needs the sums).
 The work list (work.py) is an operand: one MoE layer builds it once for its gated and down calls.
 The grid's first axis is one CTA column per item, or `Tuning.slots` columns looping over them
-(`Tuning.items_smem`: the list is read from SMEM after one TMA). `Tuning.store_once` fences and
+(`Tuning.items_smem`: the list is read from SMEM after one TMA). `Tuning.narrow_rows` compiles
+a second item path with a narrower x tile and wgmma N, taken by items whose stored rows fit it
+(one dequantise per expert of up to R rows, the MMA work of few rows where it has few).
+`Tuning.store_once` fences and
 waits once for every epilogue part; `Tuning.dequant_batch` dequantises several 64-column chunks
 per wgmma wait; `Tuning.int4_interleave_stacks` dequantises gate and up chunk by chunk
 together (one wait per chunk pair and step); `Tuning.int4_acc_chains` alternates a stack's
@@ -135,10 +138,11 @@ def _bf16_step(acc_ref, x_smem, w_smem):
 
 
 def _store_rows(o_smem, o_ref, win, lo, size, col0, t: Tuning, wait=True):
-  """Rows [lo, lo + size) of the staged [R, BN] tile -> out rows win + lo.. (power-of-two TMAs);
-  `wait`: until the stores have read o_smem (else the caller waits once for several)."""
+  """Rows [lo, lo + size) of the staged [R, BN] tile (R: o_smem's rows, t.rows or
+  t.narrow_rows) -> out rows win + lo.. (power-of-two TMAs); `wait`: until the stores have read
+  o_smem (else the caller waits once for several)."""
   start = lo
-  rows = 1 << (t.rows.bit_length() - 1)  # the largest power of two <= R
+  rows = 1 << (o_smem.shape[0].bit_length() - 1)  # the largest power of two <= R
   while rows >= 1:
     @pl.when(size & rows != 0)
     def _(rows=rows, start=start):
@@ -220,6 +224,11 @@ def _padded_items(n_items: int) -> int:
   return -(-n_items // 4) * 4
 
 
+def _window_rows(t: Tuning) -> tuple[int, ...]:
+  """The row counts the body's item paths run with: R, and t.narrow_rows when set."""
+  return (t.rows, t.narrow_rows) if t.narrow_rows else (t.rows,)
+
+
 def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret: bool):
   per_stack = 2 if int4 else 1
   n_stacks = 2 if gated else 1
@@ -232,7 +241,8 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret:
     pdl.wait_for_producers(t.pdl, interpret)  # every input follows: the work list picks weights
     stacks = [refs[i * per_stack:(i + 1) * per_stack] for i in range(n_stacks)]
     rest = refs[n_stacks * per_stack:]
-    o_refs, o_smems, extra = rest[:n_out], rest[n_out:2 * n_out], list(rest[2 * n_out:])
+    o_refs, extra = rest[:n_out], list(rest[n_out:])
+    o_smems = {r: [extra.pop(0) for _ in range(n_out)] for r in _window_rows(t)}
     w_stage = extra.pop(0) if int4 and t.a_operand == "smem" else None
     if _items_in_smem(t, n_items):  # one TMA of the whole list, then SMEM reads per item
       items_smem, items_bar = extra
@@ -242,7 +252,9 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret:
     slot, ni, si = lax.axis_index("w"), lax.axis_index("n"), lax.axis_index("s")
     k0 = si * k_steps
 
-    def run_item(grp, win, lo, size):
+    def run_item(grp, win, lo, size, rows):
+      """One item with an x tile and wgmma N of `rows` (t.rows, or t.narrow_rows where the
+      item's stored rows lie in its window's first narrow_rows rows)."""
       def acc_scope(*acc_refs):
         def step(_, x_smem, *w_smem):
           tiles = [w_smem[j * per_stack:(j + 1) * per_stack] for j in range(n_stacks)]
@@ -259,7 +271,7 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret:
                        k_packed=t.int4_k_packed, interpret=interpret, chains=c,
                        interleaved=t.int4_k_interleaved)
 
-        x_spec = plgpu.BlockSpec((pl.Element(t.rows), t.block_k),
+        x_spec = plgpu.BlockSpec((pl.Element(rows), t.block_k),
                                  lambda kk: (pl.multiple_of(win, work.ALIGN), k0 + kk),
                                  transforms=_SWIZZLED)
         w_specs = [plgpu.BlockSpec(s.block_shape, functools.partial(s.index_map, ni=ni),
@@ -271,19 +283,24 @@ def _make_body(k, group, int4, gated, dtype, t: Tuning, n_items: int, interpret:
         pdl.release_dependents(t.pdl, interpret)  # this item's loads are done: the epilogue's left
         return tuple(a[...] for a in acc_refs)
 
-      accs = pl.run_scoped(acc_scope, *[plgpu.ACC((t.block_n, t.rows), jnp.float32)] * n_acc)
+      accs = pl.run_scoped(acc_scope, *[plgpu.ACC((t.block_n, rows), jnp.float32)] * n_acc)
       if n_acc > n_stacks:  # int4_acc_chains: each stack's chains summed
         c = n_acc // n_stacks
         accs = tuple(functools.reduce(jnp.add, accs[i * c:(i + 1) * c]) for i in range(n_stacks))
       vals = (_silu_mul(*accs),) if gated and t.splits == 1 else accs
       n_parts = 2 if t.splits > 1 else 1
-      parts = [p for v in vals for p in _bf16_parts(v, n_parts, o_smems[0].dtype)]
-      _store_parts(parts, o_smems, [o.at[si] for o in o_refs], win, lo, size, ni * t.block_n,
-                   t)
+      parts = [p for v in vals for p in _bf16_parts(v, n_parts, o_smems[rows][0].dtype)]
+      _store_parts(parts, o_smems[rows], [o.at[si] for o in o_refs], win, lo, size,
+                   ni * t.block_n, t)
 
     def visit(item):
       grp, win, lo, size = (work_ref[i, item] for i in range(4))
-      pl.when(size > 0)(lambda: run_item(grp, win, lo, size))
+      if not t.narrow_rows:
+        pl.when(size > 0)(lambda: run_item(grp, win, lo, size, t.rows))
+        return
+      narrow = lo + size <= t.narrow_rows  # one compiled path each; the item picks at run time
+      pl.when((size > 0) & narrow)(lambda: run_item(grp, win, lo, size, t.narrow_rows))
+      pl.when((size > 0) & ~narrow)(lambda: run_item(grp, win, lo, size, t.rows))
 
     if slots == n_items:
       visit(slot)
@@ -304,7 +321,8 @@ def launch_shape(k: int, n: int, n_items: int, int4: bool, gated: bool, t: Tunin
   w_tile = t.block_n * t.block_k // 2 + max(t.block_k // 32, 1) * t.block_n * 2 if int4 else \
       t.block_n * t.block_k * 2
   ring = stages * (t.rows * t.block_k * 2 + (2 if gated else 1) * w_tile)
-  out = _num_values(gated, t) * (2 if t.splits > 1 else 1) * t.rows * t.block_n * 2
+  out = (_num_values(gated, t) * (2 if t.splits > 1 else 1) * sum(_window_rows(t))
+         * t.block_n * 2)
   stage = 2 * _staged_stacks(gated, t) * t.dequant_batch * t.block_n * CHUNK * 2 \
       if int4 and t.a_operand == "smem" else 0
   smem = ring + out + stage
@@ -352,7 +370,8 @@ def grouped_matmul_mgpu(x_mk, stacks, items, *, tuning: Tuning, interpret=False)
   x = _pad_rows(x_mk)
   split = tuning.splits > 1
   n_out = _num_values(gated, tuning) * (2 if split else 1)
-  scratch = [plgpu.SMEM((tuning.rows, tuning.block_n), x_mk.dtype)] * n_out
+  scratch = [plgpu.SMEM((r, tuning.block_n), x_mk.dtype)
+             for r in _window_rows(tuning) for _ in range(n_out)]
   if int4 and tuning.a_operand == "smem":
     scratch.append(plgpu.SMEM((2 * _staged_stacks(gated, tuning) * tuning.dequant_batch,
                                tuning.block_n, CHUNK), x_mk.dtype, transforms=_SWIZZLED))

@@ -18,6 +18,9 @@ NUM_SMS = 132  # H200 SXM
 # row + cat + kp 1.02-1.08x faster than the row (cat alone: noise), so every row has + cat.
 # R 8 (`r8`) wins only while each expert has <= 8 local rows (H100 s19: 9 rows on one expert
 # cost +17% at T=9, 16-17 rows +23% at T=65): notes/int4_small_t.md "R against the routing".
+# `+nr8` on the R 16 form keeps R 16's speed there but is 3% slower than R 8 on the cases below
+# (H100 s20; at T=65 the CTA's SMEM stays R 16's): promote it where routing is measured to
+# concentrate.
 DEFAULT_VARIANTS = (
     # max_rows, variant, measured
     (8, "once+ismem+cat+il+a2+k128+p8|once+ismem+cat+a2+p4", "s8 T=1 (1 expert): + kp 22.8 us "
@@ -103,6 +106,12 @@ class Tuning:
     + 4 SHF); exactly the same values. The CALLER must pass pair-packed stacks (the bench
     does; the model's decode pack does with TargetConfig.int4_k_interleaved, and its calls
     set this from the weights' layout: api.py's k_interleaved).
+  narrow_rows: 0, or a multiple of 8 below rows: items whose stored rows lie in their window's
+    first narrow_rows rows (lo + size <= narrow_rows) run a second compiled path whose x tile
+    and wgmma N are narrow_rows, the rest the R-row path. The work list stays R's, so an expert
+    of up to R rows is one item (its weights dequantised once) while one of a few rows costs
+    the MMA work of narrow_rows: R 16 + narrow 8 aims at R 8's speed where experts get 1-2
+    rows and R 16's where one gets 9-16 (notes/int4_small_t.md "R against the routing").
   pdl: programmatic dependent launch (`pallas_kernels.pdl`): the body waits (griddepcontrol.wait)
     before its first read of anything (the work list decides which weights to load, so every
     input: work list, x, weights), so the CTAs can start during the previous kernel's tail, and
@@ -125,6 +134,7 @@ class Tuning:
   int4_interleave_stacks: bool = False
   int4_acc_chains: int = 1
   int4_k_interleaved: bool = False
+  narrow_rows: int = 0
 
   def __post_init__(self):
     if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -145,6 +155,8 @@ class Tuning:
       raise ValueError(f"{self.int4_acc_chains=} must be 1 or 2 (2: block_k >= 128)")
     if self.a_operand not in ("registers", "smem"):
       raise ValueError(f"{self.a_operand=} must be 'registers' or 'smem'")
+    if self.narrow_rows and (self.narrow_rows % 8 or not 8 <= self.narrow_rows < self.rows):
+      raise ValueError(f"{self.narrow_rows=} must be 0 or a multiple of 8 below {self.rows=}")
     if self.int4_k_interleaved and not self.int4_k_packed:
       raise ValueError("int4_k_interleaved is a layout of K-packed stacks: set int4_k_packed")
 
@@ -231,7 +243,8 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
   (the caller packs by kpairs.pack_int4_k_pairs);
   dqN: dequant_batch N; aN: int4_acc_chains N (applied after every other part, at most
   block_k / 64: a one-chunk K step, e.g. the small models' K < 128, keeps one chain);
-  rN: rows N (both calls of one work list must share it); kBK: block_k BK; sN: stages N;
+  rN: rows N (both calls of one work list must share it); nrN: narrow_rows N (after rN; each
+  call its own); kBK: block_k BK; sN: stages N;
   nBN: block_n BN (before any x / p / w part: their slots count the N tiles);
   xN[cC]: scale_splits by N for ~C CTAs per SM (2); pN[cC]: exactly N splits (set_splits;
   after kBK: N must divide the K steps); wN: slots for ~N CTAs per SM (a
@@ -255,6 +268,8 @@ def apply_variant(name: str, t: Tuning, k: int, n: int) -> Tuning:
     elif m := re.fullmatch(r"w(\d+)", part):  # the slots loop for ~N CTAs per SM, same splits
       n_tiles = max(1, n // t.block_n)  # a small model's N below one tile: the XLA path runs
       t = dataclasses.replace(t, slots=max(1, int(m[1]) * NUM_SMS // (n_tiles * t.splits)))
+    elif m := re.fullmatch(r"nr(\d+)", part):
+      t = dataclasses.replace(t, narrow_rows=int(m[1]))
     elif m := re.fullmatch(r"a(\d+)", part):
       chains = int(m[1])
     elif m := re.fullmatch(r"(dq|k|s|r|n)(\d+)", part):

@@ -809,3 +809,77 @@ def test_set_splits_fills_the_sms_evenly():
   assert apply_variant("p8", t, 7168, 2048).splits == 7  # 28 K steps of 256
   assert apply_variant("k128+p4", t, 128, 2048).splits == 1  # one K step
   assert apply_variant("p8", t, 48, 2048) == t  # a K the kernel does not take: unchanged
+
+
+# Tuning.narrow_rows (variant nrN): R 16 work items whose stored rows fit the first 8 rows of
+# their window run a second compiled path with an 8-row x tile and wgmma N 8. The sizes give
+# items of both paths: 1-5 rows at lo 0-4 (narrow, one ending exactly at row 8), 9-15 rows
+# (R), an expert of 20 rows over two windows (R, then a 5-row narrow item), empty experts.
+NARROW_SIZES = [2, 0, 1, 5, 12, 0, 3, 9, 1, 20]  # 53 rows, M 56
+
+
+def _narrow_items(sizes, rows, narrow):
+  """(narrow items, R items) of the brute-force work list."""
+  items = _items_brute_force(sizes, rows)
+  small = sum(lo + size <= narrow for _, _, lo, size in items)
+  return small, len(items) - small
+
+
+def test_narrow_rows_sizes_take_both_paths():
+  assert _narrow_items(NARROW_SIZES, 16, 8) == (6, 3)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+def test_narrow_rows_interpret_match_reference(fmt):
+  """narrow_rows 8 under R 16: plain, gated fused and gated split-K through the slots loop (INT4;
+  bf16: plain) == the XLA reference on every stored row."""
+  sizes, m, k, n = NARROW_SIZES, 56, 256, 128
+  x, w_a, q_a = _operands(m, k, n, len(sizes), 32, seed=21)
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = Tuning(rows=16, narrow_rows=8, block_n=64, block_k=128, stages=2, a_operand="smem", **LEAN)
+  ws = q_a if fmt == "int4" else w_a
+  _check(grouped_matmul(x, ws, gs, backend="interpret", tuning=t),
+         grouped_matmul(x, ws, gs, backend="xla"), sum(sizes))
+  if fmt == "bf16":
+    return
+  _, _, q_b = _operands(m, k, n, len(sizes), 32, seed=22)
+  want = gated_grouped_matmul(x, q_a, q_b, gs, backend="xla")
+  for tun in (t, dataclasses.replace(t, splits=2, slots=2)):
+    _check(gated_grouped_matmul(x, q_a, q_b, gs, backend="interpret", tuning=tun), want,
+           sum(sizes))
+
+
+def test_narrow_rows_compile_a_second_item_path():
+  """Lowered for an H200: narrow_rows adds one pipeline per call, so every wgmma (a K step's 4
+  chunks per stack) appears twice; the narrow path's are N 8, the R path's N 16."""
+  t = Tuning(rows=16, block_n=64, block_k=256, stages=2, int4_scale_concat=True)
+  base, nr = (_module_op_counts(16, (dataclasses.replace(t, narrow_rows=v),) * 2)
+              for v in (0, 8))
+  commit = "asm:wgmma.commit_group.sync.aligned;"
+  assert (base[commit], nr[commit]) == (3 * 4, 2 * 3 * 4)
+
+
+def test_narrow_rows_parse_and_check():
+  t = default_tuning(72, 48, 7168, 2048, True, gated=True, variant="default")
+  v = apply_variant("r16+nr8", t, 7168, 2048)
+  assert (v.rows, v.narrow_rows) == (16, 8)
+  for bad in ("r16+nr16", "r16+nr4", "r8+nr8"):
+    with pytest.raises(ValueError, match="narrow_rows"):
+      apply_variant(bad, t, 7168, 2048)
+
+
+@pytest.mark.gpu
+def test_gated_kernel_gpu_narrow_rows_match_reference():
+  """narrow_rows 8 under R 16 on the GPU, the register operand and K-packed weights (what
+  interpret mode cannot run): gated fused, then the down-style plain call, both paths taken."""
+  sizes, m, k, n = NARROW_SIZES, 56, 1024, 256
+  x, _, q_a = _operands(m, k, n, len(sizes), 32, seed=23)
+  _, _, q_b = _operands(m, k, n, len(sizes), 32, seed=24)
+  gs = jnp.asarray(sizes, jnp.int32)
+  t = Tuning(rows=16, narrow_rows=8, block_n=64, block_k=256, stages=2, int4_scale_concat=True,
+             int4_k_packed=True, **LEAN)
+  packed_a, packed_b = (kpack.pack_int4_k(q_a[0]), q_a[1]), (kpack.pack_int4_k(q_b[0]), q_b[1])
+  _check(gated_grouped_matmul(x, packed_a, packed_b, gs, backend="pallas", tuning=t),
+         gated_grouped_matmul(x, q_a, q_b, gs, backend="xla"), sum(sizes))
+  _check(grouped_matmul(x, packed_a, gs, backend="pallas", tuning=t),
+         grouped_matmul(x, q_a, gs, backend="xla"), sum(sizes))
