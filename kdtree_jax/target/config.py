@@ -98,7 +98,8 @@ class TargetConfig:
   # few fused reductions), "pallas" (one Pallas kernel, `target/route_kernel.py`, where
   # n_group == 1 and T is small; elsewhere "xla" runs) or "auto": "pallas" on a GPU, else "xla"
   # (the kernel's interpret mode would only slow CPU runs). Same routing decisions either way;
-  # H200 (s6_moe_layer.log): one MoE layer T=1 42.8 vs 46.8 us, T=16 240.1 vs 248.9.
+  # H200 (s6_moe_layer.log): one MoE layer T=1 42.8 vs 46.8 us, T=16 240.1 vs 248.9; H100
+  # (s20_route65.log) T=65 427.4 vs 443.2.
   router_impl: str = "auto"
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).

@@ -28,8 +28,12 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.grouped_matmul import work
 
-# Up to this many tokens the kernel runs (one program each); more: the XLA path.
-MAX_TOKENS = 64
+# Up to this many tokens the kernel runs (one program each); more: the XLA path. 128 covers every
+# decode verify; the kernel's work per program does not depend on T. At 65 tokens (a DDTree
+# budget-64 verify; the cap was 64) one K2.6-share MoE layer took 427.4 us with the kernel vs
+# 443.2 with XLA's routing (its T x E x E compare reduction alone 13.2 us), H100, one process:
+# results/h100/2026-12-06/s20_route65.log.
+MAX_TOKENS = 128
 # One warp per token: each of the K argmax reductions is warp shuffles only (no shared memory
 # barrier), E = 384 is 16 lanes per thread. Not yet timed against 2 or 4 warps on a GPU.
 NUM_WARPS = 1

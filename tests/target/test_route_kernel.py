@@ -47,7 +47,7 @@ def _assert_separated(choice):
     assert gaps.min() > 1e-5, gaps.min()
 
 
-@pytest.mark.parametrize("t", [1, 5, 16, 64])
+@pytest.mark.parametrize("t", [1, 5, 16, 65, 128])
 @pytest.mark.parametrize("e,k,norm", [(384, 8, True), (384, 8, False), (100, 6, True)])
 def test_route_matches_numpy_top_k_and_hf_weights(t, e, k, norm):
   rng = np.random.default_rng(t * 1000 + e + k)
@@ -77,7 +77,7 @@ def test_matches_xla_route_on_random_logits():
   """The XLA path (`moe.route`, router_impl "xla") and the kernel: same ids, weights to f32."""
   cfg = C.kimi_k2_6()
   rng = np.random.default_rng(3)
-  logits = jnp.asarray(rng.normal(size=(16, 384)).astype(np.float32))
+  logits = jnp.asarray(rng.normal(size=(65, 384)).astype(np.float32))  # a budget-64 verify
   p = {"bias": jnp.asarray(rng.normal(size=384).astype(np.float32) * 0.05)}
   ids_x, w_x = moe.route(p, cfg, logits, logits)  # x: only its shape is read
   ids_p, w_p = moe.route(p, dataclasses.replace(cfg, router_impl="pallas"), logits, logits)
@@ -105,7 +105,8 @@ def test_supports_and_refuses():
   assert not route_kernel.supports(route_kernel.MAX_TOKENS + 1, 1)
   assert not route_kernel.supports(16, 8)  # group-limited routing: the XLA path
   with pytest.raises(ValueError, match="route kernel"):
-    route_kernel.route_pallas(jnp.zeros((65, 384)), jnp.zeros(384), 8, True, 1.0)
+    route_kernel.route_pallas(jnp.zeros((route_kernel.MAX_TOKENS + 1, 384)), jnp.zeros(384), 8,
+                              True, 1.0)
   with pytest.raises(ValueError, match="router_impl"):
     C.tiny(router_impl="triton")
   assert C.tiny().router_impl == "auto"  # the kernel on a GPU, XLA's routing elsewhere
@@ -145,7 +146,7 @@ class TestLowersForH200:
                                                                   abstract_device=h200)):
       return jax.jit(fn).trace(*structs).lower(lowering_platforms=("cuda",)).as_text()
 
-  @pytest.mark.parametrize("t", [1, 16, 64])
+  @pytest.mark.parametrize("t", [1, 16, 65, 128])
   def test_pairs_form_lowers(self, t):
     sd = jax.ShapeDtypeStruct
     text = self.lower_text(lambda l, b: route_kernel.route_pallas(l, b, 8, True, SCALE),
