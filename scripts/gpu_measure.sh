@@ -21,8 +21,10 @@
 #               programs: moe_tune:300 (one case alone: the bench's --mlp_cases 9:8)
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 65, 16, 9, 1: one
 #               MoE layer of bench_k26_full per kernel with today's defaults (`auto`: the dense
-#               glue at T=1, the lean glue and the routing kernel above) vs its weight-streaming
-#               floor (issue 12's whole-layer row; 4 programs);
+#               glue at T=1, the lean glue and the routing kernel above) in the decode layout
+#               (target.pack.pack_layer, as decode runs it; the rows before the twentieth session
+#               were the loaded layout's) vs its weight-streaming floor (issue 12's whole-layer
+#               row; 4 programs);
 #               each variant's optimized HLO in raw/moe_layer_hlo/; first the routing kernel's
 #               fast tests compiled for the GPU (<= 90 s): moe_layer:240
 #   dense_dots  pallas_kernels/grouped_matmul/dense_bench.py: the few-row dense dots (q_a | kv_a,

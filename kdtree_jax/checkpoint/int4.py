@@ -119,6 +119,11 @@ def _relaid(packed, source: str, layout: str):
 _RELAID_DONATED = jax.jit(_relaid, static_argnums=(1, 2), donate_argnums=0)
 
 
+def k_packable(w: Int4Weight) -> bool:
+  """Whether the K-packed layouts take w: its in-dim a multiple of their 64-column block."""
+  return w.packed.shape[-1] % kpack.CHUNK == 0
+
+
 def pack_k(w: Int4Weight, donate: bool = False, layout: str = "kpack") -> Int4Weight:
   """The same weight stored in K layout `layout` (default "kpack": the kernel's 32-bit loads,
   `Tuning.int4_k_packed`; "kpairs": pair-interleaved as well, `Tuning.int4_k_interleaved`;
@@ -128,7 +133,7 @@ def pack_k(w: Int4Weight, donate: bool = False, layout: str = "kpack") -> Int4We
   twice."""
   if layout not in K_LAYOUTS:
     raise ValueError(f"unknown K layout {layout!r}; known: {K_LAYOUTS}")
-  if w.k_layout == layout or w.packed.shape[-1] % kpack.CHUNK:
+  if w.k_layout == layout or not k_packable(w):
     return w
   if donate:
     packed = _RELAID_DONATED(w.packed, w.k_layout, layout)

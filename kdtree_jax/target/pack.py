@@ -223,10 +223,15 @@ def expert_k_layout(cfg: TargetConfig) -> str:
 
 
 def _pack_experts(cfg: TargetConfig, p, donate_experts=False):
-  """p with its INT4 routed stacks (gate, up, down) in `expert_k_layout(cfg)`."""
+  """p with its INT4 routed stacks (gate, up, down) in `expert_k_layout(cfg)`: all of them, or
+  none where one's in-dim is not a multiple of the packs' 64-column block (int4.pack_k keeps
+  such a stack plain, and the expert FFN reads its three stacks in one layout: a small model's
+  F = 32 would otherwise pack gate and up but not down)."""
   layout = expert_k_layout(cfg)
-  return p | {n: int4.pack_k(p[n], donate=donate_experts, layout=layout)
-              for n in ("gate", "up", "down") if isinstance(p.get(n), int4.Int4Weight)}
+  stacks = {n: p[n] for n in ("gate", "up", "down") if isinstance(p.get(n), int4.Int4Weight)}
+  if any(not int4.k_packable(w) for w in stacks.values()):
+    return p
+  return p | {n: int4.pack_k(w, donate=donate_experts, layout=layout) for n, w in stacks.items()}
 
 
 def relayout_experts(cfg: TargetConfig, params, donate_experts=False):

@@ -11,7 +11,8 @@ Parts, in order of value (a time box loses the least):
      the default --parts).
   3. `layer`: the whole MoE layer (router + routed + shared + glue) vs its weight-streaming floor,
      per --layer_variants (glue sorted vs dense, optionally + TargetConfig fields, e.g.
-     sorted+router_impl=pallas), launches and glue us each.
+     sorted+router_impl=pallas) and --layer_layouts (the decode layout, as decode runs it, or
+     the loaded one), launches and glue us each.
 Every output is checked against the f32 XLA reference first; a row further than REL_TOL (bf16)
 is marked FAIL in the table and never reported as the fastest. One JSON line per row in --out.
 
@@ -19,6 +20,7 @@ is marked FAIL in the table and never reported as the fastest. One JSON line per
 """
 
 import dataclasses
+import itertools
 import json
 import os
 import time
@@ -34,6 +36,7 @@ from pallas_kernels import bench_flags
 from kdtree_jax.checkpoint import int4
 from kdtree_jax.target import config as C
 from kdtree_jax.target import experts, moe
+from kdtree_jax.target import pack
 from kdtree_jax.target import params as P
 from pallas_kernels.grouped_matmul import (Tuning, expert_mlp, grouped_matmul, kernel, kpack,
                                            kpairs, work)
@@ -373,6 +376,23 @@ _LAYER_VARIANTS = flags.DEFINE_list(
     f"TargetConfig field set on top (e.g. sorted+router_impl=pallas).")
 
 
+LAYER_LAYOUTS = ("decode", "loaded")
+_LAYER_LAYOUTS = flags.DEFINE_list(
+    "layer_layouts", ["decode"],
+    "Weight layouts of the `layer` part, each with every --layer_variants: 'decode' (what "
+    "decode runs: target.pack.pack_layer's joint router | shared gate | up dot and the routed "
+    "INT4 stacks K-packed in the config's expert_k_layout) or 'loaded' (as a checkpoint loads: "
+    "router, shared and plain INT4 stacks apart; the rows of record before the twentieth "
+    "session).")
+
+
+def layer_params(base, layer, layout: str):
+  """One MoE layer's params in a --layer_layouts layout (a ValueError names an unknown one)."""
+  if layout not in LAYER_LAYOUTS:
+    raise ValueError(f"--layer_layouts {layout!r} is not one of {LAYER_LAYOUTS}")
+  return (pack.pack_layer(base, layer) if layout == "decode" else layer)["moe"]
+
+
 def layer_config(base, spec: str):
   """The TargetConfig of one --layer_variants entry 'glue[+field=value...]': base with moe_glue
   = glue and each field set (`config_overrides.with_overrides`: parsed by the field's type; an
@@ -390,22 +410,26 @@ def part_layer(ceil, sink, rows):
   shared expert F/8) at each T vs its weight-streaming floor, with the per-kernel breakdown,
   for each --layer_variants (same params, tokens and routing; rel_err vs the first)."""
   base = bench_models.k26_share(layers=2)
-  p = P.init_params(jax.random.key(0), base, jnp.bfloat16, int4_experts=True)["layers"][1]["moe"]
+  loaded = P.init_params(jax.random.key(0), base, jnp.bfloat16, int4_experts=True)["layers"][1]
   cfgs = {name: layer_config(base, name) for name in _LAYER_VARIANTS.value}  # all checked first
+  ps = {lay: layer_params(base, loaded, lay) for lay in _LAYER_LAYOUTS.value}
   fns = {name: jax.jit(lambda p, x, cfg=cfg: moe.moe(p, cfg, x)) for name, cfg in cfgs.items()}
+  p0 = loaded["moe"]
   for t in map(int, _T.value):
-    x, idx = _typical_tokens(p, base, t)
+    x, idx = _typical_tokens(p0, base, t)
     touched = _local_touched(idx, base.num_local_experts)
-    other = sum(v.nbytes for v in jax.tree.leaves([p["router"], p["bias"], p.get("shared", {})]))
+    other = sum(v.nbytes for v in jax.tree.leaves([p0["router"], p0["bias"],
+                                                   p0.get("shared", {})]))
     need = touched * _expert_bytes("int4") + other
     want = None
-    for name, fn in fns.items():
-      row = dict(part="layer", fmt="int4", impl=f"moe {name}", T=t, experts_touched=touched,
-                 bytes_needed=need)
+    for (lay, p), (name, fn) in itertools.product(ps.items(), fns.items()):
+      label = name if lay == "decode" else f"{name} [{lay}]"
+      row = dict(part="layer", fmt="int4", impl=f"moe {label}", T=t, experts_touched=touched,
+                 bytes_needed=need, layout=lay)
       try:
         got = fn(p, x)
         want = got if want is None else want
-        _write_hlo(fn, (p, x), f"layer_{_file_safe(name)}_T{t}")
+        _write_hlo(fn, (p, x), f"layer_{_file_safe(name)}_{lay}_T{t}")
         row["rel_err"] = _rel(got, want)
         row["us"] = _time_us(fn, p, x)
         row["kernels"] = [dict(name=n[:90], calls=c, us=round(us, 2))

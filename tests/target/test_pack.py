@@ -309,6 +309,23 @@ def test_packed_int4_experts_are_k_packed_and_give_the_same_moe(backend):
   assert rel(got, want) < (1e-6 if backend == "xla" else 1e-2)
 
 
+def test_int4_experts_the_packs_cannot_take_stay_plain_together():
+  """F = 32 (down's in-dim below the packs' 64-column block): pack_for_decode keeps all three INT4
+  stacks plain, not gate and up packed beside a plain down (one expert call reads its stacks in
+  one K layout: a mixed set was a ValueError at the first MoE layer), and the layer runs."""
+  from kdtree_jax.target import moe  # pylint: disable=import-outside-toplevel
+  cfg = C.tiny(hidden_size=128, moe_intermediate_size=32, n_routed_experts=8,
+               num_experts_per_tok=3, n_group=1, topk_group=1)
+  params = P.init_params(jax.random.key(2), cfg, jnp.bfloat16, int4_experts=True)
+  layer = cfg.first_k_dense_replace
+  plain = params["layers"][layer]["moe"]
+  packed = pack.pack_for_decode(cfg, params)["layers"][layer]["moe"]
+  assert [packed[n].k_layout for n in ("gate", "up", "down")] == ["plain"] * 3
+  x = jax.random.normal(jax.random.key(5), (5, cfg.hidden_size), jnp.bfloat16)
+  assert rel(np.asarray(moe.moe(packed, cfg, x), np.float32),
+             np.asarray(moe.moe(plain, cfg, x), np.float32)) < 1e-6
+
+
 def test_donated_expert_packing_frees_the_input_stacks():
   """pack_for_decode(donate_experts=True) (the loader's): the same K-packed stacks, and the
   input's INT4 buffers are deleted (donated), so a loaded model is not held twice."""

@@ -221,6 +221,26 @@ def test_bench_layer_variants_set_target_config_fields():
   assert bench._file_safe("sorted+router_impl=pallas") == "sorted__router_impl-pallas"  # pylint: disable=protected-access
 
 
+def test_bench_layer_layouts_compute_the_same_layer():
+  """grouped_matmul bench --layer_layouts: one MoE layer's 'decode' params (pack_layer: the joint
+  router | shared gate | up dot, K-packed INT4 stacks) and its 'loaded' ones compute the same
+  output (bf16), so the bench's two rows time the same layer; an unknown layout is an error."""
+  # pylint: disable-next=import-outside-toplevel
+  from pallas_kernels.grouped_matmul import bench
+  base = C.tiny(hidden_size=128, moe_intermediate_size=64, n_routed_experts=8,
+                num_experts_per_tok=3, n_group=1, topk_group=1)  # stacks the packs take
+  layers = P.init_params(jax.random.key(0), base, jnp.bfloat16, int4_experts=True)["layers"]
+  lp = next(layer for layer in layers if "moe" in layer)
+  dec, loaded = (bench.layer_params(base, lp, lay) for lay in ("decode", "loaded"))
+  assert "router_gate_up_t" in dec and "router" not in dec and "router" in loaded
+  assert dec["gate"].k_packed and not loaded["gate"].k_packed
+  x = jax.random.normal(jax.random.key(1), (9, base.hidden_size), jnp.bfloat16)
+  got, want = (np.asarray(moe.moe(p, base, x), np.float32) for p in (dec, loaded))
+  np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -7 * np.abs(want).max())
+  with pytest.raises(ValueError, match="layer_layouts"):
+    bench.layer_params(base, lp, "packed")
+
+
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU's simulated ones)")
 @pytest.mark.parametrize("mesh_spec", ["expert=8", "data=2,expert=4"])
 def test_moe_under_a_mesh_same_as_single_device_xla(mesh_spec):
