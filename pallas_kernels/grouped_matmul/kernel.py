@@ -23,13 +23,13 @@ The grid's first axis is one CTA column per item, or `Tuning.slots` columns loop
 (`Tuning.items_smem`: the list is read from SMEM after one TMA). `Tuning.narrow_rows` compiles
 a second item path with a narrower x tile and wgmma N, taken by items whose stored rows fit it
 (one dequantise per expert of up to R rows, the MMA work of few rows where it has few).
-`Tuning.store_once` fences and
-waits once for every epilogue part; `Tuning.dequant_batch` dequantises several 64-column chunks
-per wgmma wait; `Tuning.int4_interleave_stacks` dequantises gate and up chunk by chunk
-together (one wait per chunk pair and step); `Tuning.int4_acc_chains` alternates a stack's
-chunks over independent accumulators; `Tuning.int4_scale_concat` builds a chunk's scales without selects;
-`Tuning.int4_k_packed` reads weight stacks stored by `kpack.pack_int4_k` with 32-bit loads
-(`Tuning.int4_k_interleaved`: stored by `kpairs.pack_int4_k_pairs`, a PRMT-free dequantise).
+`Tuning.store_once` fences and waits once for every epilogue part; `Tuning.dequant_batch`
+dequantises several 64-column chunks per wgmma wait; `Tuning.int4_interleave_stacks`
+dequantises gate and up chunk by chunk together (one wait per chunk pair and step);
+`Tuning.int4_acc_chains` alternates a stack's chunks over independent accumulators;
+`Tuning.int4_scale_concat` builds a chunk's scales without selects; `Tuning.int4_k_packed`
+reads weight stacks stored by `kpack.pack_int4_k` with 32-bit loads (`Tuning.int4_k_interleaved`:
+stored by `kpairs.pack_int4_k_pairs`, a PRMT-free dequantise).
 (32-column pieces against a 64-byte-swizzled x tile, the removed `scale_halves`, passed
 interpret mode, which runs only the SMEM-operand path and ignores swizzles, and were wrong
 on the H200 with the register operand, 2-3x slower: WORKSPACE.md. Measured no gain or slower
