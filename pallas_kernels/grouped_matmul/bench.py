@@ -20,6 +20,7 @@ is marked FAIL in the table and never reported as the fastest. One JSON line per
 """
 
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -59,7 +60,9 @@ _TUNINGS = flags.DEFINE_list(
 _MLP_CASES = flags.DEFINE_list(
     "mlp_cases", ["16:4", "1:1", "9:8", "65:36"],
     "mlp_tune: T:E, T tokens (T*K rows, T of them local pairs) on E local experts touched "
-    "(ar: 1:1; T=9: ~8 of 48; a ddtree 15 verify touched ~3.5 on bench_k26_full; T=65: ~36).")
+    "(ar: 1:1; T=9: ~8 of 48; a ddtree 15 verify touched ~3.5 on bench_k26_full; T=65: ~36), "
+    "spread evenly; or T:layer, the `layer` part's own routing of T tokens (uneven: T=65 puts "
+    "81 local pairs on 36 experts, up to 6 on one).")
 # mlp_tune's rows per case T: 'promoted' (default_tuning's choice by M, tuning.DEFAULT_VARIANTS)
 # and tuning.apply_variant names applied to the base tuning (variant 'default'). A small-T INT4
 # call is bound by the dequantise -> wgmma chain of the SMs that run 2 CTAs, not by bytes
@@ -305,14 +308,40 @@ def _packed_for(tg, td, gate, up, down):
   return pack(gate, tg), pack(up, tg), pack(down, td)
 
 
+@functools.cache
+def _layer_params():
+  """(config, layer 1's params) of the `layer` part: one init per process (mlp_tune's T:layer
+  cases route on the same router)."""
+  base = bench_models.k26_share(layers=2)
+  return base, P.init_params(jax.random.key(0), base, jnp.bfloat16, int4_experts=True)["layers"][1]
+
+
+def case_sizes(case: str, local: int | None = None):
+  """(T, rows per local expert [local, default --local]) of an --mlp_cases entry: 'T:E' (T local
+  pairs spread evenly over E experts) or 'T:layer' (the `layer` part's routing of its typical T
+  tokens: the local pairs it draws, on the experts it picks)."""
+  t_s, e_s = case.split(":")
+  t = int(t_s)
+  if e_s != "layer":
+    return t, _mlp_sizes(t, int(e_s))
+  local = _EL.value if local is None else local
+  base, layer = _layer_params()
+  if base.num_local_experts != local:
+    raise ValueError(f"--mlp_cases {case}: the layer holds {base.num_local_experts} experts, "
+                     f"--local is {local}")
+  _, idx = _typical_tokens(layer["moe"], base, t)
+  ids = np.asarray(idx).reshape(-1)
+  return t, jnp.asarray(np.bincount(ids[ids < local], minlength=local).astype(np.int32))
+
+
 def part_mlp_tune(ceil, sink, rows):
   """The INT4 expert FFN's gated and down calls per --mlp_cases x --mlp_variants vs XLA."""
   gate, up, down = [(w.packed, w.scale) for w in _weights("int4")]
   d, f = _D.value, _F.value
   for case in _MLP_CASES.value:
-    t, touched = map(int, case.split(":"))
+    t, sizes = case_sizes(case)
+    touched = int(jnp.sum(sizes > 0))
     m = t * _K.value
-    sizes = _mlp_sizes(t, touched)
     x = jax.random.normal(jax.random.key(9 + t), (m, d), jnp.bfloat16)
     ref = expert_mlp(x, gate, up, down, sizes, backend="xla")[0]
     need = touched * _expert_bytes("int4")
@@ -320,7 +349,7 @@ def part_mlp_tune(ceil, sink, rows):
     interp = backend == "interpret"
     for name in _MLP_VARIANTS.value or case_rows(t):
       row = dict(part="mlp_tune", fmt="int4", tuning=name, T=t, experts_touched=touched,
-                 bytes_needed=need)
+                 case=case, local_pairs=int(jnp.sum(sizes)), bytes_needed=need)
       try:
         tg, td = mlp_tunings(name, m, _EL.value, d, f, interp)
         row.update(gate_tuning=str(tg), down_tuning=str(td))
@@ -409,8 +438,7 @@ def part_layer(ceil, sink, rows):
   """One MoE layer of bench_k26_full (`bench_models.k26_share`: 384 routed, 48 held as INT4,
   shared expert F/8) at each T vs its weight-streaming floor, with the per-kernel breakdown,
   for each --layer_variants (same params, tokens and routing; rel_err vs the first)."""
-  base = bench_models.k26_share(layers=2)
-  loaded = P.init_params(jax.random.key(0), base, jnp.bfloat16, int4_experts=True)["layers"][1]
+  base, loaded = _layer_params()
   cfgs = {name: layer_config(base, name) for name in _LAYER_VARIANTS.value}  # all checked first
   ps = {lay: layer_params(base, loaded, lay) for lay in _LAYER_LAYOUTS.value}
   fns = {name: jax.jit(lambda p, x, cfg=cfg: moe.moe(p, cfg, x)) for name, cfg in cfgs.items()}
@@ -493,19 +521,25 @@ def fastest(rows, key):
   return min(have, key=lambda r: r[key]) if have else None
 
 
+def _mlp_case(r) -> str:
+  """An mlp_tune row's case ('T:E' or 'T:layer'; rows without one: 'T=<T>')."""
+  return r.get("case", f"T={r['T']}")
+
+
 def _mlp_summary(rows):
-  """mlp_tune: per T, the fastest correct row (whole call and per launch) vs the baseline
+  """mlp_tune: per case, the fastest correct row (whole call and per launch) vs the baseline
   ('promoted', else 'default'); FAIL rows listed apart."""
-  for t in sorted({r["T"] for r in rows if r["part"] == "mlp_tune"}):
-    ok = [r for r in rows if r["part"] == "mlp_tune" and r["T"] == t and "us" in r]
+  tune = [r for r in rows if r["part"] == "mlp_tune"]
+  for case in sorted({_mlp_case(r) for r in tune}):
+    ok = [r for r in tune if _mlp_case(r) == case and "us" in r]
     for r in filter(failed, ok):
-      print(f"mlp_tune T={t}: FAIL {r['tuning']} (rel_err {r['rel_err']:.1e}): not a candidate",
+      print(f"mlp_tune {case}: FAIL {r['tuning']} (rel_err {r['rel_err']:.1e}): not a candidate",
             flush=True)
     base = next((r for name in ("promoted", "default") for r in ok
                  if r["tuning"] == name and not failed(r)), None)
     if base is None:
       continue
-    print(f"mlp_tune T={t}: {base['tuning']} {base['us']:.1f} us", flush=True)
+    print(f"mlp_tune {case}: {base['tuning']} {base['us']:.1f} us", flush=True)
     for key in ("us", "gmm_int4_gated_us", "gmm_int4_us"):
       best = fastest(ok, key)
       if best is not None and key in base:

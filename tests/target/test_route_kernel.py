@@ -241,6 +241,29 @@ def test_bench_layer_layouts_compute_the_same_layer():
     bench.layer_params(base, lp, "packed")
 
 
+def test_bench_layer_case_is_the_layer_parts_routing(monkeypatch):
+  """grouped_matmul bench --mlp_cases 'T:layer': rows per local expert = the `layer` part's
+  routing of its typical T tokens (a small layer stands in for K2.6's share), counted here from a
+  float64 numpy top-k of sigmoid(x @ router) + bias; a layer holding another expert count than
+  the case's stack is an error."""
+  # pylint: disable-next=import-outside-toplevel
+  from pallas_kernels.grouped_matmul import bench
+  cfg = C.tiny(hidden_size=128, moe_intermediate_size=64, n_routed_experts=16,
+               num_experts_per_tok=4, n_group=1, topk_group=1, num_local_experts=8)
+  layer = next(lp for lp in P.init_params(jax.random.key(0), cfg, jnp.float32)["layers"]
+               if "moe" in lp)
+  monkeypatch.setattr(bench, "_layer_params", lambda: (cfg, layer))
+  t, sizes = bench.case_sizes("9:layer", local=8)
+  x, _ = bench._typical_tokens(layer["moe"], cfg, 9)  # pylint: disable=protected-access
+  logits = np.asarray(x, np.float64) @ np.asarray(layer["moe"]["router"], np.float64)
+  ids, _, choice = _numpy_route(logits, np.asarray(layer["moe"]["bias"]), 4, True, 1.0)
+  _assert_separated(choice)
+  assert t == 9 and sizes.shape == (8,)
+  np.testing.assert_array_equal(np.asarray(sizes), np.bincount(ids[ids < 8], minlength=8))
+  with pytest.raises(ValueError, match="--local is 48"):
+    bench.case_sizes("9:layer", local=48)
+
+
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU's simulated ones)")
 @pytest.mark.parametrize("mesh_spec", ["expert=8", "data=2,expert=4"])
 def test_moe_under_a_mesh_same_as_single_device_xla(mesh_spec):
