@@ -309,7 +309,7 @@ def _packed_for(tg, td, gate, up, down):
 
 
 @functools.cache
-def _layer_params():
+def _k26_layer():
   """(config, layer 1's params) of the `layer` part: one init per process (mlp_tune's T:layer
   cases route on the same router)."""
   base = bench_models.k26_share(layers=2)
@@ -325,7 +325,7 @@ def case_sizes(case: str, local: int | None = None):
   if e_s != "layer":
     return t, _mlp_sizes(t, int(e_s))
   local = _EL.value if local is None else local
-  base, layer = _layer_params()
+  base, layer = _k26_layer()
   if base.num_local_experts != local:
     raise ValueError(f"--mlp_cases {case}: the layer holds {base.num_local_experts} experts, "
                      f"--local is {local}")
@@ -438,7 +438,7 @@ def part_layer(ceil, sink, rows):
   """One MoE layer of bench_k26_full (`bench_models.k26_share`: 384 routed, 48 held as INT4,
   shared expert F/8) at each T vs its weight-streaming floor, with the per-kernel breakdown,
   for each --layer_variants (same params, tokens and routing; rel_err vs the first)."""
-  base, loaded = _layer_params()
+  base, loaded = _k26_layer()
   cfgs = {name: layer_config(base, name) for name in _LAYER_VARIANTS.value}  # all checked first
   ps = {lay: layer_params(base, loaded, lay) for lay in _LAYER_LAYOUTS.value}
   fns = {name: jax.jit(lambda p, x, cfg=cfg: moe.moe(p, cfg, x)) for name, cfg in cfgs.items()}

@@ -252,7 +252,7 @@ def test_bench_layer_case_is_the_layer_parts_routing(monkeypatch):
                num_experts_per_tok=4, n_group=1, topk_group=1, num_local_experts=8)
   layer = next(lp for lp in P.init_params(jax.random.key(0), cfg, jnp.float32)["layers"]
                if "moe" in lp)
-  monkeypatch.setattr(bench, "_layer_params", lambda: (cfg, layer))
+  monkeypatch.setattr(bench, "_k26_layer", lambda: (cfg, layer))
   t, sizes = bench.case_sizes("9:layer", local=8)
   x, _ = bench._typical_tokens(layer["moe"], cfg, 9)  # pylint: disable=protected-access
   logits = np.asarray(x, np.float64) @ np.asarray(layer["moe"]["router"], np.float64)
