@@ -62,7 +62,9 @@ _MLP_CASES = flags.DEFINE_list(
     "mlp_tune: T:E, T tokens (T*K rows, T of them local pairs) on E local experts touched "
     "(ar: 1:1; T=9: ~8 of 48; a ddtree 15 verify touched ~3.5 on bench_k26_full; T=65: ~36), "
     "spread evenly; or T:layer, the `layer` part's own routing of T tokens (uneven: T=65 puts "
-    "81 local pairs on 36 experts, up to 6 on one).")
+    "81 local pairs on 36 experts, up to 6 on one). A ':a8' suffix lays the rows out with each "
+    "expert's first row 8-aligned (gaps between experts: no expert's rows straddle an 8-row "
+    "window boundary, so at R 8 an expert of <= 8 rows is one work item).")
 # mlp_tune's rows per case T: 'promoted' (default_tuning's choice by M, tuning.DEFAULT_VARIANTS)
 # and tuning.apply_variant names applied to the base tuning (variant 'default'). A small-T INT4
 # call is bound by the dequantise -> wgmma chain of the SMs that run 2 CTAs, not by bytes
@@ -320,7 +322,7 @@ def case_sizes(case: str, local: int | None = None):
   """(T, rows per local expert [local, default --local]) of an --mlp_cases entry: 'T:E' (T local
   pairs spread evenly over E experts) or 'T:layer' (the `layer` part's routing of its typical T
   tokens: the local pairs it draws, on the experts it picks)."""
-  t_s, e_s = case.split(":")
+  t_s, e_s = case.split(":")[:2]
   t = int(t_s)
   if e_s != "layer":
     return t, _mlp_sizes(t, int(e_s))
@@ -334,6 +336,29 @@ def case_sizes(case: str, local: int | None = None):
   return t, jnp.asarray(np.bincount(ids[ids < local], minlength=local).astype(np.int32))
 
 
+def aligned_layout(sizes):
+  """The 8-aligned row layout of rows sorted by expert (an mlp_tune case's ':a8'): (the row of
+  each sorted row [sum(sizes)], each expert's inclusive end there [E], rows the layout spans):
+  expert e's rows start at 8 x (the 8-row windows of the experts before it)."""
+  s = np.asarray(sizes)
+  windows = -(-s // work.ALIGN)
+  starts = work.ALIGN * (np.cumsum(windows) - windows)
+  rows = np.concatenate([starts[e] + np.arange(n) for e, n in enumerate(s)]).astype(np.int32)
+  return rows, (starts + s).astype(np.int32), int(work.ALIGN * windows.sum())
+
+
+def _case_inputs(case, x, sizes):
+  """(x rows as the case lays them out, the experts' ends or None, each sorted row's row):
+  ':a8' scatters the sorted rows into `aligned_layout`, zero rows in its gaps (rows the kernel
+  computes and does not store); else x as it is."""
+  if not case.endswith(":a8"):
+    return x, None, np.arange(x.shape[0])
+  at, ends, span = aligned_layout(sizes)
+  m_pad = max(span, x.shape[0])
+  x_pad = jnp.zeros((m_pad, x.shape[1]), x.dtype).at[at].set(x[:at.shape[0]])
+  return x_pad, jnp.asarray(ends), at
+
+
 def part_mlp_tune(ceil, sink, rows):
   """The INT4 expert FFN's gated and down calls per --mlp_cases x --mlp_variants vs XLA."""
   gate, up, down = [(w.packed, w.scale) for w in _weights("int4")]
@@ -344,6 +369,7 @@ def part_mlp_tune(ceil, sink, rows):
     m = t * _K.value
     x = jax.random.normal(jax.random.key(9 + t), (m, d), jnp.bfloat16)
     ref = expert_mlp(x, gate, up, down, sizes, backend="xla")[0]
+    x_in, ends, at = _case_inputs(case, x, sizes)
     need = touched * _expert_bytes("int4")
     backend = "pallas" if jax.default_backend() == "gpu" else "interpret"  # CPU: a smoke run
     interp = backend == "interpret"
@@ -353,15 +379,15 @@ def part_mlp_tune(ceil, sink, rows):
       try:
         tg, td = mlp_tunings(name, m, _EL.value, d, f, interp)
         row.update(gate_tuning=str(tg), down_tuning=str(td))
-        n_items = work.num_items(m, _EL.value, tg.rows)
+        n_items = work.num_items(x_in.shape[0], _EL.value, tg.rows)
         for call, tun, k_, n_ in (("gate", tg, d, f), ("down", td, f, d)):
           shape = kernel.launch_shape(k_, n_, n_items, True, call == "gate", tun)
           row.update({f"{call}_{key}": v for key, v in shape.items()})
-        fn = jax.jit(lambda x, ws, s, tg=tg, td=td: expert_mlp(
-            x, *ws, s, backend=backend, tunings=(tg, td)).sum(axis=0))
-        args = (x, _packed_for(tg, td, gate, up, down), sizes)
+        fn = jax.jit(lambda x, ws, s, e, tg=tg, td=td: expert_mlp(
+            x, *ws, s, backend=backend, tunings=(tg, td), group_ends=e).sum(axis=0))
+        args = (x_in, _packed_for(tg, td, gate, up, down), sizes, ends)
         print(f"first call (compile) of T={t} {name}", flush=True)  # ptxas logs follow it
-        row["rel_err"] = _rel(fn(*args)[:t], ref[:t])
+        row["rel_err"] = _rel(fn(*args)[at[:t]], ref[:t])
         row["us"] = _time_us(fn, *args)
         kernels = timing.kernel_breakdown(fn, args)
         row.update({f"{n_.split('_mosaic')[0]}_us": round(us, 2) for n_, _, us in kernels

@@ -884,3 +884,25 @@ def test_gated_kernel_gpu_narrow_rows_match_reference():
          gated_grouped_matmul(x, q_a, q_b, gs, backend="xla"), sum(sizes))
   _check(grouped_matmul(x, packed_a, gs, backend="pallas", tuning=t),
          grouped_matmul(x, q_a, gs, backend="xla"), sum(sizes))
+
+
+def test_bench_aligned_case_gives_each_expert_whole_windows():
+  """mlp_tune's ':a8' cases (`bench.aligned_layout`): expert e's rows start at 8 x the 8-row
+  windows of the experts before it (counted here by hand), so at R 8 the work list has
+  ceil(size / 8) items per expert, where the packed layout of the same sizes cuts the experts
+  that straddle a window boundary (the layer's T=65 routing: 41 items against 36)."""
+  # pylint: disable-next=import-outside-toplevel
+  from pallas_kernels.grouped_matmul import bench
+  sizes = np.array([3, 0, 6, 9, 1], np.int32)
+  at, ends, span = bench.aligned_layout(sizes)
+  np.testing.assert_array_equal(at, [0, 1, 2, 8, 9, 10, 11, 12, 13] + list(range(16, 25)) + [32])
+  np.testing.assert_array_equal(ends, [3, 8, 14, 25, 33])
+  assert span == 40
+
+  def items(group_ends, m):
+    got = np.asarray(work.work_list(jnp.asarray(sizes), m, 8, jnp.asarray(group_ends)))
+    live = got[:, got[3] > 0]
+    return live[0].tolist(), live[3].tolist()
+  assert items(ends, span) == ([0, 2, 3, 3, 4], [3, 6, 8, 1, 1])
+  # packed: expert 2's rows 3..8 and expert 3's 9..17 each straddle a boundary
+  assert items(np.cumsum(sizes), int(sizes.sum())) == ([0, 2, 2, 3, 3, 4], [3, 5, 1, 7, 2, 1])
