@@ -13,16 +13,19 @@ from pallas_kernels.grouped_matmul import work
 COMPARE_SORT_MAX_PAIRS = 2048
 
 
-def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto", lean=False):
+def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto", lean=False,
+               aligned=False):
   """Experts [e0, e0 + E_l) on the (token, slot) pairs routed to them, dropless -> [T, D] f32.
 
   Pairs are sorted by expert (pairs for other experts go last and contribute 0), run through
   the gated grouped matmul (gate and up in one call, SiLU-multiply fused) and the down grouped
   matmul on one work list, then each token gathers its K rows, weighted (one fusion, no scatter).
   lean: `_lean_expert_ffn` (TargetConfig.lean_glue), the same values in fewer launches and bytes.
+  aligned (with lean, on the kernel; TargetConfig.align_expert_rows): each expert's sorted rows
+  start 8-aligned (`aligned_rows`), so no expert's rows straddle a work window boundary.
   """
   if lean and idx_tk.size <= COMPARE_SORT_MAX_PAIRS:
-    return _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl)
+    return _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl, aligned)
   order, rank, sizes, ends, mine = sorted_pair_layout(idx_tk, gate_edf.shape[0], e0)
   y = expert_mlp(x_td[order // idx_tk.shape[1]], gate_edf, up_edf, down_efd, sizes, impl,
                  group_ends=ends)
@@ -67,13 +70,38 @@ def _pair_counts(key, e_l):
   return counts[:m], counts[m:m + e_l], counts[m + e_l:]
 
 
-def _order_terms(rank):
-  """[M, M]: row r holds pair p where rank[p] == r (its sum: the pair at sorted row r)."""
+def _order_terms(rank, m_rows=None):
+  """[rows, M]: row r holds pair p where rank[p] == r (its sum: the pair at sorted row r; 0
+  where no pair sits, e.g. the gaps of the aligned layout); rows = m_rows, default M."""
   pair = jnp.arange(rank.shape[0], dtype=jnp.int32)
-  return jnp.where(rank[None, :] == pair[:, None], pair[None, :], 0)
+  row = jnp.arange(rank.shape[0] if m_rows is None else m_rows, dtype=jnp.int32)
+  return jnp.where(rank[None, :] == row[:, None], pair[None, :], 0)
 
 
-def _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl):
+def aligned_row_bound(m: int, e_l: int) -> int:
+  """Rows of the 8-aligned layout of m pairs over e_l experts (static): each live expert adds at
+  most ALIGN - 1 rows of gap."""
+  return m + (work.ALIGN - 1) * min(e_l, m)
+
+
+def aligned_rows(key, rank, sizes, ends):
+  """The sorted layout with gaps: expert e's rows start at ALIGN x the ALIGN-row windows of the
+  experts before it, so an expert of n rows spans ceil(n / ALIGN) whole windows (at R = ALIGN one
+  work item each; packed, an expert that straddles a boundary costs one more, i.e. one more
+  dequantise of its weights). -> (each pair's row [M]: past every row for non-local pairs,
+  each expert's inclusive end [E_l]); one [E_l, E_l] reduction (the windows' cumsum)."""
+  e_l = sizes.shape[0]
+  windows = -(-sizes // work.ALIGN)
+  ids = jnp.arange(e_l, dtype=jnp.int32)
+  starts = work.ALIGN * jnp.sum(jnp.where(ids[None, :] < ids[:, None], windows[None, :], 0),
+                                axis=1, dtype=jnp.int32)
+  shift = starts - (ends - sizes)
+  local = key < e_l
+  bound = aligned_row_bound(rank.shape[0], e_l)
+  return jnp.where(local, rank + shift[jnp.minimum(key, e_l - 1)], bound), starts + sizes
+
+
+def _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl, aligned=False):
   """`expert_ffn` (same kernels, same values) with less glue around the two kernel calls:
   - the pairs' order and the work list's items-per-expert cumsum are ONE masked reduction
     (`_order_and_item_ends`: 3 dependent index reductions before the kernels, not 4);
@@ -87,12 +115,16 @@ def _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl):
   rank, sizes, ends = _pair_counts(key, e_l)
   x_rows = jax.ShapeDtypeStruct((m, x_td.shape[1]), x_td.dtype)
   rows = work_rows(x_rows, gate_edf, up_edf, down_efd, sizes, impl)
-  order, upto = _order_and_item_ends(rank, sizes, ends, rows)
-  items = None if rows is None else work.work_list(sizes, m, rows, ends, items_upto=upto)
-  row = jnp.arange(m, dtype=jnp.int32)
+  m_rows = m
+  if aligned and rows is not None:  # the kernel's work list only (XLA's groups are contiguous)
+    rank, ends = aligned_rows(key, rank, sizes, ends)
+    m_rows = aligned_row_bound(m, e_l)
+  order, upto = _order_and_item_ends(rank, sizes, ends, rows, m_rows)
+  items = None if rows is None else work.work_list(sizes, m_rows, rows, ends, items_upto=upto)
+  row = jnp.arange(m_rows, dtype=jnp.int32)
   y = expert_mlp(x_td[order // k], gate_edf, up_edf, down_efd, sizes, impl, group_ends=ends,
                  items=None if items is None else lambda r: _same_rows(items, r, rows),
-                 h_rows=jnp.where(row < ends[-1], row, 0))
+                 h_rows=jnp.where(row < ends[-1], row, 0), pairs=m)
   return combine_pairs(y, jnp.where(mine, rank, 0), mine, w_tk)
 
 
@@ -102,14 +134,15 @@ def _same_rows(items, r, rows):
   return items
 
 
-def _order_and_item_ends(rank, sizes, ends, rows):
-  """(the pair at each sorted row [M], the inclusive cumsum of the work items per expert [E_l]
-  for R = rows, or None where rows is None) as ONE masked reduction: the order's [M, M] terms
-  and the cumsum's [E_l, E_l] ones side by side over a common axis (zero-padded)."""
-  order_terms = _order_terms(rank)
+def _order_and_item_ends(rank, sizes, ends, rows, m_rows=None):
+  """(the pair at each sorted row [m_rows, default M], the inclusive cumsum of the work items per
+  expert [E_l] for R = rows, or None where rows is None) as ONE masked reduction: the order's
+  [m_rows, M] terms and the cumsum's [E_l, E_l] ones side by side over a common axis
+  (zero-padded)."""
+  order_terms = _order_terms(rank, m_rows)
   if rows is None:
     return jnp.sum(order_terms, axis=1, dtype=jnp.int32), None
-  m, e_l = rank.shape[0], sizes.shape[0]
+  (r, m), e_l = order_terms.shape, sizes.shape[0]
   n = max(m, e_l)
   chunks = jnp.pad(work.windows_per_group(sizes, ends, rows), (0, n - e_l))
   col = jnp.arange(n, dtype=jnp.int32)
@@ -117,7 +150,7 @@ def _order_and_item_ends(rank, sizes, ends, rows):
                          chunks[None, :], 0)
   counts = jnp.sum(jnp.concatenate([jnp.pad(order_terms, ((0, 0), (0, n - m))), upto_terms]),
                    axis=1, dtype=jnp.int32)
-  return counts[:m], counts[m:]
+  return counts[:r], counts[r:]
 
 
 def combine_pairs(y_smd, rank, mine, w_tk):

@@ -55,20 +55,23 @@ def gated_grouped_matmul(x_td, gate_edf, up_edf, group_sizes, impl="auto"):
 
 
 def expert_mlp(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto", group_ends=None,
-               items=None, row_groups=None, h_rows=None):
+               items=None, row_groups=None, h_rows=None, pairs=None):
   """The gated call then the down call on one work list -> [splits, T, D] f32 split-K
   partials (1 split on XLA); rows past sum(group_sizes) undefined on the kernel.
-  group_ends: cumsum(group_sizes); items: R -> the work list, if the caller builds it;
+  group_ends: cumsum(group_sizes), or an expert's last row + 1 where gaps separate the experts;
+  items: R -> the work list, if the caller builds it;
   row_groups: each row's expert where rows are not in expert order (with items);
-  h_rows: the gated row each down input row takes (dead rows -> one shared row; api.py)."""
+  h_rows: the gated row each down input row takes (dead rows -> one shared row; api.py);
+  pairs: the rows the tunings are chosen for where x also holds gaps (api.py)."""
   return kernel_expert_mlp(x_td, expert_operands(gate_edf), expert_operands(up_edf),
                            expert_operands(down_efd), group_sizes, backend=impl,
                            group_ends=group_ends, items=items, row_groups=row_groups,
-                           h_rows=h_rows, **layout_args(gate_edf, up_edf, down_efd))
+                           h_rows=h_rows, pairs=pairs, **layout_args(gate_edf, up_edf, down_efd))
 
 
-def work_rows(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto") -> int | None:
+def work_rows(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto",
+              pairs=None) -> int | None:
   """R of the work list `expert_mlp` builds (x_td may be a ShapeDtypeStruct); None on XLA."""
   return kernel_work_rows(x_td, expert_operands(gate_edf), expert_operands(up_edf),
-                          expert_operands(down_efd), group_sizes, backend=impl,
+                          expert_operands(down_efd), group_sizes, backend=impl, pairs=pairs,
                           **layout_args(gate_edf, up_edf, down_efd))

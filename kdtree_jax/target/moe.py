@@ -137,7 +137,7 @@ def _limit_groups(choice_te, n_group, topk_group):
 def routed_experts(p, cfg: TargetConfig, x_td, idx_tk, w_tk):
   """The routed experts this device holds (all, or cfg.num_local_experts of them)."""
   return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], impl=cfg.expert_backend,
-                    lean=cfg.lean_glue)
+                    lean=cfg.lean_glue, aligned=cfg.align_expert_rows)
 
 
 def moe(p, cfg: TargetConfig, x, routes: list | None = None):

@@ -71,9 +71,11 @@ def _layout(tuning, k_packed, k_interleaved):
   return k_packed, k_interleaved
 
 
-def _plan(x_mk, stacks, group_sizes, backend, tuning, k_packed=None, k_interleaved=None):
-  """Checks the operands; returns (backend, tuning) with "auto" and the default tuning resolved,
-  its int4_k_packed / int4_k_interleaved the stacks' layout (`_layout`)."""
+def _plan(x_mk, stacks, group_sizes, backend, tuning, k_packed=None, k_interleaved=None,
+          pairs=None):
+  """Checks the operands; returns (backend, tuning) with "auto" and the default tuning resolved
+  (for `pairs` rows, default x's), its int4_k_packed / int4_k_interleaved the stacks' layout
+  (`_layout`)."""
   shapes = [_check(x_mk, st, group_sizes) for st in stacks]
   if len(set(shapes)) != 1 or len({len(st) for st in stacks}) != 1:
     raise ValueError(f"gate and up stacks differ: {[[w.shape for w in st] for st in stacks]}")
@@ -86,7 +88,7 @@ def _plan(x_mk, stacks, group_sizes, backend, tuning, k_packed=None, k_interleav
   if k_packed and not int4:
     raise ValueError("k_packed is for INT4 stacks")
   tuning = tuning or pdl.with_model_default(default_tuning(
-      x_mk.shape[0], stacks[0][0].shape[0], k, n, int4, interpret=backend == "interpret",
+      pairs or x_mk.shape[0], stacks[0][0].shape[0], k, n, int4, interpret=backend == "interpret",
       gated=len(stacks) == 2))  # TargetConfig.mosaic_pdl (pallas_kernels/pdl.py)
   tuning = dataclasses.replace(tuning, int4_k_packed=k_packed, int4_k_interleaved=k_interleaved)
   group = k // stacks[0][1].shape[1] if int4 else None
@@ -162,14 +164,15 @@ def gated_grouped_matmul(x_mk, gate, up, group_sizes, *, backend="auto",
 
 
 def _plan_mlp(x_mk, stacks, down, group_sizes, backend, tunings, k_packed=None,
-              k_interleaved=None):
+              k_interleaved=None, pairs=None):
   """(gated call's backend and tuning, down call's backend and tuning) of `expert_mlp`."""
   t_gate, t_down = tunings or (None, None)
-  b_gate, t_gate = _plan(x_mk, stacks, group_sizes, backend, t_gate, k_packed, k_interleaved)
+  b_gate, t_gate = _plan(x_mk, stacks, group_sizes, backend, t_gate, k_packed, k_interleaved,
+                         pairs)
   h_shape = jax.ShapeDtypeStruct((x_mk.shape[0], down[0].shape[2 if len(down) == 2 else 1]),
                                  x_mk.dtype)
   b_down, t_down = _plan(h_shape, [down], group_sizes, backend, t_down, k_packed,
-                         k_interleaved)
+                         k_interleaved, pairs)
   if t_gate.rows != t_down.rows:
     raise ValueError(f"gate and down tunings must share rows: {t_gate.rows} vs {t_down.rows}")
   return b_gate, t_gate, b_down, t_down
@@ -177,19 +180,20 @@ def _plan_mlp(x_mk, stacks, down, group_sizes, backend, tunings, k_packed=None,
 
 def work_rows(x_mk, gate, up, down, group_sizes, *, backend="auto",
               tunings: tuple[Tuning, Tuning] | None = None,
-              k_packed: bool | None = None, k_interleaved: bool | None = None) -> int | None:
+              k_packed: bool | None = None, k_interleaved: bool | None = None,
+              pairs: int | None = None) -> int | None:
   """R of the work list `expert_mlp` builds for these operands (x_mk: an array or a
   ShapeDtypeStruct), or None where XLA runs both calls (no work list)."""
   b_gate, t_gate, b_down, _ = _plan_mlp(x_mk, [tuple(gate), tuple(up)], tuple(down),
                                         group_sizes, backend, tunings, k_packed,
-                                        k_interleaved)
+                                        k_interleaved, pairs)
   return None if "xla" == b_gate == b_down else t_gate.rows
 
 
 def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
                tunings: tuple[Tuning, Tuning] | None = None, group_ends=None, items=None,
                row_groups=None, h_rows=None, k_packed: bool | None = None,
-               k_interleaved: bool | None = None):
+               k_interleaved: bool | None = None, pairs: int | None = None):
   """down[g] applied to silu(x @ gate[g]) * (x @ up[g]) per expert -> [S, M, N] f32 K-partials.
 
   One work list for both calls (their tunings share R). The caller sums over S, ideally inside
@@ -201,11 +205,14 @@ def expert_mlp(x_mk, gate, up, down, group_sizes, *, backend="auto",
   h_rows [M] int32: the gated value's row each row of the down call's input takes, where a pass
   sums the gated call's split partials anyway: r for the rows items store, one shared row for
   the others (undefined rows nobody reads), so that pass reads the live rows only.
+  pairs: the (token, expert) pairs the rows hold where rows also hold gaps between experts (an
+  8-aligned layout, group_ends given): the default tunings are chosen for that many rows
+  (tuning.DEFAULT_VARIANTS' classes are by pairs), not for x's.
   """
   stacks = [tuple(gate), tuple(up)]
   down = tuple(down)
   b_gate, t_gate, b_down, t_down = _plan_mlp(x_mk, stacks, down, group_sizes, backend, tunings,
-                                             k_packed, k_interleaved)
+                                             k_packed, k_interleaved, pairs)
   m = x_mk.shape[0]
   if row_groups is not None and "xla" in (b_gate, b_down):
     if b_gate != b_down:

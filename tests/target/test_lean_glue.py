@@ -73,3 +73,70 @@ def test_lean_glue_bit_identical_on_the_kernel_interpret(t, glue):
   got = jax.jit(lambda p, x: moe.moe(p, lean, x))(p, x)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
   assert float(jnp.max(jnp.abs(want.astype(jnp.float32)))) > 0
+
+
+@pytest.mark.parametrize("t,k,e,e_l", [(65, 8, 384, 48), (16, 8, 384, 48), (5, 3, 8, 6)])
+def test_aligned_rows_match_numpy(t, k, e, e_l):
+  """TargetConfig.align_expert_rows' layout (`experts.aligned_rows`) against a numpy count:
+  expert e's rows start at 8 x the 8-row windows of the experts before it, in the stable order
+  of its pairs; non-local pairs sit past every row; at R 8 the work list then has exactly
+  ceil(size / 8) items per expert, each holding that expert's rows only."""
+  idx = _routing(t, k, e, seed=t)
+  key, _ = experts._pair_keys(jnp.asarray(idx), e_l, 0)  # pylint: disable=protected-access
+  rank, sizes, ends = experts._pair_counts(key, e_l)  # pylint: disable=protected-access
+  row, end = experts.aligned_rows(key, rank, sizes, ends)
+  key_np = np.where(idx.reshape(-1) < e_l, idx.reshape(-1), e_l)
+  size_np = np.bincount(key_np, minlength=e_l + 1)[:e_l]
+  start_np, want, bound = 0, np.full(t * k, experts.aligned_row_bound(t * k, e_l)), None
+  starts = []
+  for x in range(e_l):
+    starts.append(start_np)
+    want[np.flatnonzero(key_np == x)] = start_np + np.arange(size_np[x])
+    start_np += 8 * -(-size_np[x] // 8)
+  bound = experts.aligned_row_bound(t * k, e_l)
+  assert start_np <= bound
+  np.testing.assert_array_equal(np.asarray(row), want)
+  np.testing.assert_array_equal(np.asarray(end), np.array(starts) + size_np)
+  order, upto = experts._order_and_item_ends(  # pylint: disable=protected-access
+      row, sizes, end, 8, bound)
+  where = np.zeros(bound, np.int64)
+  where[want[key_np < e_l]] = np.flatnonzero(key_np < e_l)
+  np.testing.assert_array_equal(np.asarray(order), where)  # gaps and the tail: pair 0
+  items = np.asarray(work.work_list(sizes, bound, 8, end, items_upto=upto))
+  live = items[:, items[3] > 0]
+  assert live.shape[1] == int(np.sum(-(-size_np // 8))) == int(upto[-1])
+  for x, win, lo, n in live.T:
+    assert win % 8 == 0 and starts[x] <= win + lo and win + lo + n <= starts[x] + size_np[x]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("t", [5, 12])
+def test_aligned_rows_bit_identical_on_the_kernel_interpret(t):
+  """align_expert_rows on the kernel (GPU interpret mode; INT4, D 512: the gated call's split
+  partials go through the live-rows pass) == the packed lean layout, bitwise: each row's dots
+  are the same wherever its window starts."""
+  cfg = C.tiny(hidden_size=512, moe_intermediate_size=128, n_routed_experts=8,
+               num_experts_per_tok=3, n_group=1, topk_group=1, num_local_experts=6,
+               expert_backend="interpret", lean_glue=True)
+  p = P.init_params(jax.random.key(1), cfg, jnp.bfloat16, int4_experts=True)["layers"]
+  p = p[cfg.first_k_dense_replace]["moe"]
+  x = jax.random.normal(jax.random.key(10 + t), (t, cfg.hidden_size), jnp.bfloat16)
+  want = jax.jit(lambda p, x: moe.moe(p, cfg, x))(p, x)
+  aligned = dataclasses.replace(cfg, align_expert_rows=True)
+  got = jax.jit(lambda p, x: moe.moe(p, aligned, x))(p, x)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  assert float(jnp.max(jnp.abs(want.astype(jnp.float32)))) > 0
+
+
+def test_aligned_rows_on_xla_is_the_packed_layout():
+  """On XLA (no work list; ragged_dot's groups are contiguous) align_expert_rows changes
+  nothing: the same values as the numpy reference."""
+  cfg = C.tiny(n_routed_experts=8, num_experts_per_tok=3, n_group=1, topk_group=1,
+               num_local_experts=5, expert_backend="xla", align_expert_rows=True)
+  p = P.init_params(jax.random.key(0), cfg, jnp.float32)["layers"][cfg.first_k_dense_replace]
+  p = dict(p["moe"])
+  p.pop("shared")
+  x = np.asarray(jax.random.normal(jax.random.key(6), (6, cfg.hidden_size)), np.float32)
+  want = _numpy_routed(p, cfg, x)
+  got = np.asarray(moe.moe(p, cfg, jnp.asarray(x)))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
