@@ -21,8 +21,8 @@ def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto"
   the gated grouped matmul (gate and up in one call, SiLU-multiply fused) and the down grouped
   matmul on one work list, then each token gathers its K rows, weighted (one fusion, no scatter).
   lean: `_lean_expert_ffn` (TargetConfig.lean_glue), the same values in fewer launches and bytes.
-  aligned (with lean, on the kernel; TargetConfig.align_expert_rows): each expert's sorted rows
-  start 8-aligned (`aligned_rows`), so no expert's rows straddle a work window boundary.
+  aligned (with lean, on the kernel at R 8; TargetConfig.align_expert_rows): each expert's
+  sorted rows start 8-aligned (`aligned_rows`), so no expert's rows straddle a work window.
   """
   if lean and idx_tk.size <= COMPARE_SORT_MAX_PAIRS:
     return _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl, aligned)
@@ -116,7 +116,7 @@ def _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl, a
   x_rows = jax.ShapeDtypeStruct((m, x_td.shape[1]), x_td.dtype)
   rows = work_rows(x_rows, gate_edf, up_edf, down_efd, sizes, impl)
   m_rows = m
-  if aligned and rows is not None:  # the kernel's work list only (XLA's groups are contiguous)
+  if aligned and rows == work.ALIGN:  # R 8 windows on the kernel (XLA's groups are contiguous)
     rank, ends = aligned_rows(key, rank, sizes, ends)
     m_rows = aligned_row_bound(m, e_l)
   order, upto = _order_and_item_ends(rank, sizes, ends, rows, m_rows)
