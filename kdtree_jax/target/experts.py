@@ -115,12 +115,13 @@ def _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl, a
   rank, sizes, ends = _pair_counts(key, e_l)
   x_rows = jax.ShapeDtypeStruct((m, x_td.shape[1]), x_td.dtype)
   rows = work_rows(x_rows, gate_edf, up_edf, down_efd, sizes, impl)
-  m_rows = m
+  m_rows, n_items = m, None
   if aligned and rows == work.ALIGN:  # R 8 windows on the kernel (XLA's groups are contiguous)
     rank, ends = aligned_rows(key, rank, sizes, ends)
-    m_rows = aligned_row_bound(m, e_l)
+    m_rows, n_items = aligned_row_bound(m, e_l), work.num_items_aligned(m, e_l, rows)
   order, upto = _order_and_item_ends(rank, sizes, ends, rows, m_rows)
-  items = None if rows is None else work.work_list(sizes, m_rows, rows, ends, items_upto=upto)
+  items = None if rows is None else work.work_list(sizes, m_rows, rows, ends, items_upto=upto,
+                                                   max_items=n_items)
   row = jnp.arange(m_rows, dtype=jnp.int32)
   y = expert_mlp(x_td[order // k], gate_edf, up_edf, down_efd, sizes, impl, group_ends=ends,
                  items=None if items is None else lambda r: _same_rows(items, r, rows),

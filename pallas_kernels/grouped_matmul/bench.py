@@ -359,6 +359,15 @@ def _case_inputs(case, x, sizes):
   return x_pad, jnp.asarray(ends), at
 
 
+def _case_items(case, m, e_l):
+  """(sizes, ends, R) -> the work list of an mlp_tune case's layout, or None (the API's own):
+  ':a8' with `work.num_items_aligned`'s bound for its m pairs, as the aligned layer glue
+  builds it."""
+  if not case.endswith(":a8"):
+    return None
+  return lambda s, e, r: work.work_list(s, m, r, e, max_items=work.num_items_aligned(m, e_l, r))
+
+
 def part_mlp_tune(ceil, sink, rows):
   """The INT4 expert FFN's gated and down calls per --mlp_cases x --mlp_variants vs XLA."""
   gate, up, down = [(w.packed, w.scale) for w in _weights("int4")]
@@ -379,12 +388,15 @@ def part_mlp_tune(ceil, sink, rows):
       try:
         tg, td = mlp_tunings(name, m, _EL.value, d, f, interp)
         row.update(gate_tuning=str(tg), down_tuning=str(td))
-        n_items = work.num_items(x_in.shape[0], _EL.value, tg.rows)
+        items = _case_items(case, m, _EL.value)
+        n_items = (work.num_items(m, _EL.value, tg.rows) if items is None
+                   else items(sizes, ends, tg.rows).shape[1])
         for call, tun, k_, n_ in (("gate", tg, d, f), ("down", td, f, d)):
           shape = kernel.launch_shape(k_, n_, n_items, True, call == "gate", tun)
           row.update({f"{call}_{key}": v for key, v in shape.items()})
         fn = jax.jit(lambda x, ws, s, e, tg=tg, td=td: expert_mlp(
-            x, *ws, s, backend=backend, tunings=(tg, td), group_ends=e).sum(axis=0))
+            x, *ws, s, backend=backend, tunings=(tg, td), group_ends=e,
+            items=None if items is None else lambda r: items(s, e, r)).sum(axis=0))
         args = (x_in, _packed_for(tg, td, gate, up, down), sizes, ends)
         print(f"first call (compile) of T={t} {name}", flush=True)  # ptxas logs follow it
         row["rel_err"] = _rel(fn(*args)[at[:t]], ref[:t])

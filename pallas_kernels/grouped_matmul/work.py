@@ -29,6 +29,14 @@ def num_items(m: int, g: int, rows: int) -> int:
   return j + second + (left - second * (rows - 7)) // rows
 
 
+def num_items_aligned(m: int, g: int, rows: int) -> int:
+  """`num_items` where every expert's rows start at a multiple of 8 (an aligned layout with gaps,
+  m pairs in it): an expert of n >= 1 rows has ceil(n / R) <= 1 + floor((n - 1) / R) items, so
+  at most min(G, M) experts' first items plus floor((M - min(G, M)) / R) more."""
+  j = min(g, m)
+  return j + (m - j) // rows
+
+
 def _inclusive_sum(v):
   """cumsum of a short vector as one masked reduction (XLA's cumsum is reduce-window passes)."""
   i = jnp.arange(v.shape[0])
@@ -42,7 +50,8 @@ def windows_per_group(group_sizes, group_ends, rows: int):
   return jnp.where(group_sizes > 0, -(-(group_ends - base) // rows), 0)
 
 
-def work_list(group_sizes, m: int, rows: int, group_ends=None, items_upto=None):
+def work_list(group_sizes, m: int, rows: int, group_ends=None, items_upto=None,
+              max_items: int | None = None):
   """int32 [4, I]: (expert, window's first row, first stored row in it, rows stored) per item;
   items past the live count are all 0.
 
@@ -51,7 +60,9 @@ def work_list(group_sizes, m: int, rows: int, group_ends=None, items_upto=None):
   their inclusive sum, then ONE reduction over the experts that finds each item's expert and
   writes all four fields (no search, gather or stack after it). group_ends: the inclusive
   cumsum of the sizes when the caller has it (one dependent reduction less); items_upto: the
-  inclusive cumsum of `windows_per_group` for R = rows, when the caller has it (one more less)."""
+  inclusive cumsum of `windows_per_group` for R = rows, when the caller has it (one more less).
+  max_items: the static item count (default `num_items(m, G, R)`; `num_items_aligned` where the
+  experts start 8-aligned)."""
   sizes = group_sizes.astype(jnp.int32)
   g = sizes.shape[0]
   ends = _inclusive_sum(sizes) if group_ends is None else group_ends.astype(jnp.int32)
@@ -59,7 +70,8 @@ def work_list(group_sizes, m: int, rows: int, group_ends=None, items_upto=None):
   base = starts - starts % ALIGN
   chunks = windows_per_group(sizes, ends, rows)
   upto = _inclusive_sum(chunks) if items_upto is None else items_upto.astype(jnp.int32)
-  item = jnp.arange(num_items(m, g, rows), dtype=jnp.int32)[:, None]  # [I, 1] against [G]
+  n_items = num_items(m, g, rows) if max_items is None else max_items
+  item = jnp.arange(n_items, dtype=jnp.int32)[:, None]  # [I, 1] against [G]
   first = upto - chunks  # the expert's first item
   hit = (first <= item) & (item < upto)  # [I, G]: at most one expert per item
   win = base + (item - first) * rows

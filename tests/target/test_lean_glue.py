@@ -102,8 +102,10 @@ def test_aligned_rows_match_numpy(t, k, e, e_l):
   where = np.zeros(bound, np.int64)
   where[want[key_np < e_l]] = np.flatnonzero(key_np < e_l)
   np.testing.assert_array_equal(np.asarray(order), where)  # gaps and the tail: pair 0
-  items = np.asarray(work.work_list(sizes, bound, 8, end, items_upto=upto))
+  n_items = work.num_items_aligned(t * k, e_l, 8)
+  items = np.asarray(work.work_list(sizes, bound, 8, end, items_upto=upto, max_items=n_items))
   live = items[:, items[3] > 0]
+  assert items.shape[1] == n_items
   assert live.shape[1] == int(np.sum(-(-size_np // 8))) == int(upto[-1])
   for x, win, lo, n in live.T:
     assert win % 8 == 0 and starts[x] <= win + lo and win + lo + n <= starts[x] + size_np[x]
@@ -140,3 +142,18 @@ def test_aligned_rows_on_xla_is_the_packed_layout():
   want = _numpy_routed(p, cfg, x)
   got = np.asarray(moe.moe(p, cfg, jnp.asarray(x)))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("m,g,rows", [(520, 48, 8), (72, 48, 8), (30, 48, 8), (128, 48, 16)])
+def test_num_items_aligned_is_tight(m, g, rows):
+  """`work.num_items_aligned`: no split of m pairs over g experts needs more items at R rows when
+  every expert starts 8-aligned (random splits, counted as sum ceil(n / R)), and the worst split
+  (min(g, m) - 1 experts of one row, the rest on one) needs exactly that many."""
+  bound = work.num_items_aligned(m, g, rows)
+  rng = np.random.default_rng(m + g + rows)
+  for _ in range(200):
+    sizes = np.bincount(rng.integers(0, rng.integers(1, g + 1), m), minlength=g)
+    assert np.sum(-(-sizes // rows)) <= bound
+  j = min(g, m)
+  worst = np.array([1] * (j - 1) + [m - j + 1])
+  assert np.sum(-(-worst // rows)) == bound
