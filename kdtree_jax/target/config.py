@@ -94,14 +94,17 @@ class TargetConfig:
   # s6_moe_layer.log): T=16 235.5 vs 240.1 us with the routing kernel; at one token it was 1 us
   # slower (43.8 vs 42.8), so one token keeps the plain path whatever this says.
   lean_glue: bool = True
-  # align_expert_rows: with lean_glue, where the expert calls run R 8 work windows (the INT4
-  # T=9 and T=65 classes), the sorted (token, expert) rows laid out with each expert's first row
-  # 8-aligned (`experts.aligned_rows`): an expert of <= 8 rows is then one work item, not two
-  # where its rows would straddle a window boundary (one dequantise of its weights less; the
-  # layer bench's T=65 routing: 36 items, not 41), for a larger x gather (up to 7 gap rows per
-  # expert) and two more index kernels (deviceless H200 compile). Same values. Default off
-  # until a GPU A/B of the whole layer.
-  align_expert_rows: bool = False
+  # align_expert_rows_from: from this many tokens T (None: never), with lean_glue and where the
+  # expert calls run R 8 work windows (the INT4 T=9 and T=65 classes), the sorted (token,
+  # expert) rows are laid out with each expert's first row 8-aligned (`experts.aligned_rows`):
+  # an expert of <= 8 rows is then one work item, not two where its rows would straddle a window
+  # boundary (one dequantise of its weights less), for a larger x gather (up to 7 gap rows per
+  # expert) and two more index kernels. Same values (bitwise). H100, one MoE layer of the K2.6
+  # share in the decode layout (results/h100/2026-12-06/s21_align_layer.log): T=65 404.8 vs
+  # 420.6 us (81 pairs on 36 experts: 36 items, not 41); T=9 128.5 vs 117.2 (its ~1 row per
+  # expert never straddles; measured with a looser item bound than `work.num_items_aligned`),
+  # hence from T=33, the T=65 class's first T.
+  align_expert_rows_from: int | None = 33
   # router_impl: the routing after the router logits (sigmoid, bias, top-k, weights): "xla" (a
   # few fused reductions), "pallas" (one Pallas kernel, `target/route_kernel.py`, where
   # n_group == 1 and T is small; elsewhere "xla" runs) or "auto": "pallas" on a GPU, else "xla"

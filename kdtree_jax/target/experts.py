@@ -21,7 +21,7 @@ def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto"
   the gated grouped matmul (gate and up in one call, SiLU-multiply fused) and the down grouped
   matmul on one work list, then each token gathers its K rows, weighted (one fusion, no scatter).
   lean: `_lean_expert_ffn` (TargetConfig.lean_glue), the same values in fewer launches and bytes.
-  aligned (with lean, on the kernel at R 8; TargetConfig.align_expert_rows): each expert's
+  aligned (with lean, on the kernel at R 8; TargetConfig.align_expert_rows_from): each expert's
   sorted rows start 8-aligned (`aligned_rows`), so no expert's rows straddle a work window.
   """
   if lean and idx_tk.size <= COMPARE_SORT_MAX_PAIRS:

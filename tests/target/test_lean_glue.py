@@ -77,7 +77,7 @@ def test_lean_glue_bit_identical_on_the_kernel_interpret(t, glue):
 
 @pytest.mark.parametrize("t,k,e,e_l", [(65, 8, 384, 48), (16, 8, 384, 48), (5, 3, 8, 6)])
 def test_aligned_rows_match_numpy(t, k, e, e_l):
-  """TargetConfig.align_expert_rows' layout (`experts.aligned_rows`) against a numpy count:
+  """TargetConfig.align_expert_rows_from's layout (`experts.aligned_rows`) against a numpy count:
   expert e's rows start at 8 x the 8-row windows of the experts before it, in the stable order
   of its pairs; non-local pairs sit past every row; at R 8 the work list then has exactly
   ceil(size / 8) items per expert, each holding that expert's rows only."""
@@ -114,27 +114,27 @@ def test_aligned_rows_match_numpy(t, k, e, e_l):
 @pytest.mark.slow
 @pytest.mark.parametrize("t", [5, 12])
 def test_aligned_rows_bit_identical_on_the_kernel_interpret(t):
-  """align_expert_rows on the kernel (GPU interpret mode; INT4, D 512: the gated call's split
+  """align_expert_rows_from on the kernel (GPU interpret mode; INT4, D 512: the gated call's split
   partials go through the live-rows pass) == the packed lean layout, bitwise: each row's dots
   are the same wherever its window starts."""
   cfg = C.tiny(hidden_size=512, moe_intermediate_size=128, n_routed_experts=8,
                num_experts_per_tok=3, n_group=1, topk_group=1, num_local_experts=6,
-               expert_backend="interpret", lean_glue=True)
+               expert_backend="interpret", lean_glue=True, align_expert_rows_from=None)
   p = P.init_params(jax.random.key(1), cfg, jnp.bfloat16, int4_experts=True)["layers"]
   p = p[cfg.first_k_dense_replace]["moe"]
   x = jax.random.normal(jax.random.key(10 + t), (t, cfg.hidden_size), jnp.bfloat16)
   want = jax.jit(lambda p, x: moe.moe(p, cfg, x))(p, x)
-  aligned = dataclasses.replace(cfg, align_expert_rows=True)
+  aligned = dataclasses.replace(cfg, align_expert_rows_from=1)
   got = jax.jit(lambda p, x: moe.moe(p, aligned, x))(p, x)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
   assert float(jnp.max(jnp.abs(want.astype(jnp.float32)))) > 0
 
 
 def test_aligned_rows_on_xla_is_the_packed_layout():
-  """On XLA (no work list; ragged_dot's groups are contiguous) align_expert_rows changes
+  """On XLA (no work list; ragged_dot's groups are contiguous) align_expert_rows_from changes
   nothing: the same values as the numpy reference."""
   cfg = C.tiny(n_routed_experts=8, num_experts_per_tok=3, n_group=1, topk_group=1,
-               num_local_experts=5, expert_backend="xla", align_expert_rows=True)
+               num_local_experts=5, expert_backend="xla", align_expert_rows_from=1)
   p = P.init_params(jax.random.key(0), cfg, jnp.float32)["layers"][cfg.first_k_dense_replace]
   p = dict(p["moe"])
   p.pop("shared")
