@@ -62,15 +62,21 @@ def test_lean_glue_bit_identical_on_the_kernel_interpret(t, glue):
   """INT4 experts on the kernel (GPU interpret mode), D 512 so the gated call splits K in 2
   (its partials go through the live-rows pass): lean == the fifth session's glue, bitwise.
   T=5, 12 (R=8): experts over one and several windows; the dense glue at T=12."""
+  _assert_same_layer_on_the_kernel(t, dict(moe_glue=glue, lean_glue=False), dict(lean_glue=True))
+
+
+def _assert_same_layer_on_the_kernel(t, base, other):
+  """One INT4 MoE layer on the kernel (GPU interpret mode, D 512: the gated call splits K in 2)
+  under the tiny config with `base` fields and with `other` on top: bitwise equal, not all 0."""
   cfg = C.tiny(hidden_size=512, moe_intermediate_size=128, n_routed_experts=8,
                num_experts_per_tok=3, n_group=1, topk_group=1, num_local_experts=6,
-               expert_backend="interpret", moe_glue=glue, lean_glue=False)
+               expert_backend="interpret", **base)
   p = P.init_params(jax.random.key(1), cfg, jnp.bfloat16, int4_experts=True)["layers"]
   p = p[cfg.first_k_dense_replace]["moe"]
   x = jax.random.normal(jax.random.key(10 + t), (t, cfg.hidden_size), jnp.bfloat16)
   want = jax.jit(lambda p, x: moe.moe(p, cfg, x))(p, x)
-  lean = dataclasses.replace(cfg, lean_glue=True)
-  got = jax.jit(lambda p, x: moe.moe(p, lean, x))(p, x)
+  changed = dataclasses.replace(cfg, **other)
+  got = jax.jit(lambda p, x: moe.moe(p, changed, x))(p, x)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
   assert float(jnp.max(jnp.abs(want.astype(jnp.float32)))) > 0
 
@@ -117,17 +123,8 @@ def test_aligned_rows_bit_identical_on_the_kernel_interpret(t):
   """align_expert_rows_from on the kernel (GPU interpret mode; INT4, D 512: the gated call's split
   partials go through the live-rows pass) == the packed lean layout, bitwise: each row's dots
   are the same wherever its window starts."""
-  cfg = C.tiny(hidden_size=512, moe_intermediate_size=128, n_routed_experts=8,
-               num_experts_per_tok=3, n_group=1, topk_group=1, num_local_experts=6,
-               expert_backend="interpret", lean_glue=True, align_expert_rows_from=None)
-  p = P.init_params(jax.random.key(1), cfg, jnp.bfloat16, int4_experts=True)["layers"]
-  p = p[cfg.first_k_dense_replace]["moe"]
-  x = jax.random.normal(jax.random.key(10 + t), (t, cfg.hidden_size), jnp.bfloat16)
-  want = jax.jit(lambda p, x: moe.moe(p, cfg, x))(p, x)
-  aligned = dataclasses.replace(cfg, align_expert_rows_from=1)
-  got = jax.jit(lambda p, x: moe.moe(p, aligned, x))(p, x)
-  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-  assert float(jnp.max(jnp.abs(want.astype(jnp.float32)))) > 0
+  _assert_same_layer_on_the_kernel(t, dict(lean_glue=True, align_expert_rows_from=None),
+                                   dict(align_expert_rows_from=1))
 
 
 def test_aligned_rows_on_xla_is_the_packed_layout():
