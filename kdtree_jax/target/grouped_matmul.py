@@ -69,9 +69,8 @@ def expert_mlp(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto", group
                            h_rows=h_rows, pairs=pairs, **layout_args(gate_edf, up_edf, down_efd))
 
 
-def work_rows(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto",
-              pairs=None) -> int | None:
+def work_rows(x_td, gate_edf, up_edf, down_efd, group_sizes, impl="auto") -> int | None:
   """R of the work list `expert_mlp` builds (x_td may be a ShapeDtypeStruct); None on XLA."""
   return kernel_work_rows(x_td, expert_operands(gate_edf), expert_operands(up_edf),
-                          expert_operands(down_efd), group_sizes, backend=impl, pairs=pairs,
+                          expert_operands(down_efd), group_sizes, backend=impl,
                           **layout_args(gate_edf, up_edf, down_efd))

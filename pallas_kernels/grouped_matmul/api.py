@@ -180,13 +180,12 @@ def _plan_mlp(x_mk, stacks, down, group_sizes, backend, tunings, k_packed=None,
 
 def work_rows(x_mk, gate, up, down, group_sizes, *, backend="auto",
               tunings: tuple[Tuning, Tuning] | None = None,
-              k_packed: bool | None = None, k_interleaved: bool | None = None,
-              pairs: int | None = None) -> int | None:
+              k_packed: bool | None = None, k_interleaved: bool | None = None) -> int | None:
   """R of the work list `expert_mlp` builds for these operands (x_mk: an array or a
   ShapeDtypeStruct), or None where XLA runs both calls (no work list)."""
   b_gate, t_gate, b_down, _ = _plan_mlp(x_mk, [tuple(gate), tuple(up)], tuple(down),
                                         group_sizes, backend, tunings, k_packed,
-                                        k_interleaved, pairs)
+                                        k_interleaved)
   return None if "xla" == b_gate == b_down else t_gate.rows
 
 
