@@ -137,10 +137,10 @@ def _limit_groups(choice_te, n_group, topk_group):
 def routed_experts(p, cfg: TargetConfig, x_td, idx_tk, w_tk):
   """The routed experts this device holds (all, or cfg.num_local_experts of them)."""
   return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], impl=cfg.expert_backend,
-                    lean=cfg.lean_glue, aligned=_aligned_rows(cfg, x_td.shape[0]))
+                    lean=cfg.lean_glue, aligned=_aligns_expert_rows(cfg, x_td.shape[0]))
 
 
-def _aligned_rows(cfg: TargetConfig, t: int) -> bool:
+def _aligns_expert_rows(cfg: TargetConfig, t: int) -> bool:
   """Whether T tokens' expert rows take the 8-aligned layout (align_expert_rows_from)."""
   return cfg.align_expert_rows_from is not None and t >= cfg.align_expert_rows_from
 

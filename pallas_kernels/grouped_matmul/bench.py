@@ -337,26 +337,28 @@ def case_sizes(case: str, local: int | None = None):
 
 
 def aligned_layout(sizes):
-  """The 8-aligned row layout of rows sorted by expert (an mlp_tune case's ':a8'): (the row of
-  each sorted row [sum(sizes)], each expert's inclusive end there [E], rows the layout spans):
-  expert e's rows start at 8 x (the 8-row windows of the experts before it)."""
-  s = np.asarray(sizes)
-  windows = -(-s // work.ALIGN)
-  starts = work.ALIGN * (np.cumsum(windows) - windows)
-  rows = np.concatenate([starts[e] + np.arange(n) for e, n in enumerate(s)]).astype(np.int32)
-  return rows, (starts + s).astype(np.int32), int(work.ALIGN * windows.sum())
+  """An mlp_tune ':a8' case's rows as the aligned glue lays them out (`experts.aligned_rows` on
+  rows sorted by expert): (the row of each sorted row [sum(sizes)], each expert's inclusive end
+  there [E])."""
+  sizes = jnp.asarray(sizes, jnp.int32)
+  key = jnp.repeat(jnp.arange(sizes.shape[0], dtype=jnp.int32), sizes,
+                   total_repeat_length=int(jnp.sum(sizes)))
+  rows, ends = experts.aligned_rows(key, jnp.arange(key.shape[0], dtype=jnp.int32), sizes,
+                                    jnp.cumsum(sizes, dtype=jnp.int32))
+  return np.asarray(rows), ends
 
 
 def _case_inputs(case, x, sizes):
   """(x rows as the case lays them out, the experts' ends or None, each sorted row's row):
-  ':a8' scatters the sorted rows into `aligned_layout`, zero rows in its gaps (rows the kernel
-  computes and does not store); else x as it is."""
+  ':a8' scatters the sorted rows into `aligned_layout` over `experts.aligned_row_bound` rows
+  (the aligned glue's x), zero rows in its gaps (rows the kernel computes and does not store);
+  else x as it is."""
   if not case.endswith(":a8"):
     return x, None, np.arange(x.shape[0])
-  at, ends, span = aligned_layout(sizes)
-  m_pad = max(span, x.shape[0])
+  at, ends = aligned_layout(sizes)
+  m_pad = experts.aligned_row_bound(x.shape[0], sizes.shape[0])
   x_pad = jnp.zeros((m_pad, x.shape[1]), x.dtype).at[at].set(x[:at.shape[0]])
-  return x_pad, jnp.asarray(ends), at
+  return x_pad, ends, at
 
 
 def _case_items(case, m, e_l):

@@ -887,17 +887,18 @@ def test_gated_kernel_gpu_narrow_rows_match_reference():
 
 
 def test_bench_aligned_case_gives_each_expert_whole_windows():
-  """mlp_tune's ':a8' cases (`bench.aligned_layout`): expert e's rows start at 8 x the 8-row
-  windows of the experts before it (counted here by hand), so at R 8 the work list has
-  ceil(size / 8) items per expert, where the packed layout of the same sizes cuts the experts
-  that straddle a window boundary (the layer's T=65 routing: 41 items against 36)."""
+  """mlp_tune's ':a8' cases (`bench.aligned_layout`, the glue's `experts.aligned_rows` on
+  sorted rows): expert e's rows start at 8 x the 8-row windows of the experts before it
+  (counted here by hand), so at R 8 the work list has ceil(size / 8) items per expert, where
+  the packed layout of the same sizes cuts the experts that straddle a window boundary (the
+  layer's T=65 routing: 41 items against 36)."""
   # pylint: disable-next=import-outside-toplevel
   from pallas_kernels.grouped_matmul import bench
   sizes = np.array([3, 0, 6, 9, 1], np.int32)
-  at, ends, span = bench.aligned_layout(sizes)
+  at, ends = bench.aligned_layout(sizes)
   np.testing.assert_array_equal(at, [0, 1, 2, 8, 9, 10, 11, 12, 13] + list(range(16, 25)) + [32])
   np.testing.assert_array_equal(ends, [3, 8, 14, 25, 33])
-  assert span == 40
+  span = 40  # the layout's last window ends here
 
   def items(group_ends, m):
     got = np.asarray(work.work_list(jnp.asarray(sizes), m, 8, jnp.asarray(group_ends)))
