@@ -112,6 +112,15 @@ class TargetConfig:
   # H200 (s6_moe_layer.log): one MoE layer T=1 42.8 vs 46.8 us, T=16 240.1 vs 248.9; H100
   # (s20_route65.log) T=65 427.4 vs 443.2.
   router_impl: str = "auto"
+  # router_split_k: above one token where the routing kernel runs on the packed layout's joint
+  # router | shared gate | up dot (decode), S > 0 computes that dot as S K-partials
+  # (`moe.router_partials`: our split, in place of XLA's split-K GEMM) that the routing kernel
+  # sums (s = 0..S-1), routes on, and turns into the shared expert's SwiGLU activation
+  # (`route_kernel.route_with_shared`): the split-K sum and the SwiGLU, two XLA kernels per MoE
+  # layer, are not launched. 0: XLA's dot, sum and SwiGLU fusions. The logits' f32 sum order
+  # differs from XLA's (ulps); the routing decisions are the same but for such near-ties.
+  # Not yet measured on a GPU (default off).
+  router_split_k: int = 0
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
   shared_intermediate_size: int | None = None
@@ -162,6 +171,8 @@ class TargetConfig:
       raise ValueError(f"{self.moe_glue=} must be 'auto', 'sorted' or 'dense'")
     if self.router_impl not in ("auto", "xla", "pallas"):
       raise ValueError(f"{self.router_impl=} must be 'auto', 'xla' or 'pallas'")
+    if self.router_split_k < 0:
+      raise ValueError(f"{self.router_split_k=} must be >= 0 (0: off)")
 
   # ---- derived shapes -------------------------------------------------------------------
   @property
