@@ -114,7 +114,7 @@ class TargetConfig:
   router_impl: str = "auto"
   # router_split_k: above one token where the routing kernel runs on the packed layout's joint
   # router | shared gate | up dot (decode), S > 0 computes that dot as S K-partials
-  # (`moe.router_partials`: our split, in place of XLA's split-K GEMM) that the routing kernel
+  # (`pack.dot_t_partials`: our split, in place of XLA's split-K GEMM) that the routing kernel
   # sums (s = 0..S-1), routes on, and turns into the shared expert's SwiGLU activation
   # (`route_kernel.route_with_shared`): the split-K sum and the SwiGLU, two XLA kernels per MoE
   # layer, are not launched. 0: XLA's dot, sum and SwiGLU fusions. The logits' f32 sum order

@@ -13,7 +13,7 @@ from kdtree_jax.target import route_kernel
 from kdtree_jax.target.experts import (Weighting, dense_glue_fits, expert_ffn, expert_ffn_dense,
                                        one_token_ffn)
 from kdtree_jax.target.mlp import down, swiglu, swiglu_down
-from kdtree_jax.target.pack import dot_t
+from kdtree_jax.target.pack import dot_t, dot_t_partials
 from kdtree_jax.target.moe_parallel import experts_ep, route_local
 
 
@@ -219,26 +219,11 @@ def _route_and_shared(p, cfg: TargetConfig, x_td):
   shared gate | up dot as cfg.router_split_k K-partials that the routing kernel sums, routes on
   and turns into the shared SwiGLU activation (`route_kernel.route_with_shared`): the split-K
   sum and the SwiGLU fusion XLA makes after its own split dot are not launched."""
-  parts = router_partials(x_td, p["router_gate_up_t"], cfg.router_split_k)
+  parts = dot_t_partials(x_td, p["router_gate_up_t"], cfg.router_split_k)
   idx, w, h = route_kernel.route_with_shared(parts, p["bias"], cfg.num_experts_per_tok,
                                              cfg.norm_topk_prob, cfg.routed_scaling_factor,
                                              x_td.dtype)
   return idx, w, down(h, p["shared"])
-
-
-def router_partials(x_td, w_nd, splits: int):
-  """x @ w^T as `splits` partials over K: [S, T, N] f32, partial s = x[:, Ks] @ w[:, Ks]^T for
-  the s-th of S equal K slices (the router's accumulation: `_router_logits`' dtype rule)."""
-  t, d = x_td.shape
-  n = w_nd.shape[0]
-  if d % splits:
-    raise ValueError(f"router_partials: {splits=} does not divide K = {d}")
-  xs, ws = x_td.reshape(t, splits, d // splits), w_nd.reshape(n, splits, d // splits)
-  dims = (((2,), (2,)), ((1,), (1,)))
-  if x_td.dtype.itemsize == 2 and w_nd.dtype == x_td.dtype:
-    return jax.lax.dot_general(xs, ws, dims, preferred_element_type=jnp.float32)
-  return jax.lax.dot_general(xs.astype(jnp.float32), ws.astype(jnp.float32), dims,
-                             precision=jax.lax.Precision.HIGHEST)
 
 
 def router_and_shared(p, x_td, wide: bool = False):

@@ -19,7 +19,7 @@ offset, 1 if the expert is held here), so `_one_token_ffn` needs no XLA glue bet
 and the expert kernels.
 
 `route_with_shared` (TargetConfig.router_split_k, T > 1): the kernel reads the packed router |
-shared gate | up dot as S K-partials [S, T, E + 2F] f32 (`moe.router_partials`, our split of
+shared gate | up dot as S K-partials [S, T, E + 2F] f32 (`pack.dot_t_partials`, our split of
 K, not XLA's), sums them in order s = 0..S-1, routes, and also writes the shared expert's SwiGLU
 activation silu(gate) * up [T, F] in x's dtype (gate and up rounded to it first, as the joint
 dot's own columns are): the split-K sum and the SwiGLU, two XLA kernels per MoE layer, are gone.
@@ -73,7 +73,7 @@ def route_with_shared(parts_ste, bias_e, k: int, norm: bool, scale: float, out_d
   """(ids [T, K] int32, weights [T, K] f32 as `route_pallas` on the logits sum_s parts[s, :, :E];
   h [T, F] out_dtype: silu(gate) * up of the shared expert, gate = the next F columns' sum and
   up the F after, each rounded to out_dtype first). parts_ste: [S, T, E + 2F] f32, summed in
-  order s = 0..S-1 (`moe.router_partials`)."""
+  order s = 0..S-1 (`pack.dot_t_partials`)."""
   _, t, width = parts_ste.shape
   e = bias_e.shape[0]
   if (width - e) % 2 or width <= e:

@@ -1,6 +1,6 @@
 """TargetConfig.router_split_k: the joint router | shared gate | up dot as S K-partials that the
 routing kernel sums, routes on and turns into the shared expert's SwiGLU activation
-(`route_kernel.route_with_shared`, `moe.router_partials`): the kernel against numpy (routing:
+(`route_kernel.route_with_shared`, `pack.dot_t_partials`): the kernel against numpy (routing:
 HF's top-k on the summed logits; the activation: silu(gate) * up on the dtype-rounded sums), the
 MoE layer against a numpy per-token loop (f32) and against the field off (bf16), where the path
 is taken, and what the CUDA lowering of a K2.6-share layer hands the kernel."""
@@ -76,17 +76,21 @@ def test_refuses_a_width_that_is_not_e_plus_two_f():
     C.tiny(router_split_k=-1)
 
 
-def test_partials_sum_to_the_router_dot():
-  """router_partials' S slices sum to x @ w^T (f32 HIGHEST on f32 inputs)."""
-  x = jax.random.normal(jax.random.key(0), (5, 64))
+@pytest.mark.parametrize("lead", [(5,), (2, 3)])
+def test_partials_sum_to_the_dot(lead):
+  """dot_t_partials' S slices: each the dot of its D slice, summing to x @ w^T (f32 HIGHEST on
+  f32 inputs), for any leading dims of x."""
+  x = jax.random.normal(jax.random.key(0), (*lead, 64))
   w = jax.random.normal(jax.random.key(1), (48, 64))
-  parts = moe.router_partials(x, w, 4)
-  assert parts.shape == (4, 5, 48) and parts.dtype == jnp.float32
-  want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
-  np.testing.assert_allclose(np.asarray(parts, np.float64).sum(axis=0), want, rtol=1e-5,
-                             atol=1e-5 * np.abs(want).max())
+  parts = pack.dot_t_partials(x, w, 4)
+  assert parts.shape == (4, *lead, 48) and parts.dtype == jnp.float32
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  for s in range(4):
+    want = x64[..., 16 * s:16 * (s + 1)] @ w64[:, 16 * s:16 * (s + 1)].T
+    np.testing.assert_allclose(np.asarray(parts[s], np.float64), want, rtol=1e-5,
+                               atol=1e-5 * np.abs(want).max())
   with pytest.raises(ValueError, match="does not divide"):
-    moe.router_partials(x, w, 5)
+    pack.dot_t_partials(x, w, 5)
 
 
 def _spy(monkeypatch):
