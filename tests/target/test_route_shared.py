@@ -16,8 +16,7 @@ from kdtree_jax import bench_models
 from kdtree_jax.target import config as C
 from kdtree_jax.target import moe, pack, route_kernel
 from kdtree_jax.target import params as P
-from test_joint_logits import _packed_layer, _tiny, _triton_operands
-from test_moe_glue import _numpy_routed
+from test_joint_logits import _packed_layer, _tiny, _triton_operands, numpy_moe_layer
 from test_route_kernel import SCALE, _assert_separated, _numpy_route
 from test_route_kernel import TestLowersForH200 as _Lowering  # (not collected again here)
 
@@ -108,10 +107,7 @@ def test_moe_layer_with_split_router_equals_numpy_f32(monkeypatch):
   per_layer, p = _packed_layer(cfg, jnp.float32)
   shapes = _spy(monkeypatch)
   x = np.asarray(jax.random.normal(jax.random.key(26), (6, cfg.hidden_size)), np.float32)
-  sh = {n: np.asarray(per_layer["shared"][n], np.float64) for n in ("gate", "up", "down")}
-  a, b = x @ sh["gate"], x @ sh["up"]
-  want = _numpy_routed(per_layer, dataclasses.replace(cfg, router_impl="xla"), x)
-  want = want + (a / (1 + np.exp(-a)) * b) @ sh["down"]
+  want = numpy_moe_layer(per_layer, cfg, x)
   got = np.asarray(moe.moe(p, cfg, jnp.asarray(x)))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
   assert shapes == [(4, 6, p["router_gate_up_t"].shape[0])]
