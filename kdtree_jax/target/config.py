@@ -121,6 +121,14 @@ class TargetConfig:
   # differs from XLA's (ulps); the routing decisions are the same but for such near-ties.
   # Not yet measured on a GPU (default off).
   router_split_k: int = 0
+  # qkv_split_k: at decode / verify (B * T <= qkv_kernel.MAX_ROWS) on the packed, unfolded
+  # q_a | kv_a dot ("qkv_a_t") with the q LoRA, S > 0 computes that dot as S K-partials
+  # (`pack.dot_t_partials`) that ONE kernel (`qkv_kernel.qkv_epilogue`) sums (s = 0..S-1) into
+  # the dot's output y, and also turns into the q LoRA norm's output c_q and c_kv's mean square:
+  # XLA's split-K sum, the joint mean squares and the q norm, three XLA kernels per layer, are
+  # not launched (`mla.qkv_in_kernel` decides). 0: XLA's dot and its fusions. The sums' f32
+  # order differs from XLA's (ulps). Not yet measured on a GPU (default off).
+  qkv_split_k: int = 0
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
   shared_intermediate_size: int | None = None
@@ -173,6 +181,8 @@ class TargetConfig:
       raise ValueError(f"{self.router_impl=} must be 'auto', 'xla' or 'pallas'")
     if self.router_split_k < 0:
       raise ValueError(f"{self.router_split_k=} must be >= 0 (0: off)")
+    if self.qkv_split_k < 0:
+      raise ValueError(f"{self.qkv_split_k=} must be >= 0 (0: off)")
 
   # ---- derived shapes -------------------------------------------------------------------
   @property
