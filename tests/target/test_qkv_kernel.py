@@ -18,6 +18,7 @@ from kdtree_jax.target import mla, pack, qkv_kernel, transformer
 from kdtree_jax.target import params as P
 from kdtree_jax.target.cache import LatentCache
 from test_joint_logits import _triton_operands  # neighbours' helpers (pytest imports by folder)
+from test_route_shared import spy_partials
 
 EPS = 1e-6
 
@@ -71,14 +72,6 @@ def test_kernel_refuses_shapes_it_does_not_take():
     C.tiny(qkv_split_k=-1)
 
 
-def _spy(monkeypatch):
-  shapes = []
-  real = qkv_kernel.qkv_epilogue
-  monkeypatch.setattr(qkv_kernel, "qkv_epilogue",
-                      lambda parts, *a: shapes.append(parts.shape) or real(parts, *a))
-  return shapes
-
-
 def _attention_inputs(cfg, dtype, b, n, seed=0):
   """(packed layer-1 attention params, x [B, N, D], positions, cache [B, L, C], lengths, mask)."""
   k = jax.random.split(jax.random.key(seed), 4)
@@ -101,7 +94,7 @@ def test_absorbed_attention_equals_the_field_off(b, n, dtype, tol, monkeypatch):
   p, x, positions, cache, lengths, mask = _attention_inputs(cfg, dtype, b, n)
   run = lambda c: mla.absorbed_attention(p, c, x, positions, cache, lengths, mask, backend="xla")
   off = run(cfg)
-  shapes = _spy(monkeypatch)
+  shapes = spy_partials(monkeypatch, qkv_kernel, "qkv_epilogue")
   on = run(dataclasses.replace(cfg, qkv_split_k=4))
   assert shapes == [(4, b * n, p["qkv_a_t"].shape[0])]
   for got, want in zip(on, off):
@@ -123,7 +116,7 @@ def test_decode_step_equals_the_field_off(monkeypatch):
   step = lambda c: transformer.decode(c, params, cache, tokens, positions, mask,
                                       attn_backend="xla")[:2]
   off = step(cfg)
-  shapes = _spy(monkeypatch)
+  shapes = spy_partials(monkeypatch, qkv_kernel, "qkv_epilogue")
   on = step(dataclasses.replace(cfg, qkv_split_k=2))
   assert shapes == [(2, 8, cfg.q_lora_rank + cfg.cache_dim)] * cfg.num_hidden_layers
   for got, want in zip(jax.tree.leaves(on), jax.tree.leaves(off)):

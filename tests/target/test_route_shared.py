@@ -92,11 +92,12 @@ def test_partials_sum_to_the_dot(lead):
     pack.dot_t_partials(x, w, 5)
 
 
-def _spy(monkeypatch):
+def spy_partials(monkeypatch, module=route_kernel, name="route_with_shared"):
+  """The shapes of the partials (first argument) each call of module.name gets, recorded by a
+  wrapper around the real function (a spy, not a mock)."""
   shapes = []
-  real = route_kernel.route_with_shared
-  monkeypatch.setattr(route_kernel, "route_with_shared",
-                      lambda parts, *a: shapes.append(parts.shape) or real(parts, *a))
+  real = getattr(module, name)
+  monkeypatch.setattr(module, name, lambda parts, *a: shapes.append(parts.shape) or real(parts, *a))
   return shapes
 
 
@@ -105,7 +106,7 @@ def test_moe_layer_with_split_router_equals_numpy_f32(monkeypatch):
   params) plus numpy's shared SwiGLU, and the kernel got the [S, T, E + 2F] partials."""
   cfg = dataclasses.replace(_tiny("pallas"), router_split_k=4)
   per_layer, p = _packed_layer(cfg, jnp.float32)
-  shapes = _spy(monkeypatch)
+  shapes = spy_partials(monkeypatch)
   x = np.asarray(jax.random.normal(jax.random.key(26), (6, cfg.hidden_size)), np.float32)
   want = numpy_moe_layer(per_layer, cfg, x)
   got = np.asarray(moe.moe(p, cfg, jnp.asarray(x)))
@@ -121,7 +122,7 @@ def test_bf16_layer_routes_as_with_the_field_off(monkeypatch):
   x = jax.random.normal(jax.random.key(9), (9, cfg.hidden_size), jnp.bfloat16)
   routes_off, routes_on = [], []
   off = moe.moe(p, cfg, x, routes_off)
-  shapes = _spy(monkeypatch)
+  shapes = spy_partials(monkeypatch)
   on = moe.moe(p, dataclasses.replace(cfg, router_split_k=2), x, routes_on)
   assert len(shapes) == 1
   np.testing.assert_array_equal(np.asarray(routes_on[0]), np.asarray(routes_off[0]))
