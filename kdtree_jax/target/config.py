@@ -121,6 +121,10 @@ class TargetConfig:
   # differs from XLA's (ulps); the routing decisions are the same but for such near-ties.
   # Not yet measured on a GPU (default off).
   router_split_k: int = 0
+  # router_warps: warps per token program of the routing kernel (all its forms): 1, 2, 4 or 8.
+  # 1 is what every measurement so far ran; the shared form (router_split_k) reads S x (E + 2F)
+  # f32 per token, more than one warp may keep in flight: its GPU A/B.
+  router_warps: int = 1
   # qkv_split_k: at decode / verify (B * T <= qkv_kernel.MAX_ROWS) on the packed, unfolded
   # q_a | kv_a dot ("qkv_a_t") with the q LoRA, S > 0 computes that dot as S K-partials
   # (`pack.dot_t_partials`) that ONE kernel (`qkv_kernel.qkv_epilogue`) sums (s = 0..S-1) into
@@ -181,6 +185,8 @@ class TargetConfig:
       raise ValueError(f"{self.router_impl=} must be 'auto', 'xla' or 'pallas'")
     if self.router_split_k < 0:
       raise ValueError(f"{self.router_split_k=} must be >= 0 (0: off)")
+    if self.router_warps not in (1, 2, 4, 8):
+      raise ValueError(f"{self.router_warps=} must be 1, 2, 4 or 8")
     if self.qkv_split_k < 0:
       raise ValueError(f"{self.qkv_split_k=} must be >= 0 (0: off)")
 

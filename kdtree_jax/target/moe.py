@@ -29,7 +29,7 @@ def route(p, cfg: TargetConfig, x_td, logits=None):
   if _routing_kernel(cfg, x_td.shape[0]):
     return route_kernel.route_pallas(_logits(p, x_td, logits), p["bias"],
                                      cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                     cfg.routed_scaling_factor)
+                                     cfg.routed_scaling_factor, num_warps=cfg.router_warps)
   choice, scores = _choice_and_scores(p, cfg, x_td, logits)
   k = cfg.num_experts_per_tok
   idx, w = top_k_select(choice, scores, k)
@@ -81,7 +81,8 @@ def route_one_token(p, cfg: TargetConfig, x_td, logits=None):
   `route`'s order; its weights [K] f32). logits: as in `route`."""
   return route_kernel.route_one_token(_logits(p, x_td, logits), p["bias"],
                                       cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                      cfg.routed_scaling_factor, cfg.experts_held)
+                                      cfg.routed_scaling_factor, cfg.experts_held,
+                                      num_warps=cfg.router_warps)
 
 
 def _routing_kernel(cfg: TargetConfig, t: int) -> bool:
@@ -222,7 +223,7 @@ def _route_and_shared(p, cfg: TargetConfig, x_td):
   parts = dot_t_partials(x_td, p["router_gate_up_t"], cfg.router_split_k)
   idx, w, h = route_kernel.route_with_shared(parts, p["bias"], cfg.num_experts_per_tok,
                                              cfg.norm_topk_prob, cfg.routed_scaling_factor,
-                                             x_td.dtype)
+                                             x_td.dtype, num_warps=cfg.router_warps)
   return idx, w, down(h, p["shared"])
 
 

@@ -40,8 +40,9 @@ from pallas_kernels.grouped_matmul import work
 # 443.2 with XLA's routing (its T x E x E compare reduction alone 13.2 us), H100, one process:
 # results/h100/2026-12-06/s20_route65.log.
 MAX_TOKENS = 128
-# One warp per token: each of the K argmax reductions is warp shuffles only (no shared memory
-# barrier), E = 384 is 16 lanes per thread. Not yet timed against 2 or 4 warps on a GPU.
+# One warp per token by default (TargetConfig.router_warps): each of the K argmax reductions is
+# warp shuffles only (no shared memory barrier), E = 384 is 16 lanes per thread. Not yet timed
+# against 2 or 4 warps on a GPU (the shared form reads S x (E + 2F) f32 per token: its A/B).
 NUM_WARPS = 1
 
 
@@ -50,26 +51,28 @@ def supports(t: int, n_group: int) -> bool:
   return n_group == 1 and 1 <= t <= MAX_TOKENS
 
 
-def route_pallas(logits_te, bias_e, k: int, norm: bool, scale: float):
+def route_pallas(logits_te, bias_e, k: int, norm: bool, scale: float, num_warps=NUM_WARPS):
   """(ids [T, K] int32 in lax.top_k order of sigmoid(logits) + bias, ties to the lower index;
   weights [T, K] f32: the chosen sigmoid scores, normalised to sum 1 if `norm`, times scale).
   logits_te: [T, E] or wider: the kernel reads the first E = len(bias) columns (the packed
   router|shared dot's output, `moe.router_and_shared(wide=True)`: no slice made for the kernel)."""
-  ids, w = _call(logits_te, bias_e, k, norm, scale, None)
+  ids, w = _call(logits_te, bias_e, k, norm, scale, None, num_warps)
   return ids, w
 
 
-def route_one_token(logits_1e, bias_e, k: int, norm: bool, scale: float, e_local: int):
+def route_one_token(logits_1e, bias_e, k: int, norm: bool, scale: float, e_local: int,
+                    num_warps=NUM_WARPS):
   """One token: (its work list [4, K] int32 as `experts.one_token_work_list`: row 0 the ids in
   top-k order, rows 1-2 each choice's 8-aligned row and offset, row 3 whether its expert is
   < e_local; weights [K] f32 as `route_pallas`). logits_1e: [1, E] or wider, as `route_pallas`."""
   if logits_1e.shape[0] != 1:
     raise ValueError(f"route_one_token takes one token: {logits_1e.shape=}")
-  items, w = _call(logits_1e, bias_e, k, norm, scale, e_local)
+  items, w = _call(logits_1e, bias_e, k, norm, scale, e_local, num_warps)
   return items, w[0]
 
 
-def route_with_shared(parts_ste, bias_e, k: int, norm: bool, scale: float, out_dtype):
+def route_with_shared(parts_ste, bias_e, k: int, norm: bool, scale: float, out_dtype,
+                      num_warps=NUM_WARPS):
   """(ids [T, K] int32, weights [T, K] f32 as `route_pallas` on the logits sum_s parts[s, :, :E];
   h [T, F] out_dtype: silu(gate) * up of the shared expert, gate = the next F columns' sum and
   up the F after, each rounded to out_dtype first). parts_ste: [S, T, E + 2F] f32, summed in
@@ -80,7 +83,7 @@ def route_with_shared(parts_ste, bias_e, k: int, norm: bool, scale: float, out_d
     raise ValueError(f"route_with_shared: {parts_ste.shape=} is not [S, T, E + 2F] for E = {e}")
   _check(t, width, bias_e, k, parts_ste.shape)
   call = functools.partial(_pallas_route_shared, k=k, norm=norm, scale=float(scale),
-                           out_dtype=jnp.dtype(out_dtype))
+                           out_dtype=jnp.dtype(out_dtype), num_warps=num_warps)
   parts = parts_ste.astype(jnp.float32)
   return jax.lax.platform_dependent(parts, bias_e, cuda=call,
                                     default=functools.partial(call, interpret=True))
@@ -93,16 +96,17 @@ def _check(t, width, bias_e, k, shape):
                      f"(T <= {MAX_TOKENS}, K <= E <= the logits' columns)")
 
 
-def _call(logits_te, bias_e, k, norm, scale, e_local):
+def _call(logits_te, bias_e, k, norm, scale, e_local, num_warps=NUM_WARPS):
   t, width = logits_te.shape
   _check(t, width, bias_e, k, logits_te.shape)
-  call = functools.partial(_pallas_route, k=k, norm=norm, scale=float(scale), e_local=e_local)
+  call = functools.partial(_pallas_route, k=k, norm=norm, scale=float(scale), e_local=e_local,
+                           num_warps=num_warps)
   logits = logits_te.astype(jnp.float32)
   return jax.lax.platform_dependent(logits, bias_e, cuda=call,
                                     default=functools.partial(call, interpret=True))
 
 
-def _pallas_route(logits_te, bias_e, *, k, norm, scale, e_local, interpret=False):
+def _pallas_route(logits_te, bias_e, *, k, norm, scale, e_local, num_warps, interpret=False):
   t = logits_te.shape[0]
   kp = pl.next_power_of_2(k)
   # The outputs vary over a shard_map's axes as the logits do (its varying-axes check).
@@ -113,7 +117,7 @@ def _pallas_route(logits_te, bias_e, *, k, norm, scale, e_local, interpret=False
       kernel,
       grid=(t,),
       out_shape=[first, out((t, kp), jnp.float32)],
-      compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
   )(logits_te, bias_e)
   return ids[:, :k], w[:, :k]
@@ -158,7 +162,8 @@ def _top_k(logits, bias_ref, k):
   return ids, slot
 
 
-def _pallas_route_shared(parts_ste, bias_e, *, k, norm, scale, out_dtype, interpret=False):
+def _pallas_route_shared(parts_ste, bias_e, *, k, norm, scale, out_dtype, num_warps,
+                         interpret=False):
   _, t, width = parts_ste.shape
   kp, f = pl.next_power_of_2(k), (width - bias_e.shape[0]) // 2
   out = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(parts_ste).mat)
@@ -167,7 +172,7 @@ def _pallas_route_shared(parts_ste, bias_e, *, k, norm, scale, out_dtype, interp
       kernel,
       grid=(t,),
       out_shape=[out((t, kp), jnp.int32), out((t, kp), jnp.float32), out((t, f), out_dtype)],
-      compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
   )(parts_ste, bias_e)
   return ids[:, :k], w[:, :k], h

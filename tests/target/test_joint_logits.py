@@ -72,7 +72,8 @@ def test_moe_layer_on_the_joint_logits_equals_numpy_f32(t, router, monkeypatch):
   widths = []
   real_call = route_kernel._call  # pylint: disable=protected-access
   monkeypatch.setattr(route_kernel, "_call",
-                      lambda logits, *a: widths.append(logits.shape[1]) or real_call(logits, *a))
+                      lambda logits, *a, **kw: widths.append(logits.shape[1])
+                      or real_call(logits, *a, **kw))
   x = np.asarray(jax.random.normal(jax.random.key(20 + t), (t, cfg.hidden_size)), np.float32)
   want = numpy_moe_layer(per_layer, cfg, x)
   got = np.asarray(moe.moe(p, cfg, jnp.asarray(x)))

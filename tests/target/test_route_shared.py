@@ -97,7 +97,8 @@ def spy_partials(monkeypatch, module=route_kernel, name="route_with_shared"):
   wrapper around the real function (a spy, not a mock)."""
   shapes = []
   real = getattr(module, name)
-  monkeypatch.setattr(module, name, lambda parts, *a: shapes.append(parts.shape) or real(parts, *a))
+  monkeypatch.setattr(module, name,
+                      lambda parts, *a, **kw: shapes.append(parts.shape) or real(parts, *a, **kw))
   return shapes
 
 
@@ -112,6 +113,19 @@ def test_moe_layer_with_split_router_equals_numpy_f32(monkeypatch):
   got = np.asarray(moe.moe(p, cfg, jnp.asarray(x)))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
   assert shapes == [(4, 6, p["router_gate_up_t"].shape[0])]
+
+
+def test_the_layer_passes_its_router_warps(monkeypatch):
+  """cfg.router_warps reaches the shared form's call (the lowering test checks that the value
+  becomes the Triton program's num_warps)."""
+  cfg = dataclasses.replace(_tiny("pallas"), router_split_k=2, router_warps=4)
+  _, p = _packed_layer(cfg, jnp.float32)
+  seen = []
+  real = route_kernel.route_with_shared
+  monkeypatch.setattr(route_kernel, "route_with_shared",
+                      lambda *a, **kw: seen.append(kw.get("num_warps")) or real(*a, **kw))
+  moe.moe(p, cfg, jax.random.normal(jax.random.key(4), (5, cfg.hidden_size)))
+  assert seen == [4]
 
 
 def test_bf16_layer_routes_as_with_the_field_off(monkeypatch):
