@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kdtree_jax.target.partial_rows import lanes, live, summed
+
 # Up to this many token rows the kernel runs (one program each); more (prefill): XLA's dot.
 MAX_ROWS = 128
 # 4 warps: a K2.6 row's q part is 1536 of 2048 power-of-2 lanes, 16 f32 registers per thread
@@ -69,9 +71,9 @@ def _epilogue_kernel(parts_ref, norm_ref, y_ref, c_q_ref, ms_ref, *, rq, r, eps)
   dtype = y_ref.dtype
   y_q = _rounded_into(y_ref, parts_ref, row, 0, rq)
   scale = jax.lax.rsqrt(jnp.sum(y_q * y_q) / rq + eps)
-  gain = plt.load(norm_ref.at[_lanes(row, 0, rq)], mask=_live(rq), other=0.0)
-  plt.store(c_q_ref.at[row, _lanes(row, 0, rq)],
-            (gain.astype(jnp.float32) * (y_q * scale)).astype(dtype), mask=_live(rq))
+  gain = plt.load(norm_ref.at[lanes(row, 0, rq)], mask=live(rq), other=0.0)
+  plt.store(c_q_ref.at[row, lanes(row, 0, rq)],
+            (gain.astype(jnp.float32) * (y_q * scale)).astype(dtype), mask=live(rq))
   y_kv = _rounded_into(y_ref, parts_ref, row, rq, r)
   ms_ref[row, :] = jnp.full((1,), jnp.sum(y_kv * y_kv) / r, jnp.float32)
   _rounded_into(y_ref, parts_ref, row, rq + r, y_ref.shape[1] - rq - r)
@@ -80,21 +82,6 @@ def _epilogue_kernel(parts_ref, norm_ref, y_ref, c_q_ref, ms_ref, *, rq, r, eps)
 def _rounded_into(y_ref, parts_ref, row, start, n):
   """y[row, start:start + n] = sum over s = 0..S-1 of the partials, rounded to y's dtype;
   returns that rounded value in f32 [n_pow2] (0 past n)."""
-  live = _live(n)
-  total = functools.reduce(jnp.add, [
-      plt.load(parts_ref.at[jnp.int32(i), row, _lanes(row, start, n)], mask=live, other=0.0)
-      for i in range(parts_ref.shape[0])])
-  y = total.astype(y_ref.dtype)
-  plt.store(y_ref.at[row, _lanes(row, start, n)], y, mask=live)
+  y = summed(parts_ref, row, start, n).astype(y_ref.dtype)
+  plt.store(y_ref.at[row, lanes(row, start, n)], y, mask=live(n))
   return y.astype(jnp.float32)
-
-
-def _live(n):
-  return jnp.arange(pl.next_power_of_2(n)) < n
-
-
-def _lanes(row, start, n):
-  """pl.ds of n's power-of-2 lanes from `start`, made a traced value (+ min(row, 0) = 0): Pallas'
-  bound check rejects a static start whose masked lanes reach past the array, which Triton masks
-  and interpret mode pads for a traced one (as route_kernel._summed)."""
-  return pl.ds(start + jnp.minimum(row, 0), pl.next_power_of_2(n))

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kdtree_jax.target import partial_rows
 from pallas_kernels.grouped_matmul import work
 
 # Up to this many tokens the kernel runs (one program each); more: the XLA path. 128 covers every
@@ -183,30 +184,17 @@ def _route_shared_kernel(parts_ref, bias_ref, ids_ref, w_ref, h_ref, *, k, norm,
   weights as `_route_kernel`, and silu(gate) * up of the shared columns -> h [F]."""
   row = pl.program_id(0)
   e, f = bias_ref.shape[0], h_ref.shape[1]
-  ep, fp = pl.next_power_of_2(e), pl.next_power_of_2(f)
-  logits = _summed(parts_ref, row, 0, e, ep)
+  logits = partial_rows.summed(parts_ref, row, 0, e)
   ids, slot = _top_k(logits, bias_ref, k)
   chosen = functools.reduce(jnp.add, [plt.load(parts_ref.at[jnp.int32(i), row, ids])
                                       for i in range(parts_ref.shape[0])])  # the same order
   ids_ref[row, :] = ids
   w_ref[row, :] = _weights(_sigmoid(chosen), slot < k, norm, scale)
   dtype = h_ref.dtype
-  gate = _summed(parts_ref, row, e, f, fp).astype(dtype).astype(jnp.float32)
-  up = _summed(parts_ref, row, e + f, f, fp).astype(dtype).astype(jnp.float32)
-  plt.store(h_ref.at[row, pl.ds(0, fp)], (gate * _sigmoid(gate) * up).astype(dtype),
-            mask=jnp.arange(fp) < f)
-
-
-def _summed(parts_ref, row, start, n, n_pow2):
-  """sum over s = 0..S-1 of parts[s, row, start:start + n] as [n_pow2] f32 (0 past n). The
-  start is made a traced value (+ min(row, 0) = 0): Pallas' bound check rejects a static start
-  whose masked power-of-2 lanes reach past the row (F not a power of 2), which Triton masks and
-  interpret mode pads for a traced one."""
-  live = jnp.arange(n_pow2) < n
-  start = start + jnp.minimum(row, 0)
-  return functools.reduce(jnp.add, [
-      plt.load(parts_ref.at[jnp.int32(i), row, pl.ds(start, n_pow2)], mask=live, other=0.0)
-      for i in range(parts_ref.shape[0])])
+  gate = partial_rows.summed(parts_ref, row, e, f).astype(dtype).astype(jnp.float32)
+  up = partial_rows.summed(parts_ref, row, e + f, f).astype(dtype).astype(jnp.float32)
+  plt.store(h_ref.at[row, partial_rows.lanes(row, 0, f)],
+            (gate * _sigmoid(gate) * up).astype(dtype), mask=partial_rows.live(f))
 
 
 def _sigmoid(x):
