@@ -201,7 +201,7 @@ run_part() {
                  python3 -m pallas_kernels.grouped_matmul.bench --parts mlp_tune \
                  --out "$RAW/bench_moe_tune.jsonl" ;;
     moe_layer) one_gpu timeout "$secs" bash -c "timeout 90 python3 -m pytest -q -rs -m 'not slow' \
-                 tests/target/test_route_kernel.py tests/target/test_route_shared.py; \
+                 tests/target/test_route_kernel.py; \
                  python3 -m pallas_kernels.grouped_matmul.bench --parts layer \
                  --tokens 65,16,9,1 --layer_variants auto \
                  --hlo_dir $RAW/moe_layer_hlo --out $RAW/bench_moe_layer.jsonl" ;;

@@ -112,27 +112,9 @@ class TargetConfig:
   # H200 (s6_moe_layer.log): one MoE layer T=1 42.8 vs 46.8 us, T=16 240.1 vs 248.9; H100
   # (s20_route65.log) T=65 427.4 vs 443.2.
   router_impl: str = "auto"
-  # router_split_k: above one token where the routing kernel runs on the packed layout's joint
-  # router | shared gate | up dot (decode), S > 0 computes that dot as S K-partials
-  # (`pack.dot_t_partials`: our split, in place of XLA's split-K GEMM) that the routing kernel
-  # sums (s = 0..S-1), routes on, and turns into the shared expert's SwiGLU activation
-  # (`route_kernel.route_with_shared`): the split-K sum and the SwiGLU, two XLA kernels per MoE
-  # layer, are not launched. 0: XLA's dot, sum and SwiGLU fusions. The logits' f32 sum order
-  # differs from XLA's (ulps); the routing decisions are the same but for such near-ties.
-  # Not yet measured on a GPU (default off).
-  router_split_k: int = 0
   # router_warps: warps per token program of the routing kernel (all its forms): 1, 2, 4 or 8.
-  # 1 is what every measurement so far ran; the shared form (router_split_k) reads S x (E + 2F)
-  # f32 per token, more than one warp may keep in flight: its GPU A/B.
+  # 1 is what every measurement so far ran.
   router_warps: int = 1
-  # qkv_split_k: at decode / verify (B * T <= qkv_kernel.MAX_ROWS) on the packed, unfolded
-  # q_a | kv_a dot ("qkv_a_t") with the q LoRA, S > 0 computes that dot as S K-partials
-  # (`pack.dot_t_partials`) that ONE kernel (`qkv_kernel.qkv_epilogue`) sums (s = 0..S-1) into
-  # the dot's output y, and also turns into the q LoRA norm's output c_q and c_kv's mean square:
-  # XLA's split-K sum, the joint mean squares and the q norm, three XLA kernels per layer, are
-  # not launched (`mla.qkv_in_kernel` decides). 0: XLA's dot and its fusions. The sums' f32
-  # order differs from XLA's (ulps). Not yet measured on a GPU (default off).
-  qkv_split_k: int = 0
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
   shared_intermediate_size: int | None = None
@@ -183,12 +165,8 @@ class TargetConfig:
       raise ValueError(f"{self.moe_glue=} must be 'auto', 'sorted' or 'dense'")
     if self.router_impl not in ("auto", "xla", "pallas"):
       raise ValueError(f"{self.router_impl=} must be 'auto', 'xla' or 'pallas'")
-    if self.router_split_k < 0:
-      raise ValueError(f"{self.router_split_k=} must be >= 0 (0: off)")
     if self.router_warps not in (1, 2, 4, 8):
       raise ValueError(f"{self.router_warps=} must be 1, 2, 4 or 8")
-    if self.qkv_split_k < 0:
-      raise ValueError(f"{self.qkv_split_k=} must be >= 0 (0: off)")
 
   # ---- derived shapes -------------------------------------------------------------------
   @property

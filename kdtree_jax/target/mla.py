@@ -20,8 +20,8 @@ import pallas_kernels
 from kdtree_jax import sharding
 from kdtree_jax.target.config import TargetConfig
 from kdtree_jax.target.norm import inv_rms, rms_norm
-from kdtree_jax.target.pack import dot_t, dot_t_partials, folded_dot_t
-from kdtree_jax.target import qkv_kernel, rope
+from kdtree_jax.target.pack import dot_t, folded_dot_t
+from kdtree_jax.target import rope
 from kdtree_jax.target.rope import apply_rope, cos_sin
 from pallas_kernels.tree_verify.api import resolve_backend
 
@@ -63,44 +63,13 @@ def lora_mean_squares(cfg: TargetConfig, y):
   consumers). The same sums in another order (f32 rounding only). (None, None) without the q
   LoRA or where the rows would exceed JOINT_NORM_ROWS."""
   rq, r = cfg.q_lora_rank, cfg.kv_lora_rank
-  g = _joint_norm_width(cfg)
-  if g is None:
+  g = math.gcd(rq or 0, r)
+  if rq is None or (rq + r) // g > JOINT_NORM_ROWS:
     return None, None
   yf = y[..., :rq + r].astype(jnp.float32).reshape(*y.shape[:-1], (rq + r) // g, g)
   ss = jnp.sum(yf * yf, axis=-1)
   rows = lambda lo, hi: functools.reduce(operator.add, [ss[..., i:i + 1] for i in range(lo, hi)])
   return rows(0, rq // g) / rq, rows(rq // g, (rq + r) // g) / r
-
-
-def _joint_norm_width(cfg: TargetConfig) -> int | None:
-  """gcd(Rq, R), the row width of lora_mean_squares' joint reduction; None without the q LoRA
-  or where its rows would exceed JOINT_NORM_ROWS (the joint form does not apply)."""
-  rq, r = cfg.q_lora_rank, cfg.kv_lora_rank
-  g = math.gcd(rq or 0, r)
-  return None if rq is None or (rq + r) // g > JOINT_NORM_ROWS else g
-
-
-def qkv_in_kernel(p, cfg: TargetConfig, rows: int) -> bool:
-  """Whether `rows` token rows of the absorbed attention take `_qkv_epilogue` (qkv_kernel):
-  cfg.qkv_split_k > 0, the packed unfolded q_a | kv_a dot ("qkv_a_t") with the q LoRA and
-  lora_mean_squares' joint form, S divides D, rows <= qkv_kernel.MAX_ROWS, and no mesh (the
-  packed params are one device's layout)."""
-  s = cfg.qkv_split_k
-  return (s > 0 and "qkv_a_t" in p and _joint_norm_width(cfg) is not None
-          and p["qkv_a_t"].shape[1] % s == 0 and qkv_kernel.supports(rows)
-          and sharding.current_mesh() is None)
-
-
-def _qkv_epilogue(p, cfg: TargetConfig, x_bnd):
-  """(y = x @ (q_a | kv_a)^T [B, N, Rq + C] in x's dtype, c_q = the q LoRA norm of its first
-  Rq columns [B, N, Rq], mean(c_kv^2) [B, N, 1] f32): the packed dot as cfg.qkv_split_k
-  K-partials (`pack.dot_t_partials`) that ONE kernel sums, normalises and reduces
-  (`qkv_kernel.qkv_epilogue`), in place of XLA's split-K sum, lora_mean_squares and the norm."""
-  b, n, d = x_bnd.shape
-  parts = dot_t_partials(x_bnd.reshape(b * n, d), p["qkv_a_t"], cfg.qkv_split_k)
-  y, c_q, ms_kv = qkv_kernel.qkv_epilogue(parts, p["q_a_norm"], cfg.q_lora_rank,
-                                          cfg.kv_lora_rank, cfg.lora_norm_eps, x_bnd.dtype)
-  return y.reshape(b, n, -1), c_q.reshape(b, n, -1), ms_kv.reshape(b, n, 1)
 
 
 def project_q(p, cfg: TargetConfig, q_in, mean_square=None):
@@ -111,12 +80,7 @@ def project_q(p, cfg: TargetConfig, q_in, mean_square=None):
   if "q_b_t_folded" in p:  # q_a_norm's gain in the weight: the norm's scale on the output
     q = folded_dot_t(q_in, p["q_b_t_folded"], inv_rms(q_in, cfg.lora_norm_eps, mean_square))
     return q.reshape(*q.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
-  return up_project_q(p, cfg, rms_norm(q_in, p["q_a_norm"], cfg.lora_norm_eps, mean_square))
-
-
-def up_project_q(p, cfg: TargetConfig, c_q):
-  """Queries [B, S, H, Dn + P] from the q LoRA's normalised c_q [B, S, Rq] through q_b (packed
-  out-major "q_b_t", else q_b)."""
+  c_q = rms_norm(q_in, p["q_a_norm"], cfg.lora_norm_eps, mean_square)
   if "q_b_t" in p:  # out-major [H * (Dn + P), Rq]: contracts its minor dim
     q = dot_t(c_q, p["q_b_t"])
     return q.reshape(*q.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
@@ -185,26 +149,13 @@ def absorbed_attention(p, cfg: TargetConfig, x_bnd, positions_bn, layer_cache_bl
   Returns (out [B, N, D], updated layer cache [B, L, C]).
   """
   cos, sin = cos_sin(cfg, positions_bn)
-  q, rows = _queries_and_rows(p, cfg, x_bnd, cos, sin)
-  q = kernel_queries(p, cfg, q, cos, sin).astype(layer_cache_blc.dtype)
-  rows = rows.astype(layer_cache_blc.dtype)
+  q_in, a, (ms_q, ms_kv) = input_dots(p, cfg, x_bnd)
+  q = kernel_queries(p, cfg, project_q(p, cfg, q_in, ms_q), cos, sin).astype(layer_cache_blc.dtype)
+  rows = latent_rows(cfg, p, a, cos, sin, ms_kv).astype(layer_cache_blc.dtype)
   layer_cache_blc = write_rows(layer_cache_blc, rows, lengths_b)
   u = verify_attention(cfg, q, layer_cache_blc, lengths_b, tree_mask_bnn, backend)
   o = unabsorb_u(p, cfg, u.astype(x_bnd.dtype))
   return out_proj(p, o), layer_cache_blc
-
-
-def _queries_and_rows(p, cfg: TargetConfig, x_bnd, cos, sin):
-  """(queries [B, N, H, Dn + P], cache rows [B, N, C]) of the absorbed attention's input: the
-  packed dot's epilogue in one kernel where `qkv_in_kernel` (c_q straight into q_b, y's last C
-  columns and c_kv's mean square into latent_rows), else input_dots and project_q as prefill."""
-  if qkv_in_kernel(p, cfg, x_bnd.shape[0] * x_bnd.shape[1]):
-    y, c_q, ms_kv = _qkv_epilogue(p, cfg, x_bnd)
-    q, a = up_project_q(p, cfg, c_q), y[..., -cfg.cache_dim:]
-  else:
-    q_in, a, (ms_q, ms_kv) = input_dots(p, cfg, x_bnd)
-    q = project_q(p, cfg, q_in, ms_q)
-  return q, latent_rows(cfg, p, a, cos, sin, ms_kv)
 
 
 def out_proj(p, o_bnhv):

@@ -29,9 +29,5 @@ def reads_unnormalised_input(p) -> bool:
 def swiglu_down(gate, up, p):
   """down(silu(gate) * up) of the gate and up projections: over p["down_t"] [D, F] (packed,
   out-major: target/pack.py) or p["down"] [F, D]."""
-  return down(jax.nn.silu(gate) * up, p)
-
-
-def down(h, p):
-  """h @ the down projection: p["down_t"] [D, F] (packed, out-major) or p["down"] [F, D]."""
+  h = jax.nn.silu(gate) * up
   return dot_t(h, p["down_t"]) if "down_t" in p else h @ p["down"]

@@ -12,8 +12,8 @@ from kdtree_jax.target.config import TargetConfig
 from kdtree_jax.target import route_kernel
 from kdtree_jax.target.experts import (Weighting, dense_glue_fits, expert_ffn, expert_ffn_dense,
                                        one_token_ffn)
-from kdtree_jax.target.mlp import down, swiglu, swiglu_down
-from kdtree_jax.target.pack import dot_t, dot_t_partials
+from kdtree_jax.target.mlp import swiglu, swiglu_down
+from kdtree_jax.target.pack import dot_t
 from kdtree_jax.target.moe_parallel import experts_ep, route_local
 
 
@@ -163,11 +163,6 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
     return experts_ep(p, x_td, idx, w, mesh, impl=cfg.expert_backend).reshape(shape)
   if _dense_glue(cfg, x_td.shape[0]) and x_td.shape[0] == 1 and _routing_kernel(cfg, 1):
     return _one_token_moe(p, cfg, x_td, routes).astype(x.dtype).reshape(shape)
-  if _shared_in_routing_kernel(p, cfg, x_td.shape[0]):
-    idx, w, shared = _route_and_shared(p, cfg, x_td)
-    _record(routes, idx)
-    y = routed_experts(p, cfg, x_td, idx, w) + shared.astype(jnp.float32)
-    return y.astype(x.dtype).reshape(shape)
   logits, shared = router_and_shared(p, x_td, wide=_routing_kernel(cfg, x_td.shape[0]))
   if _dense_glue(cfg, x_td.shape[0]):  # (router_impl "pallas" above one token: XLA's rank)
     rank, scores = route_dense(p, cfg, x_td, logits)
@@ -204,27 +199,6 @@ def _one_token_moe(p, cfg: TargetConfig, x_td, routes):
   _record(routes, items[:1])
   y = one_token_ffn(rows, items, w, p["gate"], p["up"], p["down"], impl=cfg.expert_backend)
   return y if shared is None else y + shared.astype(jnp.float32)
-
-
-def _shared_in_routing_kernel(p, cfg: TargetConfig, t: int) -> bool:
-  """Whether T > 1 tokens take `_route_and_shared` (cfg.router_split_k > 0, the routing kernel
-  runs, the packed joint router | shared dot and a shared expert exist, S divides D)."""
-  s = cfg.router_split_k
-  return (s > 0 and t > 1 and _routing_kernel(cfg, t) and not _dense_glue(cfg, t)
-          and "router_gate_up_t" in p and "shared" in p
-          and p["router_gate_up_t"].shape[1] % s == 0)
-
-
-def _route_and_shared(p, cfg: TargetConfig, x_td):
-  """(ids [T, K], weights [T, K], the shared experts' output [T, D]) with the joint router |
-  shared gate | up dot as cfg.router_split_k K-partials that the routing kernel sums, routes on
-  and turns into the shared SwiGLU activation (`route_kernel.route_with_shared`): the split-K
-  sum and the SwiGLU fusion XLA makes after its own split dot are not launched."""
-  parts = dot_t_partials(x_td, p["router_gate_up_t"], cfg.router_split_k)
-  idx, w, h = route_kernel.route_with_shared(parts, p["bias"], cfg.num_experts_per_tok,
-                                             cfg.norm_topk_prob, cfg.routed_scaling_factor,
-                                             x_td.dtype, num_warps=cfg.router_warps)
-  return idx, w, down(h, p["shared"])
 
 
 def router_and_shared(p, x_td, wide: bool = False):

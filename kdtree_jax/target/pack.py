@@ -140,22 +140,6 @@ def dot_t(x, w_t, **kw):
   return jax.lax.dot_general(x, w_t, (((x.ndim - 1,), (1,)), ((), ())), **kw)
 
 
-def dot_t_partials(x, w_t, splits: int):
-  """x [..., D] @ w_t[N, D]^T as `splits` partials over D: [S, ..., N] f32, partial s the dot of
-  the s-th of S equal D slices (our split-K, for a kernel that sums the partials itself in place
-  of XLA's split-K GEMM and its sum kernel). 16-bit x and w: one 16-bit dot accumulating in f32
-  (every product exact in f32); else f32 HIGHEST, as `moe._router_logits`."""
-  d, n = x.shape[-1], w_t.shape[0]
-  if d % splits:
-    raise ValueError(f"dot_t_partials: {splits=} does not divide D = {d}")
-  xs, ws = x.reshape(*x.shape[:-1], splits, d // splits), w_t.reshape(n, splits, d // splits)
-  dims = (((x.ndim,), (2,)), ((x.ndim - 1,), (1,)))
-  if x.dtype.itemsize == 2 and w_t.dtype == x.dtype:
-    return jax.lax.dot_general(xs, ws, dims, preferred_element_type=jnp.float32)
-  return jax.lax.dot_general(xs.astype(jnp.float32), ws.astype(jnp.float32), dims,
-                             precision=jax.lax.Precision.HIGHEST)
-
-
 def folded_dot_t(x, w_folded_t, inv_rms):
   """rms_norm(x, g) @ w^T over w_folded_t = w diag(g) (`fold_norm_gains`): x @ w_folded_t^T
   accumulated in f32, times inv_rms [..., 1] (the norm's rsqrt, per row), rounded once to x's

@@ -17,12 +17,6 @@ Two output forms: (ids [T, K] int32, weights [T, K] f32) as `moe.route`; for one
 one-token work list [4, K] int32 (`experts.one_token_work_list`'s rows: expert, 8-aligned row,
 offset, 1 if the expert is held here), so `_one_token_ffn` needs no XLA glue between this launch
 and the expert kernels.
-
-`route_with_shared` (TargetConfig.router_split_k, T > 1): the kernel reads the packed router |
-shared gate | up dot as S K-partials [S, T, E + 2F] f32 (`pack.dot_t_partials`, our split of
-K, not XLA's), sums them in order s = 0..S-1, routes, and also writes the shared expert's SwiGLU
-activation silu(gate) * up [T, F] in x's dtype (gate and up rounded to it first, as the joint
-dot's own columns are): the split-K sum and the SwiGLU, two XLA kernels per MoE layer, are gone.
 """
 
 import functools
@@ -32,7 +26,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kdtree_jax.target import partial_rows
 from pallas_kernels.grouped_matmul import work
 
 # Up to this many tokens the kernel runs (one program each); more: the XLA path. 128 covers every
@@ -43,7 +36,7 @@ from pallas_kernels.grouped_matmul import work
 MAX_TOKENS = 128
 # One warp per token by default (TargetConfig.router_warps): each of the K argmax reductions is
 # warp shuffles only (no shared memory barrier), E = 384 is 16 lanes per thread. Not yet timed
-# against 2 or 4 warps on a GPU (the shared form reads S x (E + 2F) f32 per token: its A/B).
+# against 2 or 4 warps on a GPU.
 NUM_WARPS = 1
 
 
@@ -72,34 +65,12 @@ def route_one_token(logits_1e, bias_e, k: int, norm: bool, scale: float, e_local
   return items, w[0]
 
 
-def route_with_shared(parts_ste, bias_e, k: int, norm: bool, scale: float, out_dtype,
-                      num_warps=NUM_WARPS):
-  """(ids [T, K] int32, weights [T, K] f32 as `route_pallas` on the logits sum_s parts[s, :, :E];
-  h [T, F] out_dtype: silu(gate) * up of the shared expert, gate = the next F columns' sum and
-  up the F after, each rounded to out_dtype first). parts_ste: [S, T, E + 2F] f32, summed in
-  order s = 0..S-1 (`pack.dot_t_partials`)."""
-  _, t, width = parts_ste.shape
-  e = bias_e.shape[0]
-  if (width - e) % 2 or width <= e:
-    raise ValueError(f"route_with_shared: {parts_ste.shape=} is not [S, T, E + 2F] for E = {e}")
-  _check(t, width, bias_e, k, parts_ste.shape)
-  call = functools.partial(_pallas_route_shared, k=k, norm=norm, scale=float(scale),
-                           out_dtype=jnp.dtype(out_dtype), num_warps=num_warps)
-  parts = parts_ste.astype(jnp.float32)
-  return jax.lax.platform_dependent(parts, bias_e, cuda=call,
-                                    default=functools.partial(call, interpret=True))
-
-
-def _check(t, width, bias_e, k, shape):
-  e = bias_e.shape[0]
-  if not 1 <= t <= MAX_TOKENS or bias_e.shape != (e,) or not 1 <= k <= e <= width:
-    raise ValueError(f"route kernel: logits {shape}, bias {bias_e.shape}, {k=} "
-                     f"(T <= {MAX_TOKENS}, K <= E <= the logits' columns)")
-
-
 def _call(logits_te, bias_e, k, norm, scale, e_local, num_warps=NUM_WARPS):
   t, width = logits_te.shape
-  _check(t, width, bias_e, k, logits_te.shape)
+  e = bias_e.shape[0]
+  if not 1 <= t <= MAX_TOKENS or bias_e.shape != (e,) or not 1 <= k <= e <= width:
+    raise ValueError(f"route kernel: {logits_te.shape=} {bias_e.shape=} {k=} "
+                     f"(T <= {MAX_TOKENS}, K <= E <= the logits' columns)")
   call = functools.partial(_pallas_route, k=k, norm=norm, scale=float(scale), e_local=e_local,
                            num_warps=num_warps)
   logits = logits_te.astype(jnp.float32)
@@ -130,9 +101,18 @@ def _route_kernel(logits_ref, bias_ref, first_ref, w_ref, *, k, norm, scale, e_l
   choice K's copies, cut by the caller)."""
   row = pl.program_id(0)
   e = bias_ref.shape[0]
-  ep = pl.next_power_of_2(e)
-  logits = plt.load(logits_ref.at[row, pl.ds(0, ep)], mask=jnp.arange(ep) < e, other=0.0)
-  ids, slot = _top_k(logits, bias_ref, k)
+  ep, kp = pl.next_power_of_2(e), pl.next_power_of_2(k)
+  lane = jnp.arange(ep, dtype=jnp.int32)
+  live = lane < e
+  logits = plt.load(logits_ref.at[row, pl.ds(0, ep)], mask=live, other=0.0)
+  bias = plt.load(bias_ref.at[pl.ds(0, ep)], mask=live, other=0.0).astype(jnp.float32)
+  choice = jnp.where(live, _sigmoid(logits) + bias, -jnp.inf)
+  slot = jnp.arange(kp, dtype=jnp.int32)
+  ids = jnp.zeros((kp,), jnp.int32)
+  for j in range(k):
+    best = jnp.argmax(choice).astype(jnp.int32)  # the largest; ties: the lower index
+    ids = jnp.where(slot >= j, best, ids)
+    choice = jnp.where(lane == best, -jnp.inf, choice)
   scores = _sigmoid(plt.load(logits_ref.at[row, ids]))  # the chosen logits, re-read
   w_ref[row, :] = _weights(scores, slot < k, norm, scale)
   if e_local is None:
@@ -142,59 +122,6 @@ def _route_kernel(logits_ref, bias_ref, first_ref, w_ref, *, k, norm, scale, e_l
     first_ref[1, :] = slot - slot % work.ALIGN
     first_ref[2, :] = slot % work.ALIGN
     first_ref[3, :] = (ids < e_local).astype(jnp.int32)
-
-
-def _top_k(logits, bias_ref, k):
-  """(the K choices' ids [KP] int32 in top-k order, padded with choice K's copies; the slot
-  numbers [KP]) of one row's logits [EP] (lanes past E = len(bias) are ignored): K argmax picks
-  of sigmoid + bias, each one masked out before the next."""
-  e = bias_ref.shape[0]
-  ep, kp = logits.shape[0], pl.next_power_of_2(k)
-  lane = jnp.arange(ep, dtype=jnp.int32)
-  live = lane < e
-  bias = plt.load(bias_ref.at[pl.ds(0, ep)], mask=live, other=0.0).astype(jnp.float32)
-  choice = jnp.where(live, _sigmoid(logits) + bias, -jnp.inf)
-  slot = jnp.arange(kp, dtype=jnp.int32)
-  ids = jnp.zeros((kp,), jnp.int32)
-  for j in range(k):
-    best = jnp.argmax(choice).astype(jnp.int32)  # the largest; ties: the lower index
-    ids = jnp.where(slot >= j, best, ids)
-    choice = jnp.where(lane == best, -jnp.inf, choice)
-  return ids, slot
-
-
-def _pallas_route_shared(parts_ste, bias_e, *, k, norm, scale, out_dtype, num_warps,
-                         interpret=False):
-  _, t, width = parts_ste.shape
-  kp, f = pl.next_power_of_2(k), (width - bias_e.shape[0]) // 2
-  out = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(parts_ste).mat)
-  kernel = functools.partial(_route_shared_kernel, k=k, norm=norm, scale=scale)
-  ids, w, h = pl.pallas_call(
-      kernel,
-      grid=(t,),
-      out_shape=[out((t, kp), jnp.int32), out((t, kp), jnp.float32), out((t, f), out_dtype)],
-      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-      interpret=interpret,
-  )(parts_ste, bias_e)
-  return ids[:, :k], w[:, :k], h
-
-
-def _route_shared_kernel(parts_ref, bias_ref, ids_ref, w_ref, h_ref, *, k, norm, scale):
-  """Program `row`: its S partial rows [S, E + 2F] summed (s = 0..S-1) -> its K choices and
-  weights as `_route_kernel`, and silu(gate) * up of the shared columns -> h [F]."""
-  row = pl.program_id(0)
-  e, f = bias_ref.shape[0], h_ref.shape[1]
-  logits = partial_rows.summed(parts_ref, row, 0, e)
-  ids, slot = _top_k(logits, bias_ref, k)
-  chosen = functools.reduce(jnp.add, [plt.load(parts_ref.at[jnp.int32(i), row, ids])
-                                      for i in range(parts_ref.shape[0])])  # the same order
-  ids_ref[row, :] = ids
-  w_ref[row, :] = _weights(_sigmoid(chosen), slot < k, norm, scale)
-  dtype = h_ref.dtype
-  gate = partial_rows.summed(parts_ref, row, e, f).astype(dtype).astype(jnp.float32)
-  up = partial_rows.summed(parts_ref, row, e + f, f).astype(dtype).astype(jnp.float32)
-  plt.store(h_ref.at[row, partial_rows.lanes(row, 0, f)],
-            (gate * _sigmoid(gate) * up).astype(dtype), mask=partial_rows.live(f))
 
 
 def _sigmoid(x):

@@ -75,19 +75,13 @@ def test_moe_layer_on_the_joint_logits_equals_numpy_f32(t, router, monkeypatch):
                       lambda logits, *a, **kw: widths.append(logits.shape[1])
                       or real_call(logits, *a, **kw))
   x = np.asarray(jax.random.normal(jax.random.key(20 + t), (t, cfg.hidden_size)), np.float32)
-  want = numpy_moe_layer(per_layer, cfg, x)
-  got = np.asarray(moe.moe(p, cfg, jnp.asarray(x)))
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-  assert widths == ([p["router_gate_up_t"].shape[0]] if router == "pallas" else [])
-
-
-def numpy_moe_layer(per_layer, cfg, x):
-  """The MoE layer in float64 numpy on the per-layer params: the routed experts' per-token loop
-  (HF's routing) plus the shared SwiGLU."""
   s = {n: np.asarray(per_layer["shared"][n], np.float64) for n in ("gate", "up", "down")}
   a, b = x @ s["gate"], x @ s["up"]
   want = _numpy_routed(per_layer, dataclasses.replace(cfg, router_impl="xla"), x)
-  return want + (a / (1 + np.exp(-a)) * b) @ s["down"]
+  want = want + (a / (1 + np.exp(-a)) * b) @ s["down"]
+  got = np.asarray(moe.moe(p, cfg, jnp.asarray(x)))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  assert widths == ([p["router_gate_up_t"].shape[0]] if router == "pallas" else [])
 
 
 def _lower_k26_layer(t):
