@@ -88,7 +88,7 @@ SPEC_AB_KEYS = ("tree_impl",)  # bench keys bench_spec reads that leave the loop
 # pack-time field such as fold_norm_weights or int4_k_interleaved would read unpacked weights
 # as packed ones: same shapes, wrong values)
 TARGET_AB_FIELDS = ("mosaic_pdl", "moe_glue", "lean_glue", "router_impl", "expert_backend",
-                    "router_warps", "align_expert_rows_from")
+                    "align_expert_rows_from")
 runtime.define_flags()
 
 

@@ -112,9 +112,6 @@ class TargetConfig:
   # H200 (s6_moe_layer.log): one MoE layer T=1 42.8 vs 46.8 us, T=16 240.1 vs 248.9; H100
   # (s20_route65.log) T=65 427.4 vs 443.2.
   router_impl: str = "auto"
-  # router_warps: warps per token program of the routing kernel (all its forms): 1, 2, 4 or 8.
-  # 1 is what every measurement so far ran.
-  router_warps: int = 1
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
   shared_intermediate_size: int | None = None
@@ -165,8 +162,6 @@ class TargetConfig:
       raise ValueError(f"{self.moe_glue=} must be 'auto', 'sorted' or 'dense'")
     if self.router_impl not in ("auto", "xla", "pallas"):
       raise ValueError(f"{self.router_impl=} must be 'auto', 'xla' or 'pallas'")
-    if self.router_warps not in (1, 2, 4, 8):
-      raise ValueError(f"{self.router_warps=} must be 1, 2, 4 or 8")
 
   # ---- derived shapes -------------------------------------------------------------------
   @property

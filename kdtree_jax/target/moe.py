@@ -29,7 +29,7 @@ def route(p, cfg: TargetConfig, x_td, logits=None):
   if _routing_kernel(cfg, x_td.shape[0]):
     return route_kernel.route_pallas(_logits(p, x_td, logits), p["bias"],
                                      cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                     cfg.routed_scaling_factor, num_warps=cfg.router_warps)
+                                     cfg.routed_scaling_factor)
   choice, scores = _choice_and_scores(p, cfg, x_td, logits)
   k = cfg.num_experts_per_tok
   idx, w = top_k_select(choice, scores, k)
@@ -81,8 +81,7 @@ def route_one_token(p, cfg: TargetConfig, x_td, logits=None):
   `route`'s order; its weights [K] f32). logits: as in `route`."""
   return route_kernel.route_one_token(_logits(p, x_td, logits), p["bias"],
                                       cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                      cfg.routed_scaling_factor, cfg.experts_held,
-                                      num_warps=cfg.router_warps)
+                                      cfg.routed_scaling_factor, cfg.experts_held)
 
 
 def _routing_kernel(cfg: TargetConfig, t: int) -> bool:

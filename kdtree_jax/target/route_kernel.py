@@ -34,9 +34,9 @@ from pallas_kernels.grouped_matmul import work
 # 443.2 with XLA's routing (its T x E x E compare reduction alone 13.2 us), H100, one process:
 # results/h100/2026-12-06/s20_route65.log.
 MAX_TOKENS = 128
-# One warp per token by default (TargetConfig.router_warps): each of the K argmax reductions is
-# warp shuffles only (no shared memory barrier), E = 384 is 16 lanes per thread. Not yet timed
-# against 2 or 4 warps on a GPU.
+# One warp per token: each of the K argmax reductions is warp shuffles only (no shared memory
+# barrier), E = 384 is 16 lanes per thread. 4 warps measured no faster (H100, the MoE layer at
+# T=9: 118.1 vs 117.1 us; results/h100/2026-12-07/s23_align_layer.log).
 NUM_WARPS = 1
 
 
@@ -45,40 +45,38 @@ def supports(t: int, n_group: int) -> bool:
   return n_group == 1 and 1 <= t <= MAX_TOKENS
 
 
-def route_pallas(logits_te, bias_e, k: int, norm: bool, scale: float, num_warps=NUM_WARPS):
+def route_pallas(logits_te, bias_e, k: int, norm: bool, scale: float):
   """(ids [T, K] int32 in lax.top_k order of sigmoid(logits) + bias, ties to the lower index;
   weights [T, K] f32: the chosen sigmoid scores, normalised to sum 1 if `norm`, times scale).
   logits_te: [T, E] or wider: the kernel reads the first E = len(bias) columns (the packed
   router|shared dot's output, `moe.router_and_shared(wide=True)`: no slice made for the kernel)."""
-  ids, w = _call(logits_te, bias_e, k, norm, scale, None, num_warps)
+  ids, w = _call(logits_te, bias_e, k, norm, scale, None)
   return ids, w
 
 
-def route_one_token(logits_1e, bias_e, k: int, norm: bool, scale: float, e_local: int,
-                    num_warps=NUM_WARPS):
+def route_one_token(logits_1e, bias_e, k: int, norm: bool, scale: float, e_local: int):
   """One token: (its work list [4, K] int32 as `experts.one_token_work_list`: row 0 the ids in
   top-k order, rows 1-2 each choice's 8-aligned row and offset, row 3 whether its expert is
   < e_local; weights [K] f32 as `route_pallas`). logits_1e: [1, E] or wider, as `route_pallas`."""
   if logits_1e.shape[0] != 1:
     raise ValueError(f"route_one_token takes one token: {logits_1e.shape=}")
-  items, w = _call(logits_1e, bias_e, k, norm, scale, e_local, num_warps)
+  items, w = _call(logits_1e, bias_e, k, norm, scale, e_local)
   return items, w[0]
 
 
-def _call(logits_te, bias_e, k, norm, scale, e_local, num_warps=NUM_WARPS):
+def _call(logits_te, bias_e, k, norm, scale, e_local):
   t, width = logits_te.shape
   e = bias_e.shape[0]
   if not 1 <= t <= MAX_TOKENS or bias_e.shape != (e,) or not 1 <= k <= e <= width:
     raise ValueError(f"route kernel: {logits_te.shape=} {bias_e.shape=} {k=} "
                      f"(T <= {MAX_TOKENS}, K <= E <= the logits' columns)")
-  call = functools.partial(_pallas_route, k=k, norm=norm, scale=float(scale), e_local=e_local,
-                           num_warps=num_warps)
+  call = functools.partial(_pallas_route, k=k, norm=norm, scale=float(scale), e_local=e_local)
   logits = logits_te.astype(jnp.float32)
   return jax.lax.platform_dependent(logits, bias_e, cuda=call,
                                     default=functools.partial(call, interpret=True))
 
 
-def _pallas_route(logits_te, bias_e, *, k, norm, scale, e_local, num_warps, interpret=False):
+def _pallas_route(logits_te, bias_e, *, k, norm, scale, e_local, interpret=False):
   t = logits_te.shape[0]
   kp = pl.next_power_of_2(k)
   # The outputs vary over a shard_map's axes as the logits do (its varying-axes check).
@@ -89,7 +87,7 @@ def _pallas_route(logits_te, bias_e, *, k, norm, scale, e_local, num_warps, inte
       kernel,
       grid=(t,),
       out_shape=[first, out((t, kp), jnp.float32)],
-      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+      compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
       interpret=interpret,
   )(logits_te, bias_e)
   return ids[:, :k], w[:, :k]

@@ -212,8 +212,8 @@ def test_ab_loop_bench_target_field_compiles_the_loop_on_the_same_params(tmp_pat
 def test_ab_loop_bench_takes_only_keys_that_leave_the_state_and_params_alone(bench):
   assert bench.ab_overrides("tree_impl=xla, target.mosaic_pdl=true") == (
       {"tree_impl": "xla"}, ["mosaic_pdl=true"])
-  assert bench.ab_overrides("target.router_warps=4,target.align_expert_rows_from=16") == (
-      {}, ["router_warps=4", "align_expert_rows_from=16"])
+  assert bench.ab_overrides("target.router_impl=xla,target.align_expert_rows_from=16") == (
+      {}, ["router_impl=xla", "align_expert_rows_from=16"])
   for bad in ("budget=31", "target.fold_norm_weights=true", "mosaic_pdl=true"):
     with pytest.raises(ValueError, match="cannot share"):
       bench.ab_overrides(bad)
