@@ -216,11 +216,61 @@ def measure_context(run, pair, st, gen, graphs=False):
   return dict(m, **measure_device(run, pair, st, gen, m["ms_per_step"], graphs))
 
 
+PAIRED_ROUNDS = 8  # rounds of an interleaved A/B (`paired_slopes`): 8 of 8 one way, p < 0.01
+
+
+def paired_slopes(loops, gen, rounds=PAIRED_ROUNDS):
+  """Interleaved wall slopes of two or more compiled loops: {label: (run, pair, state)} ->
+  {label: [ms per step, one per round]}. Each loop first runs WARM_CALLS untimed chunks; then
+  every round times each loop's (2, 2 + gen) chunk pair in turn, the order reversed every other
+  round (A B, B A, ...), so a drift of clocks or machine over the run falls on every loop alike
+  and round r's slopes are neighbours in time. A sequential A/B (every round of A, then every
+  round of B, tens of seconds apart) read a DDTree 64 loop 0.9% apart on an H100 with its
+  fastest-of-3 walls 2.5% apart within each loop (WORKSPACE, twenty-fourth session).
+  States are consumed; each needs room for 2 WARM_CALLS + rounds (4 + gen) steps (a state
+  of `loop_state_steps(gen)` has it for PAIRED_ROUNDS)."""
+  states, labels = {}, list(loops)
+  for label, (run, pair, st) in loops.items():
+    for _ in range(WARM_CALLS):
+      st, _ = _run(run, pair, st, 2)
+    states[label] = st
+  slopes = {label: [] for label in labels}
+  for r in range(rounds):
+    for label in (labels if r % 2 == 0 else labels[::-1]):
+      run, pair, _ = loops[label]
+      st = states[label]
+      s0 = int(st.steps)
+      st, t_short = _run(run, pair, st, 2)
+      s1 = int(st.steps)
+      st, t_long = _run(run, pair, st, 2 + gen)
+      n_short, n_long = s1 - s0, int(st.steps) - s1
+      if n_short < 2 or n_long < 2 + gen:
+        raise RuntimeError(f"paired A/B: loop {label!r} stopped early in round {r} (ran "
+                           f"{n_short} then {n_long} steps, asked 2 then {2 + gen}): its state "
+                           f"lacks room for {2 * WARM_CALLS + rounds * (4 + gen)} steps")
+      slopes[label].append(1e3 * (t_long - t_short) / (n_long - n_short))
+      states[label] = st
+  return slopes
+
+
+def paired_summary(base, variant):
+  """{base_ms, variant_ms (medians of the rounds' slopes), ratio (median of the per-round
+  variant / base ratios), ratio_min, ratio_max, variant_faster (rounds where the variant's slope
+  was under the base's), rounds} of two `paired_slopes` lists."""
+  if len(base) != len(variant) or not base:
+    raise ValueError(f"paired_summary: {len(base)} and {len(variant)} rounds")
+  ratios = [v / b for b, v in zip(base, variant)]
+  return dict(base_ms=float(np.median(base)), variant_ms=float(np.median(variant)),
+              ratio=float(np.median(ratios)), ratio_min=min(ratios), ratio_max=max(ratios),
+              variant_faster=sum(v < b for b, v in zip(base, variant)), rounds=len(base))
+
+
 def loop_state_steps(gen: int) -> int:
   """Committed-row room a throughput state needs: the wall pass's warm-up and timed chunks
-  (2 WARM_CALLS + WALL_ROUNDS (4 + gen) steps), or a warm-up chunk and a traced chunk (trace
-  pass; a fresh state)."""
-  return max(2 * WARM_CALLS + WALL_ROUNDS * (4 + gen), 2 * min(gen, TRACE_STEPS)) + 16
+  (2 WARM_CALLS + WALL_ROUNDS (4 + gen) steps), a warm-up chunk and a traced chunk (trace
+  pass; a fresh state), or a `paired_slopes` pass (2 WARM_CALLS + PAIRED_ROUNDS (4 + gen))."""
+  timed = 2 * WARM_CALLS + max(WALL_ROUNDS, PAIRED_ROUNDS) * (4 + gen)
+  return max(timed, 2 * min(gen, TRACE_STEPS)) + 16
 
 
 def time_contexts(pair, spec, ctxs, dtype, batch=1, gen=16, run=None, graphs=None):

@@ -31,7 +31,10 @@ xla_gpu_enable_pdl=false: does PDL make the graph loop faster than its no-graph 
 lowered again with --ab_loop_bench's overrides of the spec or of the target's run-time fields
 (`_spec` rows; e.g. tree_impl=xla, target.mosaic_pdl=true: an A/B inside one process, since
 two processes' loops of one program can differ by more than the A/B: DDTree 15 6.003 vs 6.280
-ms/step on an H100, s17); a
+ms/step on an H100, s17); each A/B ends with a paired row: the default and the A/B loop timed
+interleaved at profile_ctx (`throughput.paired_slopes`, PAIRED_ROUNDS rounds, the order
+reversed every other round), the median per-round ratio, its range and a sign count: the row that
+decides an A/B (the sequential rows drift: a DDTree 64 loop's fastest-of-3 walls spread 2.5%); a
 `_cmdbuf` compile also dumps XLA's thunks and prints which parts became CUDA graphs (the
 optimised HLO cannot show it: notes/runtime.md), keeping the thunk files in out_dir.
 The printed summary puts compile times and the ar / first-budget tables first; a host gap
@@ -56,7 +59,7 @@ from ml_collections import config_flags
 
 from kdtree_jax import profiling, profiling_hlo, roofline, runtime, throughput, timing
 from kdtree_jax.bench_setup import bench_spec, load_bench_pair
-from kdtree_jax.bench_state import bench_state
+from kdtree_jax.bench_state import at_context, bench_state
 from kdtree_jax.config_overrides import with_overrides
 from kdtree_jax.decoding import loop
 from kdtree_jax.loader import DTYPES
@@ -387,6 +390,47 @@ def throughput_rows(m, c, spec, compiled_loop, deadline, rec, variant=""):
   return status != "timeout"
 
 
+def paired_ab(m, c, mode, compiled, variant, deadline, rec):
+  """`mode`'s default loop and its A/B loop (`compiled`, in that order) timed interleaved at the
+  profile context (`throughput.paired_slopes`: PAIRED_ROUNDS rounds, the order reversed every
+  other round): the A/B's decision row. Returns False on timeout."""
+  ctx = min(c.bench.profile_ctx, max(c.bench.ctxs))
+  steps = throughput.loop_state_steps(c.bench.gen)
+
+  def entry(pm, spec, exe):
+    tcfg, tp, dcfg, dp, dtype = pm
+    st = at_context(bench_state(tcfg, dcfg, spec, 1, max(c.bench.ctxs), dtype, steps=steps),
+                    spec, ctx)
+    return (lambda pair, s, until: exe(pair, s, jnp.int32(until)), Pair(tcfg, tp, dcfg, dp), st)
+
+  loops_ = {mode: entry(m, bench_spec(c, mode), compiled[0]),
+            mode + variant: entry(ab_model(m), ab_spec(c, mode), compiled[1])}
+  slopes, secs, status = deadline.box(lambda: throughput.paired_slopes(loops_, c.bench.gen))
+  if status != "ok":
+    rec.add("paired_ab", mode=mode, budget=_budget(bench_spec(c, mode)), variant=variant,
+            status=status, seconds=secs)
+    print(f"paired A/B {mode}: {status}", flush=True)
+    return status != "timeout"
+  s = throughput.paired_summary(slopes[mode], slopes[mode + variant])
+  row = rec.add("paired_ab", mode=mode, budget=_budget(bench_spec(c, mode)), variant=variant,
+                ctx=ctx, gen=c.bench.gen, seconds=secs, base_slopes_ms=slopes[mode],
+                variant_slopes_ms=slopes[mode + variant], **s)
+  print(format_paired(row), flush=True)
+  return True
+
+
+def format_paired(r):
+  """One paired A/B row as a line: medians, the median ratio and its range over the rounds."""
+  return (f"  {r['mode']:>6} {str(r['budget']):>4} {r['ctx']:>7} {r['base_ms']:9.3f} "
+          f"{r['variant_ms']:9.3f} {r['ratio']:7.4f} [{r['ratio_min']:.4f}, "
+          f"{r['ratio_max']:.4f}] {r['variant'] or '-'} faster in {r['variant_faster']} of "
+          f"{r['rounds']} rounds")
+
+
+PAIRED_HEAD = ("paired A/B (interleaved rounds, order reversed every other round; ms/step "
+               "medians): mode budget ctx base_ms ab_ms ab/base [min, max] sign count")
+
+
 def summary(rows) -> str:
   """The short table: compile times, the first two phase tables, throughput, other budgets."""
   out = ["", "==== summary (bench_k26_full) ====", "compile (s): mode budget part seconds status"]
@@ -415,6 +459,10 @@ def summary(rows) -> str:
   for r in (r for r in rows if r["kind"] == "host_gap"):
     out.append(f"  {r['mode']:>6} {str(r['budget']):>4} {r['ctx']:>7} {r['loop_ms']:9.3f} "
                f"{r['kernel_ms']:9.3f} {r['host_gap_us']:9.1f} {r.get('warning', '')}")
+  paired = [r for r in rows if r["kind"] == "paired_ab" and "ratio" in r]
+  if paired:
+    out.append(PAIRED_HEAD)
+    out += [format_paired(r) for r in paired]
   out.append("fused step per table: mode budget step_ms floor_ms %floor")
   for t in tables:
     step = next(p for p in t["rows"] if p["phase"] == "step")
@@ -478,6 +526,9 @@ def run_parts(m, c, deadline, rec):
   for mode in (x for x in modes if loops.get(x + suffix) is not None):
     if not throughput_rows(ab_model(m), c, ab_spec(c, mode), loops[mode + suffix], deadline, rec,
                            variant=suffix):
+      return
+  for mode in (x for x in modes if loops.get(x + suffix) is not None):
+    if not paired_ab(m, c, mode, (loops[mode], loops[mode + suffix]), suffix, deadline, rec):
       return
   for b in budgets[1:] if "ddtree" in tables else ():  # without the attention / moe split
     if not phase_table(m, c, bench_spec(c, "ddtree", b), ceil, deadline, rec, parts=False):

@@ -130,3 +130,67 @@ def test_trace_gap_of_a_graph_loop_is_not_a_number():
   plain = throughput.trace_gap(1283.5, 9.826, graphs=False)
   np.testing.assert_allclose(plain["host_gap_us"], 9826.0 - 1283.5)
   assert plain["gap_suspect"] and plain["gap_warning"] == ""
+
+
+def drifting_loop(clock, name, log, step_s, drift):
+  """A fake loop whose steps take step_s * (1 + drift * (calls so far by every loop)): a machine
+  slowing down over the run. Appends its name to `log` per call."""
+  def run(_, st, until):
+    start, end = int(st.steps), int(until)
+    clock.t += step_s * (1 + drift * len(log)) * (end - start)
+    log.append(name)
+    return State(jnp.int32(end), st.accepted, st.n_out)
+  return run
+
+
+def test_paired_slopes_alternate_the_order_every_round(clock):
+  log = []
+  loops = {k: (drifting_loop(clock, k, log, STEP_S, 0.0), None, _state()) for k in "AB"}
+  slopes = throughput.paired_slopes(loops, gen=8, rounds=4)
+  warm = ["A"] * throughput.WARM_CALLS + ["B"] * throughput.WARM_CALLS
+  assert log == warm + ["A", "A", "B", "B", "B", "B", "A", "A"] * 2  # (short, long) per turn
+  for k in "AB":
+    np.testing.assert_allclose(slopes[k], [1e3 * STEP_S] * 4, rtol=1e-9)
+
+
+def test_paired_ab_of_one_loop_on_a_drifting_machine_reads_no_difference(clock):
+  """Two identical loops while every call is 1% slower than the one before: a sequential A/B
+  (all of A, then all of B) reads B ~20% slower; interleaved, the rounds' ratios straddle 1 and
+  the sign count is even (4 of 8)."""
+  log = []
+  loops = {k: (drifting_loop(clock, k, log, STEP_S, 0.01), None, _state()) for k in "AB"}
+  s = throughput.paired_summary(*throughput.paired_slopes(loops, gen=8, rounds=8).values())
+  assert s["rounds"] == 8 and s["variant_faster"] == 4
+  assert s["ratio_min"] < 1 < s["ratio_max"] and abs(s["ratio"] - 1) < 0.01
+  seq = []
+  a = throughput.paired_slopes({"A": (drifting_loop(clock, "A", seq, STEP_S, 0.01), None,
+                                      _state())}, gen=8, rounds=8)["A"]
+  b = throughput.paired_slopes({"B": (drifting_loop(clock, "B", seq, STEP_S, 0.01), None,
+                                      _state())}, gen=8, rounds=8)["B"]
+  assert np.median(b) / np.median(a) > 1.15
+
+
+def test_paired_ab_sees_a_two_percent_faster_variant_in_every_round(clock):
+  log = []
+  loops = {"A": (drifting_loop(clock, "A", log, STEP_S, 0.001), None, _state()),
+           "B": (drifting_loop(clock, "B", log, 0.98 * STEP_S, 0.001), None, _state())}
+  s = throughput.paired_summary(*throughput.paired_slopes(loops, gen=8).values())
+  assert s["variant_faster"] == s["rounds"] == throughput.PAIRED_ROUNDS
+  np.testing.assert_allclose(s["ratio"], 0.98, atol=0.003)
+
+
+def test_paired_slopes_of_a_loop_that_stops_early_raise(clock):
+  loops = {"A": (fake_loop(clock, cap=WARM + 2 + 3), None, _state())}
+  with pytest.raises(RuntimeError, match="'A' stopped early in round 0"):
+    throughput.paired_slopes(loops, gen=8)
+
+
+def test_paired_summary_medians_and_sign_count():
+  s = throughput.paired_summary([10.0, 12.0, 11.0, 13.0], [9.0, 12.6, 10.45, 13.0])
+  # medians of each loop's rounds: (11 + 12) / 2 and (10.45 + 12.6) / 2
+  np.testing.assert_allclose([s["base_ms"], s["variant_ms"]], [11.5, 11.525])
+  # ratios 0.9, 1.05, 0.95, 1.0: median 0.975, range [0.9, 1.05], 2 rounds under the base
+  np.testing.assert_allclose([s["ratio"], s["ratio_min"], s["ratio_max"]], [0.975, 0.9, 1.05])
+  assert s["variant_faster"] == 2 and s["rounds"] == 4
+  with pytest.raises(ValueError, match="3 and 2 rounds"):
+    throughput.paired_summary([1.0, 2.0, 3.0], [1.0, 2.0])

@@ -186,14 +186,22 @@ def test_unknown_ab_loop_option_stops_the_run_before_loading(tmp_path):
 def test_ab_loop_bench_times_a_second_spec_in_the_same_process(tmp_path):
   """--ab_loop_bench=tree_impl=xla: ddtree's loop lowered again from the overridden spec
   (`loop_spec`, the run's compiler options) and timed beside the default, rows marked `_spec`."""
-  _, rows = _run(tmp_path, "--config.bench.phase_modes=none", "--ab_loop_modes=ddtree",
-                 "--ab_loop_bench=tree_impl=xla")
+  stdout, rows = _run(tmp_path, "--config.bench.phase_modes=none", "--ab_loop_modes=ddtree",
+                      "--ab_loop_bench=tree_impl=xla")
   parts = [r["part"] for r in rows if r["kind"] == "compile" and r["mode"] == "ddtree"]
   assert parts == ["prefill", "loop", "loop_spec"]
   tput = [r for r in rows if r["kind"] == "throughput" and r["mode"] == "ddtree"]
   assert [(r["ctx"], r["variant"]) for r in tput] == [(32, ""), (64, ""), (32, "_spec"),
                                                       (64, "_spec")]
   assert len({r["command_buffers"] for r in tput}) == 1
+  paired = [r for r in rows if r["kind"] == "paired_ab"]  # the interleaved decision row
+  assert [(r["mode"], r["variant"], r["ctx"]) for r in paired] == [("ddtree", "_spec", 64)]
+  rounds = paired[0]["rounds"]
+  assert len(paired[0]["base_slopes_ms"]) == len(paired[0]["variant_slopes_ms"]) == rounds == 8
+  assert min(paired[0]["base_slopes_ms"] + paired[0]["variant_slopes_ms"]) > 0
+  summary = stdout[stdout.index("==== summary"):]
+  assert "paired A/B (interleaved rounds" in summary
+  assert f"_spec faster in {paired[0]['variant_faster']} of 8 rounds" in summary
 
 
 @pytest.mark.slow
