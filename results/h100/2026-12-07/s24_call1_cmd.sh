@@ -1,0 +1,9 @@
+export JAX_COMPILATION_CACHE_DIR=$PWD/.xla_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+source scripts/gpu_env.sh
+mkdir -p $OUT/raw && cp "$0" $OUT/raw/_cmd.sh
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+timeout 330 python3 scripts/bench_k26_full.py --out_dir $OUT/raw/row11 --config configs/bench_k26_loops.py --ab_loop_modes=ddtree --ab_loop_bench=target.align_expert_rows_from=none --config.bench.budget=64 --time_budget_s 310 --config.target.layers=32 > $OUT/raw/row11.log 2>&1
+echo "row11 rc=$?"
+tail -25 $OUT/raw/row11.log
+bash scripts/gpu_measure.sh $OUT/g gpu_tests:150 > $OUT/raw/gpu_tests_wrap.log 2>&1
+tail -8 $OUT/raw/gpu_tests_wrap.log
