@@ -215,6 +215,8 @@ def test_ab_loop_bench_target_field_compiles_the_loop_on_the_same_params(tmp_pat
   tput = [r for r in rows if r["kind"] == "throughput" and r["mode"] == "ar"]
   assert [r["variant"] for r in tput] == ["", "", "_spec", "_spec"]
   assert {r["emitted_per_step"] for r in tput} == {1.0}
+  paired = [r for r in rows if r["kind"] == "paired_ab"]  # each loop on its own config
+  assert [(r["mode"], r["variant"], r["rounds"]) for r in paired] == [("ar", "_spec", 8)]
 
 
 def test_ab_loop_bench_takes_only_keys_that_leave_the_state_and_params_alone(bench):
