@@ -403,9 +403,9 @@ def paired_ab(m, c, mode, compiled, variant, deadline, rec):
                     spec, ctx)
     return (lambda pair, s, until: exe(pair, s, jnp.int32(until)), Pair(tcfg, tp, dcfg, dp), st)
 
-  loops_ = {mode: entry(m, bench_spec(c, mode), compiled[0]),
-            mode + variant: entry(ab_model(m), ab_spec(c, mode), compiled[1])}
-  slopes, secs, status = deadline.box(lambda: throughput.paired_slopes(loops_, c.bench.gen))
+  timed = {mode: entry(m, bench_spec(c, mode), compiled[0]),
+           mode + variant: entry(ab_model(m), ab_spec(c, mode), compiled[1])}
+  slopes, secs, status = deadline.box(lambda: throughput.paired_slopes(timed, c.bench.gen))
   if status != "ok":
     rec.add("paired_ab", mode=mode, budget=_budget(bench_spec(c, mode)), variant=variant,
             status=status, seconds=secs)
@@ -415,7 +415,7 @@ def paired_ab(m, c, mode, compiled, variant, deadline, rec):
   row = rec.add("paired_ab", mode=mode, budget=_budget(bench_spec(c, mode)), variant=variant,
                 ctx=ctx, gen=c.bench.gen, seconds=secs, base_slopes_ms=slopes[mode],
                 variant_slopes_ms=slopes[mode + variant], **s)
-  print(format_paired(row), flush=True)
+  print(f"{PAIRED_HEAD}\n{format_paired(row)}", flush=True)
   return True
 
 
