@@ -225,8 +225,9 @@ def paired_slopes(loops, gen, rounds=PAIRED_ROUNDS):
   every round times each loop's (2, 2 + gen) chunk pair in turn, the order reversed every other
   round (A B, B A, ...), so a drift of clocks or machine over the run falls on every loop alike
   and round r's slopes are neighbours in time. A sequential A/B (every round of A, then every
-  round of B, tens of seconds apart) read a DDTree 64 loop 0.9% apart on an H100 with its
-  fastest-of-3 walls 2.5% apart within each loop (WORKSPACE, twenty-fourth session).
+  round of B, the first loop's trace pass between them) read a DDTree 64 loop 0.9% apart on an
+  H100 with its fastest-of-3 walls 2.5% apart within each loop (WORKSPACE, twenty-fourth
+  session).
   States are consumed; each needs room for 2 WARM_CALLS + rounds (4 + gen) steps (a state
   of `loop_state_steps(gen)` has it for PAIRED_ROUNDS)."""
   states, labels = {}, list(loops)
