@@ -78,23 +78,36 @@ def _timed_chunks(run, pair, st, gen):
   of 2 steps. n = steps the loop ran (its counter); tokens = tokens the long chunk emitted
   (out's fill, an independent count). Stops at the first round whose long chunk ran fewer
   steps than asked."""
-  warm = []
-  for _ in range(WARM_CALLS):
-    st, t = _run(run, pair, st, 2)
-    warm.append(t)
+  st, warm = _warm_up(run, pair, st)
   full, partial = [], None
   for _ in range(WALL_ROUNDS):
-    s0 = int(st.steps)
-    st, t_short = _run(run, pair, st, 2)
-    s1, out1 = int(st.steps), np.asarray(jax.device_get(st.n_out))
-    st, t_long = _run(run, pair, st, 2 + gen)
-    tokens = int((np.asarray(jax.device_get(st.n_out)) - out1).sum())
-    chunk = (t_short, s1 - s0, t_long, int(st.steps) - s1, tokens)
+    st, chunk = _chunk_pair(run, pair, st, gen)
     if chunk[1] < 2 or chunk[3] < 2 + gen:
       partial = chunk
       break
     full.append(chunk)
   return st, full, partial, warm
+
+
+def _warm_up(run, pair, st):
+  """(state, seconds of each call) after WARM_CALLS untimed chunks of 2 steps."""
+  warm = []
+  for _ in range(WARM_CALLS):
+    st, t = _run(run, pair, st, 2)
+    warm.append(t)
+  return st, warm
+
+
+def _chunk_pair(run, pair, st, gen):
+  """(state, (t_short, n_short, t_long, n_long, tokens_long)): one timed chunk of 2 steps, then
+  one of 2 + gen; n = steps the loop ran (its counter), tokens = tokens the long chunk emitted
+  (out's fill, an independent count)."""
+  s0 = int(st.steps)
+  st, t_short = _run(run, pair, st, 2)
+  s1, out1 = int(st.steps), np.asarray(jax.device_get(st.n_out))
+  st, t_long = _run(run, pair, st, 2 + gen)
+  tokens = int((np.asarray(jax.device_get(st.n_out)) - out1).sum())
+  return st, (t_short, s1 - s0, t_long, int(st.steps) - s1, tokens)
 
 
 def measure_wall(run, pair, st, gen):
@@ -230,21 +243,13 @@ def paired_slopes(loops, gen, rounds=PAIRED_ROUNDS):
   session).
   States are consumed; each needs room for 2 WARM_CALLS + rounds (4 + gen) steps (a state
   of `loop_state_steps(gen)` has it for PAIRED_ROUNDS)."""
-  states, labels = {}, list(loops)
-  for label, (run, pair, st) in loops.items():
-    for _ in range(WARM_CALLS):
-      st, _ = _run(run, pair, st, 2)
-    states[label] = st
+  labels = list(loops)
+  states = {label: _warm_up(run, pair, st)[0] for label, (run, pair, st) in loops.items()}
   slopes = {label: [] for label in labels}
   for r in range(rounds):
     for label in (labels if r % 2 == 0 else labels[::-1]):
       run, pair, _ = loops[label]
-      st = states[label]
-      s0 = int(st.steps)
-      st, t_short = _run(run, pair, st, 2)
-      s1 = int(st.steps)
-      st, t_long = _run(run, pair, st, 2 + gen)
-      n_short, n_long = s1 - s0, int(st.steps) - s1
+      st, (t_short, n_short, t_long, n_long, _) = _chunk_pair(run, pair, states[label], gen)
       if n_short < 2 or n_long < 2 + gen:
         raise RuntimeError(f"paired A/B: loop {label!r} stopped early in round {r} (ran "
                            f"{n_short} then {n_long} steps, asked 2 then {2 + gen}): its state "

@@ -155,7 +155,7 @@ def test_paired_slopes_alternate_the_order_every_round(clock):
 
 def test_paired_ab_of_one_loop_on_a_drifting_machine_reads_no_difference(clock):
   """Two identical loops while every call is 1% slower than the one before: a sequential A/B
-  (all of A, then all of B) reads B ~20% slower; interleaved, the rounds' ratios straddle 1 and
+  (all of A, then all of B) reads B 16% slower; interleaved, the rounds' ratios straddle 1 and
   the sign count is even (4 of 8)."""
   log = []
   loops = {k: (drifting_loop(clock, k, log, STEP_S, 0.01), None, _state()) for k in "AB"}
