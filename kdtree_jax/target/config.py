@@ -102,9 +102,13 @@ class TargetConfig:
   # expert) and two more index kernels. Same values (bitwise). H100, one MoE layer of the K2.6
   # share in the decode layout (results/h100/2026-12-06/s21_align_layer.log): T=65 404.8 vs
   # 420.6 us (81 pairs on 36 experts: 36 items, not 41); T=9 128.5 vs 117.2 (its ~1 row per
-  # expert never straddles; measured with a looser item bound than `work.num_items_aligned`),
-  # hence from T=33, the T=65 class's first T.
-  align_expert_rows_from: int | None = 33
+  # expert never straddles; measured with a looser item bound than `work.num_items_aligned`).
+  # Off by default (None) since the step disagreed: the 32-layer DDTree 64 graph loop at 46k
+  # (every verify T=65), the two loops timed in alternation in one process (H100,
+  # results/h100/2026-12-07/s25_row11_paired.log): aligned from T=33 13.189 ms/step vs None
+  # 13.024 (median of 8 rounds; None faster in 8 of 8, ratio 0.987-0.993). 33 is the value to
+  # A/B again (`bench_k26_full --ab_loop_bench=target.align_expert_rows_from=33`).
+  align_expert_rows_from: int | None = None
   # router_impl: the routing after the router logits (sigmoid, bias, top-k, weights): "xla" (a
   # few fused reductions), "pallas" (one Pallas kernel, `target/route_kernel.py`, where
   # n_group == 1 and T is small; elsewhere "xla" runs) or "auto": "pallas" on a GPU, else "xla"
