@@ -259,16 +259,28 @@ def paired_slopes(loops, gen, rounds=PAIRED_ROUNDS):
   return slopes
 
 
+# A round whose slope is this far from its loop's median (either way, as a factor) saw a stall
+# inside one of its chunks: a host pause of tens of ms between the chunks of a pair reads as a
+# slope too high (in the long chunk) or too low (in the short one). s25 (H100, k26_tree): one
+# round 10.62 / 4.96 ms against medians 6.28 / 6.24. The medians stay the decision; the range
+# and the count say whether such a round sits in it.
+STALL_FACTOR = 1.2
+
+
 def paired_summary(base, variant):
   """{base_ms, variant_ms (medians of the rounds' slopes), ratio (median of the per-round
   variant / base ratios), ratio_min, ratio_max, variant_faster (rounds where the variant's slope
-  was under the base's), rounds} of two `paired_slopes` lists."""
+  was under the base's), rounds, stalled (rounds where either slope is off its loop's median by
+  more than STALL_FACTOR)} of two `paired_slopes` lists."""
   if len(base) != len(variant) or not base:
     raise ValueError(f"paired_summary: {len(base)} and {len(variant)} rounds")
   ratios = [v / b for b, v in zip(base, variant)]
-  return dict(base_ms=float(np.median(base)), variant_ms=float(np.median(variant)),
+  mb, mv = float(np.median(base)), float(np.median(variant))
+  off = lambda x, m: not m / STALL_FACTOR <= x <= m * STALL_FACTOR
+  return dict(base_ms=mb, variant_ms=mv,
               ratio=float(np.median(ratios)), ratio_min=min(ratios), ratio_max=max(ratios),
-              variant_faster=sum(v < b for b, v in zip(base, variant)), rounds=len(base))
+              variant_faster=sum(v < b for b, v in zip(base, variant)), rounds=len(base),
+              stalled=sum(off(b, mb) or off(v, mv) for b, v in zip(base, variant)))
 
 
 def loop_state_steps(gen: int) -> int:

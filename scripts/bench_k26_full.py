@@ -424,7 +424,9 @@ def format_paired(r):
   return (f"  {r['mode']:>6} {str(r['budget']):>4} {r['ctx']:>7} {r['base_ms']:9.3f} "
           f"{r['variant_ms']:9.3f} {r['ratio']:7.4f} [{r['ratio_min']:.4f}, "
           f"{r['ratio_max']:.4f}] {r['variant'] or '-'} faster in {r['variant_faster']} of "
-          f"{r['rounds']} rounds")
+          f"{r['rounds']} rounds"
+          + (f"; {r['stalled']} stalled (a slope off its median by > "
+             f"{throughput.STALL_FACTOR}x: read the median)" if r.get("stalled") else ""))
 
 
 PAIRED_HEAD = ("paired A/B (interleaved rounds, order reversed every other round; ms/step "

@@ -192,5 +192,18 @@ def test_paired_summary_medians_and_sign_count():
   # ratios 0.9, 1.05, 0.95, 1.0: median 0.975, range [0.9, 1.05], 2 rounds under the base
   np.testing.assert_allclose([s["ratio"], s["ratio_min"], s["ratio_max"]], [0.975, 0.9, 1.05])
   assert s["variant_faster"] == 2 and s["rounds"] == 4
+  assert s["stalled"] == 1  # the variant's 9.0 is 11.525 / 9.0 = 1.28x under its median
   with pytest.raises(ValueError, match="3 and 2 rounds"):
     throughput.paired_summary([1.0, 2.0, 3.0], [1.0, 2.0])
+
+
+def test_paired_summary_counts_a_stalled_round_and_keeps_the_median():
+  """s25's k26_tree rows (H100): round 0 read 10.62 / 4.96 ms, a stall between the chunks of
+  the two loops' pairs; the other rounds sit within 6% of their medians."""
+  base = [10.616, 5.975, 6.146, 6.167, 6.246, 6.323, 6.324, 6.479]
+  var = [4.958, 6.165, 6.165, 6.227, 6.245, 6.414, 6.502, 6.682]
+  s = throughput.paired_summary(base, var)
+  assert s["stalled"] == 1
+  assert s["ratio_min"] < 0.5 and 1.0 < s["ratio"] < 1.02
+  clean = throughput.paired_summary(base[1:], var[1:])
+  assert clean["stalled"] == 0 and abs(clean["ratio"] - s["ratio"]) < 0.01

@@ -246,3 +246,12 @@ def test_loops_only_ab_times_each_loop_with_and_without_command_buffers(tmp_path
     assert {r["command_buffers"] for r in ab} == {not r["command_buffers"] for r in plain}
     assert {r["emitted_per_step"] for r in plain} == {r["emitted_per_step"] for r in ab}
   assert not [r for r in tput if r["mode"] == "chain" and r.get("ab_variant")]
+
+
+def test_paired_row_names_its_stalled_rounds(bench):
+  from kdtree_jax import throughput
+  row = dict(mode="ddtree", budget=15, ctx=46000, variant="_spec",
+             **throughput.paired_summary([10.6, 6.0, 6.1, 6.2], [5.0, 6.1, 6.2, 6.3]))
+  line = bench.format_paired(row)
+  assert "_spec faster in 1 of 4 rounds; 1 stalled" in line
+  assert "stalled" not in bench.format_paired(dict(row, stalled=0))
