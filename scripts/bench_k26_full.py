@@ -45,6 +45,7 @@ The config's `bench` section chooses the sizes (configs/bench_tiny.py runs it on
 """
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -550,7 +551,8 @@ def main(_):
     tcfg, tp, dcfg, dp = load_bench_pair(c, dtype, abstract=_COMPILE_ONLY.value)
   rec.add("setup", device=jax.devices()[0].device_kind, layers=tcfg.num_hidden_layers,
           runtime=str(runtime.applied()), load_s=_BUDGET_S.value - deadline.left(),
-          **cc.as_dict())
+          target=dataclasses.asdict(tcfg), draft=dataclasses.asdict(dcfg),
+          bench=c.bench.to_dict(), **cc.as_dict())  # what ran, whatever the defaults become
   print(f"device={jax.devices()[0].device_kind} layers={tcfg.num_hidden_layers} "
         f"loaded in {_BUDGET_S.value - deadline.left():.1f} s; {runtime.applied()}", flush=True)
   run_parts((tcfg, tp, dcfg, dp, dtype), c, deadline, rec)

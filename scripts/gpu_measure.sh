@@ -320,6 +320,11 @@ run_part() {
   esac
 }
 
+# The device tool copies the working tree, not always its git HEAD (s25: a tree of 8df5100 ran
+# under the session's first HEAD, fe9c14e): name the files that differ from the HEAD shown.
+changed=$(git status --porcelain --untracked-files=no 2>/dev/null | wc -l)
+[ "$changed" -gt 0 ] && echo "== the tree differs from this HEAD in $changed tracked files:" \
+  "$(git status --porcelain --untracked-files=no | awk '{print $2}' | head -8 | tr '\n' ' ')"
 echo "== $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$(nvidia-smi -L | wc -l)"
 for arg in "$@"; do
   part=${arg%%:*}

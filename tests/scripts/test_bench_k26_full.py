@@ -127,6 +127,11 @@ def test_time_box_stops_cleanly(tmp_path):
   assert compiles and all(r["status"] == "timeout" for r in compiles)
   assert not [r for r in rows if r["kind"] == "throughput" and "ctx" in r]
   assert "NOT DONE" in stdout and "==== summary" in stdout
+  setup = rows[0]  # the configs that ran, in full: a later default change leaves them readable
+  assert setup["kind"] == "setup"
+  assert setup["target"]["num_hidden_layers"] == setup["layers"]
+  assert "align_expert_rows_from" in setup["target"] and setup["draft"]["block_size"] > 1
+  assert setup["bench"]["ctxs"] and setup["bench"]["gen"] > 0
 
 
 @pytest.mark.slow
