@@ -259,9 +259,9 @@ def paired_slopes(loops, gen, rounds=PAIRED_ROUNDS):
   return slopes
 
 
-# A round whose slope is this far from its loop's median (either way, as a factor) saw a stall
-# inside one of its chunks: a host pause of tens of ms between the chunks of a pair reads as a
-# slope too high (in the long chunk) or too low (in the short one). s25 (H100, k26_tree): one
+# A round whose slope is this far from its loop's median (either way, as a factor) most likely
+# saw a stall inside one of its chunks (not measured which): a host pause of tens of ms reads as
+# a slope too high (in the long chunk) or too low (in the short one). s25 (H100, k26_tree): one
 # round 10.62 / 4.96 ms against medians 6.28 / 6.24. The medians stay the decision; the range
 # and the count say whether such a round sits in it.
 STALL_FACTOR = 1.2
