@@ -142,13 +142,19 @@ def pack_k(w: Int4Weight, donate: bool = False, layout: str = "kpack") -> Int4We
   return Int4Weight(packed, w.scale, k_layout=layout)
 
 
-def random_int4(key, shape_eio, std, group=32) -> Int4Weight:
+def random_int4(key, shape_eio, std, group=32, zero_mean=False) -> Int4Weight:
   """Random INT4 stack of logical shape [E, in, out] whose dequantised values have std ~ `std`.
 
-  q uniform in [-8, 7] (std ~4.6), one scale per group = std / 4.6 (times a +-10% jitter).
+  q uniform in [-8, 7] (std 4.61; every code, for the kernels' tests), or with `zero_mean` in
+  [-7, 7] (std 4.32) as a quantised trained weight is: the full range's mean is -0.5, an offset of
+  -0.11 std shared by every weight. In a model that offset is a rank-one part of each expert
+  (gate/up and down all lean on the all-ones direction), fed back layer after layer: the random
+  K2.6-share model's tokens converged onto it with depth (WORKSPACE, twenty-fifth session).
+  One scale per group = std / q's std (times a +-10% jitter).
   """
   e, din, dout = shape_eio
   kq, ks = jax.random.split(key)
-  q = jax.random.randint(kq, (e, dout, din), -8, 8, jnp.int8).astype(jnp.int4)
+  lo, q_std = (-7, (224 / 12) ** 0.5) if zero_mean else (-8, (255 / 12) ** 0.5)
+  q = jax.random.randint(kq, (e, dout, din), lo, 8, jnp.int8).astype(jnp.int4)
   jitter = jax.random.uniform(ks, (e, din // group, dout), jnp.float32, 0.9, 1.1)
-  return Int4Weight(q, (jitter * std / 4.6).astype(jnp.bfloat16))
+  return Int4Weight(q, (jitter * std / q_std).astype(jnp.bfloat16))

@@ -5,7 +5,8 @@ params = {"embed": [V, D], "final_norm": [D], "lm_head": [D, V],
 Dense layers (i < first_k_dense_replace) have "mlp"; MoE layers have "moe" with
 router [D, E], bias [E] (f32, selection only), gate/up [E_l, D, F], down [E_l, F, D], shared {...}
 (E_l = cfg.experts_held: all E, or one GPU's share for benchmarks). `int4_experts=True` makes the
-routed stacks random INT4 (`model.int4.Int4Weight`), as a K2.6 checkpoint holds them.
+routed stacks random INT4 (`checkpoint.int4.Int4Weight`), as a K2.6 checkpoint holds them, with
+zero-mean codes (`random_int4`'s zero_mean: the full code range's offset collapses a deep model).
 One device's decode reads target/pack.py's layout of the same weights (joined dots, built at load).
 """
 
@@ -63,7 +64,7 @@ def init_params(rng, cfg: TargetConfig, dtype=jnp.float32, std=0.02, int4_expert
   for (path, shape), key in zip(leaves, keys):
     name = jax.tree_util.keystr(path)
     if int4_experts and "['moe']" in name and "['shared']" not in name and name.endswith(_ROUTED):
-      out.append(int4.random_int4(key, shape, std))
+      out.append(int4.random_int4(key, shape, std, zero_mean=True))
     elif name.endswith("norm']"):
       out.append(jnp.ones(shape, dtype))
     elif name.endswith("['bias']"):
