@@ -149,7 +149,8 @@ def random_int4(key, shape_eio, std, group=32, zero_mean=False) -> Int4Weight:
   [-7, 7] (std 4.32) as a quantised trained weight is: the full range's mean is -0.5, an offset of
   -0.11 std shared by every weight. In a model that offset is a rank-one part of each expert
   (gate/up and down all lean on the all-ones direction), fed back layer after layer: the random
-  K2.6-share model's tokens converged onto it with depth (WORKSPACE, twenty-fifth session).
+  K2.6-share model's tokens converged onto it with depth (WORKSPACE, twenty-fifth and
+  twenty-sixth sessions).
   One scale per group = std / q's std (times a +-10% jitter).
   """
   e, din, dout = shape_eio
