@@ -12,7 +12,7 @@
 #               old shape x path grid needs --gpu-full-grid, not run here)
 #   moe_bench   pallas_kernels/grouped_matmul/bench.py: routed FFN per T, tuning sweep, whole MoE layer
 #   moe_tune    pallas_kernels/grouped_matmul/bench.py --parts mlp_tune: the INT4 expert FFN's gated
-#               and down calls at T=16 (4 experts), 1 (1), 9 (8), 65 (36): per case the rows of
+#               and down calls at T=16 (14 experts), 1 (1), 9 (8), 65 (36): per case the rows of
 #               bench.MLP_VARIANTS (the promoted tuning + kp first, the control; then the
 #               case's open variants: kpi, pdl, ..., and at T=9 the T=16 / T=65 classes'
 #               forms at R 8); ptxas' register log of every kernel (MOSAIC_GPU_DUMP_PTXAS, Mosaic's

@@ -58,9 +58,10 @@ _TUNINGS = flags.DEFINE_list(
     "Tuning sweep: 'default' or rR nBN kBK sSTAGES [xSPLITS] [wSLOTS] [smem] (bf16 rows use "
     "kBK/2).")
 _MLP_CASES = flags.DEFINE_list(
-    "mlp_cases", ["16:4", "1:1", "9:8", "65:36"],
+    "mlp_cases", ["16:14", "1:1", "9:8", "65:36"],
     "mlp_tune: T:E, T tokens (T*K rows, T of them local pairs) on E local experts touched "
-    "(ar: 1:1; T=9: ~8 of 48; a ddtree 15 verify touched ~3.5 on bench_k26_full; T=65: ~36), "
+    "(ar: 1:1; T=9: ~8 of 48; a ddtree 15 verify: ~14, 13.7 on bench_k26_full's zero-mean "
+    "model, 3.5 on its collapsed one before s26; T=65: ~36), "
     "spread evenly; or T:layer, the `layer` part's own routing of T tokens (uneven: T=65 puts "
     "81 local pairs on 36 experts, up to 6 on one). A ':a8' suffix lays the rows out with each "
     "expert's first row 8-aligned (gaps between experts: no expert's rows straddle an 8-row "
@@ -85,15 +86,16 @@ _MLP_CASES = flags.DEFINE_list(
 _D1 = "once+ismem+cat+kp+a2+p4"
 _G1 = "once+ismem+cat+kp+il+a2+k128+p8"
 _G1_K64 = "once+ismem+cat+kp+il+k64+p16"
-_D16 = "once+ismem+cat+kp+n128+s2+w4+a2"  # block_n 128 promoted in s18 (H100)
-D16_BLOCK_N64 = "once+ismem+cat+kp+s2+w4+a2"  # the T=16 down before s18: a row for the H200 A/B
-_G16 = "once+ismem+p2c4+s2+cat+kp+il+a2"
+# T=16 (a DDTree 15 verify: ~14 of 48 local experts on the zero-mean bench model, 16:14): the
+# control (since s27 the T=9 class's form, R 8: H100 162.9 vs 166.5 us), kpi, the R 16 form
+# promoted before s27 (T16_R16: the H200's A/B), pdl.
+T16_R16 = "once+ismem+p2c4+s2+cat+kp+il+a2|once+ismem+cat+kp+n128+s2+w4+a2"
 _D65 = "once+ismem+r8+s2+w16+cat+kp+a2"
 _G65 = "once+ismem+r8+s3+w16+cat+kp"
 # kpi (dq11, kpairs.py): each case's control with the pair-interleaved K-pack (one LOP3 per
 # bf16 pair, no PRMT; the same values), right after it.
 # T=9 (8 experts; issue 12's T=9 line, 88.3 us vs its 75.6 bound, s8 with x4c4): the control
-# (promoted in s18 from H100 runs: the T=16 class's gate|up form at R 8, down at block_n 128),
+# (promoted in s18 from H100 runs: the then T=16 class's gate|up form at R 8, down at block_n 128),
 # kpi, the previous gate|up (x4c4) and the previous down (block_n 64) for the H200's A/B, and
 # the T=65 class's form at R 8 (a persistent grid over 8 live experts; its w8 form, the slowest
 # row on an H100 in s14 at 112.0 us, and x4c4 + il + a2 were dropped to keep 18 programs).
@@ -103,13 +105,13 @@ MLP_VARIANTS = {
     9: (f"{_G9}|{_D9}", f"{_G9}+kpi|{_D9}+kpi", f"once+ismem+x4c4+s2+r8+cat+kp|{_D9}",
         f"{_G9}|once+ismem+cat+s2+r8+w4+a2+kp", f"{_G65}|{_D65}", f"{_G65}+kpi|{_D65}+kpi"),
     1: (f"{_G1}|{_D1}", f"{_G1}+kpi|{_D1}+kpi", f"{_G1_K64}|{_D1}"),
-    16: (f"{_G16}|{_D16}", f"{_G16}+kpi|{_D16}+kpi", f"{_G16}|{D16_BLOCK_N64}"),
+    16: (f"{_G9}|{_D9}", f"{_G9}+kpi|{_D9}+kpi", T16_R16),
     65: (f"{_G65}|{_D65}", f"{_G65}+kpi|{_D65}+kpi", f"{_G65}+s4|{_D65}", f"{_G65}|{_D65}+s3"),
 }
 # pdl (pdl11, pallas_kernels/pdl.py): the T=1 / T=16 control rows with programmatic dependent
 # launch (both calls), after every other row of the case: 18 programs in all (24 before the
 # ov / wo rows were removed, which took moe_tune:300 in s11).
-_PDL_ROWS = {1: f"{_G1}+pdl|{_D1}+pdl", 16: f"{_G16}+pdl|{_D16}+pdl"}
+_PDL_ROWS = {1: f"{_G1}+pdl|{_D1}+pdl", 16: f"{_G9}+pdl|{_D9}+pdl"}
 MLP_VARIANTS = {t: rows + ((_PDL_ROWS[t],) if t in _PDL_ROWS else ())
                 for t, rows in MLP_VARIANTS.items()}
 
