@@ -126,11 +126,18 @@ class TargetConfig:
   # ("gate_up_t_folded"); the forward then scales the dot's OUTPUT rows by the norm's
   # rsqrt(mean square + eps) instead of materialising the normalised input (a one-token step:
   # one elementwise kernel less per norm). A MoE layer's mlp_norm stays (its INT4 experts read
-  # the normalised x); at one token the flag instead broadcasts the experts' rows first and the
-  # router | shared dot reads row 0 (`moe._one_token_moe`: the same values, the normalise fused
-  # into the broadcast). Not the kv LoRA norm (its output is the cache) nor the final norm (the
-  # lm_head is shared with the draft). The folds are pack time (per-layer params unaffected).
+  # the normalised x; at one token see one_token_rows_first). Not the kv LoRA norm (its output
+  # is the cache) nor the final norm (the lm_head is shared with the draft). The folds are pack
+  # time (per-layer params unaffected). Not promoted (H200 s11 fused step, with the rows-first
+  # MoE below then part of this flag: ar -1.4%, DDTree 15 +1.1%).
   fold_norm_weights: bool = False
+  # one_token_rows_first: at one token (the MoE's one-token path) the experts' k rows of the
+  # normalised x are broadcast FIRST and the router | shared dot reads row 0
+  # (`moe._one_token_moe`): the normalise then has the broadcast as its only consumer and fuses
+  # into it, where the normalise and the broadcast were two kernels (H100 s26 ar step: the
+  # broadcast alone 2.6 us a MoE layer). The same values, so the same routing. Runtime (no
+  # pack-time change). Until s27 part of fold_norm_weights.
+  one_token_rows_first: bool = False
   # mosaic_pdl: decode's Mosaic kernels (tree-verify attention, both INT4 expert calls) whose
   # tuning their API picks are built with Tuning.pdl (programmatic dependent launch:
   # griddepcontrol.wait before the first input read, launch_dependents after the last load;

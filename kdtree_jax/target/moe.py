@@ -182,14 +182,14 @@ def moe(p, cfg: TargetConfig, x, routes: list | None = None):
 
 def _one_token_moe(p, cfg: TargetConfig, x_td, routes):
   """One token through the routing kernel's path (no XLA glue up to the expert kernels) -> [1, D]
-  f32. With cfg.fold_norm_weights the experts' K rows of x_td [1, D] are broadcast FIRST (behind
+  f32. With cfg.one_token_rows_first the experts' K rows of x_td [1, D] are broadcast FIRST (behind
   an optimization barrier, else XLA folds slice(broadcast) back) and the router | shared dot
   reads row 0: the normalise that made x_td (transformer's mlp_norm) then has the broadcast as
   its only consumer and fuses into it, where it was its own kernel feeding both (XLA:GPU,
   deviceless H200 compile of the K2.6 share: one kernel per MoE layer fewer at one token; the
   same values, so the same routing)."""
   rows = x_td
-  if cfg.fold_norm_weights:
+  if cfg.one_token_rows_first:
     rows = jax.lax.optimization_barrier(
         jnp.broadcast_to(x_td, (cfg.num_experts_per_tok, x_td.shape[1])))
     x_td = rows[:1]

@@ -78,7 +78,8 @@ def fold_norm_gains(cfg: TargetConfig, params):
   mlp_norm: its routed experts (INT4: no exact gain fold) read the normalised row, and with the
   gain folded into the router | shared gate | up dot its output scale became a kernel of its own
   (XLA:GPU fuses no epilogue into that one-token row reduction: deviceless H200 compile, no
-  kernel fewer); the flag removes that norm's separate kernel another way (moe._one_token_moe).
+  kernel fewer); `one_token_rows_first` removes that norm's separate kernel another way
+  (moe._one_token_moe).
   The product is rounded once to the weight's dtype (bf16: one more rounding than HF's, which
   rounds the normalised x instead)."""
   if not cfg.fold_norm_weights:

@@ -1,7 +1,8 @@
 """TargetConfig.fold_norm_weights (target/pack.py fold_norm_gains): attn_norm's gain folded into
 the packed q_a | kv_a dot, the q LoRA norm's into q_b and the dense layer's mlp_norm into gate |
-up, the norms' scales applied to the dots' outputs; and at one token the MoE layer's experts'
-rows broadcast first, the router | shared dot reading row 0 (moe._one_token_moe). Against the
+up, the norms' scales applied to the dots' outputs; and TargetConfig.one_token_rows_first: at
+one token the MoE layer's experts' rows broadcast first, the router | shared dot reading row 0
+(moe._one_token_moe). Against the
 unfolded packed layout (itself tested against the per-layer weights and HF:
 tests/target/test_pack.py) in f32, with the same routing as XLA's routing of the unfolded
 layout, against the f32 per-layer reference in bf16, and against HF's own logits on the HF
@@ -170,21 +171,23 @@ def _barriers(cfg, params, tokens):
 
 
 def test_one_token_moe_f32_routes_as_xla_routing_unfolded():
-  """f32, one token (batch 1: the MoE's one-token path, T = 1): the flag's rows-first MoE
+  """f32, one token (batch 1: the MoE's one-token path, T = 1): one_token_rows_first's MoE
   (the experts' rows broadcast first, the router | shared dot reading row 0) through the routing
-  kernel against the unfolded layout routed by XLA (an independent routing): logits within f32
-  rounding, the same argmax and the same expert ids in every MoE layer. The router logits are
-  the same f32 dot of the same normalised row; only where the row comes from changes."""
+  kernel on the unfolded layout against the same layout routed by XLA without it (an
+  independent routing): logits within f32 rounding, the same argmax and the same expert ids in
+  every MoE layer. The router logits are the same f32 dot of the same normalised row; only
+  where the row comes from changes. fold_norm_weights alone does not take the path."""
   cfg, params = _kernel_routed_model()
   plain_cfg = cfg.replace(router_impl="xla")
   plain = pack.pack_for_decode(plain_cfg, params)
-  fcfg = cfg.replace(fold_norm_weights=True)
-  folded = pack.pack_for_decode(fcfg, params)
+  rcfg = cfg.replace(one_token_rows_first=True)
   tokens = _tokens(cfg)[:1]
   moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
-  assert _barriers(fcfg, folded, tokens) == moe_layers  # the rows-first path runs
-  assert _barriers(cfg, pack.pack_for_decode(cfg, params), tokens) == 0
-  *got, got_routes = _run_with_routes(fcfg, folded, tokens, 1)
+  assert _barriers(rcfg, plain, tokens) == moe_layers  # the rows-first path runs
+  assert _barriers(cfg, plain, tokens) == 0
+  fold_cfg = cfg.replace(fold_norm_weights=True)
+  assert _barriers(fold_cfg, pack.pack_for_decode(fold_cfg, params), tokens) == 0
+  *got, got_routes = _run_with_routes(rcfg, plain, tokens, 1)
   *want, want_routes = _run_with_routes(plain_cfg, plain, tokens, 1)
   for g, w in zip(got, want):
     assert rel(g, w) <= F32_REL
@@ -194,14 +197,14 @@ def test_one_token_moe_f32_routes_as_xla_routing_unfolded():
 
 
 def test_one_token_moe_bf16_within_bf16_of_the_f32_reference():
-  """bf16, one token through the routing kernel with the flag: within bf16 rounding of the f32
+  """bf16, one token through the routing kernel with both flags (fold and rows-first): within bf16 rounding of the f32
   per-layer forward of the same bf16-valued weights (XLA's routing)."""
   cfg, params = _kernel_routed_model(std=0.05)
   tokens = _tokens(cfg)[:1]
   bf16 = _bf16(params)
   reference = jax.tree.map(lambda w: w.astype(jnp.float32), bf16)
   ref = _run(cfg.replace(router_impl="xla"), reference, tokens, 1)
-  fcfg = cfg.replace(fold_norm_weights=True)
+  fcfg = cfg.replace(fold_norm_weights=True, one_token_rows_first=True)
   packed = pack.pack_for_decode(fcfg, bf16)
   got = _run(fcfg, packed, tokens, 1, jnp.bfloat16)
   for g, w in zip(got, ref):
@@ -253,7 +256,7 @@ def test_hf_fixture_one_token_routes_unchanged_f32(name):
   with np.load(os.path.join(FIXTURE_ROOT, name, "reference.npz")) as z:
     tokens = z["tokens"][:1, :16]
   plain_cfg = cfg.replace(router_impl="xla")
-  fcfg = cfg.replace(fold_norm_weights=True,
+  fcfg = cfg.replace(fold_norm_weights=True, one_token_rows_first=True,
                      router_impl="pallas" if cfg.n_group == 1 else "xla")
   *got, got_routes = _run_with_routes(fcfg, pack.pack_for_decode(fcfg, params), tokens, 1)
   *want, want_routes = _run_with_routes(plain_cfg, pack.pack_for_decode(plain_cfg, params),
