@@ -108,7 +108,8 @@ class TargetConfig:
   # results/h100/2026-12-07/s25_row11_paired.log): aligned from T=33 13.189 ms/step vs None
   # 13.024 (median of 8 rounds; None faster in 8 of 8, ratio 0.987-0.993), on the collapsed
   # random model; on the zero-mean one (s27, s27_row17.log) aligned 18.308 vs None 18.348
-  # (0.9979, inside an A/A's +-1.5%). A/B: `bench_k26_full --ab_loop_bench=target.align_expert_rows_from=33`.
+  # (0.9979, inside an A/A's +-1.5%). A/B again:
+  # `bench_k26_full --ab_loop_bench=target.align_expert_rows_from=33`.
   align_expert_rows_from: int | None = None
   # router_impl: the routing after the router logits (sigmoid, bias, top-k, weights): "xla" (a
   # few fused reductions), "pallas" (one Pallas kernel, `target/route_kernel.py`, where

@@ -197,8 +197,8 @@ def test_one_token_moe_f32_routes_as_xla_routing_unfolded():
 
 
 def test_one_token_moe_bf16_within_bf16_of_the_f32_reference():
-  """bf16, one token through the routing kernel with both flags (fold and rows-first): within bf16 rounding of the f32
-  per-layer forward of the same bf16-valued weights (XLA's routing)."""
+  """bf16, one token through the routing kernel with both flags (fold and rows-first): within
+  bf16 rounding of the f32 per-layer forward of the same bf16-valued weights (XLA's routing)."""
   cfg, params = _kernel_routed_model(std=0.05)
   tokens = _tokens(cfg)[:1]
   bf16 = _bf16(params)
