@@ -14,9 +14,9 @@
 #   moe_tune    pallas_kernels/grouped_matmul/bench.py --parts mlp_tune: the INT4 expert FFN's gated
 #               and down calls at T=16 (14 experts), 1 (1), 9 (8), 65 (36): per case the rows of
 #               bench.MLP_VARIANTS (the promoted tuning + kp first, the control; then the
-#               case's open variants: kpi, pdl, ..., and at T=9 the T=16 / T=65 classes'
-#               forms at R 8); ptxas' register log of every kernel (MOSAIC_GPU_DUMP_PTXAS, Mosaic's
-#               own dump switch, set for this part's process; each row's first call is
+#               case's open variants: kpi, pdl, ..., at T=9 the T=65 class's form at R 8,
+#               at T=16 the R 16 form it had before s27); ptxas' register log of every
+#               kernel (MOSAIC_GPU_DUMP_PTXAS, Mosaic's own dump switch, set for this part's process; each row's first call is
 #               printed before its logs); per-call Mosaic us, wrong rows marked FAIL; 18
 #               programs: moe_tune:300 (one case alone: the bench's --mlp_cases 9:8)
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 65, 16, 9, 1: one

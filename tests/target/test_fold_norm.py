@@ -2,11 +2,10 @@
 the packed q_a | kv_a dot, the q LoRA norm's into q_b and the dense layer's mlp_norm into gate |
 up, the norms' scales applied to the dots' outputs; and TargetConfig.one_token_rows_first: at
 one token the MoE layer's experts' rows broadcast first, the router | shared dot reading row 0
-(moe._one_token_moe). Against the
-unfolded packed layout (itself tested against the per-layer weights and HF:
-tests/target/test_pack.py) in f32, with the same routing as XLA's routing of the unfolded
-layout, against the f32 per-layer reference in bf16, and against HF's own logits on the HF
-fixtures."""
+(moe._one_token_moe). Against the unfolded packed layout (itself tested against the per-layer
+weights and HF: tests/target/test_pack.py) in f32, with the same routing as XLA's routing of the
+unfolded layout, against the f32 per-layer reference in bf16, and against HF's own logits on the
+HF fixtures."""
 
 
 import os
