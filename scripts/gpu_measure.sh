@@ -18,7 +18,8 @@
 #               at T=16 the R 16 form it had before s27); ptxas' register log of every
 #               kernel (MOSAIC_GPU_DUMP_PTXAS, Mosaic's own dump switch, set for this part's
 #               process; each row's first call is printed before its logs); per-call
-#               Mosaic us, wrong rows marked FAIL; 18 programs: moe_tune:300 (one case alone: the bench's --mlp_cases 9:8)
+#               Mosaic us, wrong rows marked FAIL; 18 programs: moe_tune:300 (one case
+#               alone: the bench's --mlp_cases 9:8)
 #   moe_layer   pallas_kernels/grouped_matmul/bench.py --parts layer at T = 65, 16, 9, 1: one
 #               MoE layer of bench_k26_full per kernel with today's defaults (`auto`: the dense
 #               glue at T=1, the lean glue and the routing kernel above) in the decode layout
