@@ -82,12 +82,15 @@ FULL_GRID = dict(L=[4096, 16384, 46000, 131072], N=[1, 8, 16, 32, 64], H=[8, 64]
 # pdl11 (pallas_kernels/pdl.py): pdl=1 (programmatic dependent launch: griddepcontrol.wait
 # before the first input read, launch_dependents after the last load) in the model's packed form
 # at the ar and DDTree 15 shapes; before the cluster rows at 1x16x8 (those stay last, above).
+# s28 (no GPU lent; queued): merge_loads_first at N=8 and N=16, where the merge reads 8.6 MB of
+# partials (5.1 us at N=16, H200 s9), measured only at N=1 (-0.6 us, H200 s11: the default there).
 AR_PROBES = ("num_splits=128,mask=packed;balanced_splits=1,mask=packed;"
              "merge_loads_first=1,mask=packed;merge_cols=32,mask=packed;"
              "num_splits=128,balanced_splits=1,merge_loads_first=1,mask=packed")
 PROBES = {(1, 16, 8, 46000): ("mask=packed;merge_cols=256;merge_cols=512;pdl=1,mask=packed;"
+                              "merge_loads_first=1,mask=packed;"
                               "cluster_rows=2;cluster_rows=2,mask=packed"),
-          (1, 8, 8, 46000): "merge_cols=256;merge_cols=512;swap_ab=1",
+          (1, 8, 8, 46000): "merge_cols=256;merge_cols=512;swap_ab=1;merge_loads_first=1",
           (1, 1, 8, 46000): ("mask=packed;swap_ab=0;swap_ab=0,mask=packed;num_splits=66;"
                              + AR_PROBES + ";pdl=1,mask=packed"),
           (1, 64, 8, 46000): "cluster_rows=2;cluster_rows=4",
