@@ -361,12 +361,15 @@ def _listing(exe, by_name):
 
 
 def format_listing(rows: list[PhaseRow], phase: str) -> str:
-  """The phase's kernels by jax op (its `listing`), or ''."""
+  """The phase's kernels by jax op (its `listing`), then the same kernels by group
+  (profiling_hlo.kernel_group: experts, dense dots, split-K sums, attention, draft, glue), or ''."""
   row = next((r for r in rows if r.phase == phase and r.listing), None)
   if row is None:
     return ""
-  return profiling_hlo.format_listing(
+  by_op = profiling_hlo.format_listing(
       row.listing, f"kernels of {phase} by op ({row.ms:.3f} ms, top {LISTING_TOP})")
+  return by_op + "\n" + profiling_hlo.format_groups(
+      row.listing, f"kernels of {phase} by group (the top {LISTING_TOP} above)")
 
 
 def _note_structure(rows, verify_exe, layers):

@@ -10,6 +10,7 @@ a GEMM (cuBLAS).
 
 import collections
 import dataclasses
+import math
 import os
 import re
 import shutil
@@ -325,6 +326,73 @@ def format_listing(rows, title: str) -> str:
   for us, n, names, example, key in rows:
     lines.append(f"  {us:9.1f} {n:6.1f} ({names:3d}) {example[:40]}: {key}")
   return "\n".join(lines)
+
+
+# ---- a listing's kernels by what they do (notes/roadmap.md's table by kernel group) ----
+KERNEL_GROUPS = ("experts", "dense dots", "split-K sums", "attention", "draft", "glue")
+_DENSE_PREFIXES = ("gemm_fusion", "nvjet", "cutlass", "cublas", "sm90_xmma")
+# the tree-verify kernels (named since 2026-12-07; before, Mosaic's default name `body`: our only
+# unnamed Mosaic kernel then) and their Triton merge
+_ATTENTION_PREFIXES = ("tree_verify", "body_mosaic_gpu_kernel", "_merge_kernel")
+_SHAPE = re.compile(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "bf16": 2}
+GEMV_MIN_BYTES = 1 << 20  # a reduce fusion reading an operand this big is a matmul (a GEMV)
+
+
+def _operand_bytes(key: str) -> list[int]:
+  """Bytes of each operand shape in a listing description ('out <- operands (...) [...] @ ...')."""
+  operands = key.split(" <- ", 1)[1].split(" (", 1)[0].split(" [", 1)[0] if " <- " in key else ""
+  sizes = []
+  for dtype, dims in _SHAPE.findall(operands):
+    item = _DTYPE_BYTES.get(dtype) or max(int(dtype[1:]) // 8, 1)
+    sizes.append(item * math.prod(int(d) for d in dims.split(",") if d))
+  return sizes
+
+
+def _fused_ops(key: str) -> set[str]:
+  m = re.search(r"\) \[([\w,\-]+)\]", key)
+  return set(m.group(1).split(",")) if m else set()
+
+
+def kernel_group(example: str, key: str) -> str:
+  """The KERNEL_GROUPS entry of one listing row (its CUPTI kernel name and description): the
+  INT4 / bf16 expert calls; XLA's GEMMs and the few-row dots XLA emits as reduce fusions (an
+  operand >= GEMV_MIN_BYTES, no gather); the dots' split-K sums (a reduce fusion of f32
+  partials that only reduces and converts); the tree-verify kernel, its merge and mask words;
+  the draft's context attention; everything else (norms, routing, the pair layout, gathers,
+  cache writes, SiLUs over split partials) is glue."""
+  if example.startswith("gmm_"):
+    return "experts"
+  if example.startswith(_ATTENTION_PREFIXES) or "tree_mask_words" in key:
+    return "attention"
+  if example.startswith("draft_"):
+    return "draft"
+  if example.startswith(_DENSE_PREFIXES):
+    return "dense dots"
+  if "reduce_fusion" in example:
+    operands = key.split(" <- ", 1)[1].split(" (", 1)[0] if " <- " in key else ""
+    if _fused_ops(key) <= {"reduce", "convert"} and operands.startswith("f32["):
+      return "split-K sums"
+    lookup = _fused_ops(key) & {"gather", "dynamic-slice"}  # e.g. an embedding row + its norm
+    if not lookup and any(b >= GEMV_MIN_BYTES for b in _operand_bytes(key)):
+      return "dense dots"
+  return "glue"
+
+
+def group_totals(rows) -> dict:
+  """{group: (us per call, launches per call)} of kernel_listing rows, in KERNEL_GROUPS order."""
+  totals = {g: [0.0, 0.0] for g in KERNEL_GROUPS}
+  for us, n, _, example, key in rows:
+    t = totals[kernel_group(example, key)]
+    t[0], t[1] = t[0] + us, t[1] + n
+  return {g: tuple(v) for g, v in totals.items() if v[1]}
+
+
+def format_groups(rows, title: str) -> str:
+  """One line: the listing's ms and launches per call by group."""
+  totals = group_totals(rows)
+  parts = [f"{g} {us / 1e3:.3f} ({n:.0f})" for g, (us, n) in totals.items()]
+  return f"{title}: ms (launches) " + ", ".join(parts)
 
 
 # ---- XLA's thunk sequence after its command-buffer conversion (the dump of a GPU compile) ----

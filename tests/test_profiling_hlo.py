@@ -260,3 +260,59 @@ def test_thunk_report_reads_jax_0_11_2_dump_layout():
   (w,) = rep["whiles"]
   assert w["in_command_buffer"] and w["condition"]["outside"] == {"kCustomKernel": 1}
   assert w["body"]["outside"] == {"kCustomKernel": 1, "kCustomCall": 1, "kCopy": 1}
+
+
+# Rows of real listings (H100, s26_k26_core.log: the DDTree 15 and ar verify of a 32-layer
+# K2.6 share), each with the group a reader gives it from its shapes, ops and source line.
+_LISTING_ROWS = [
+    ("gmm_int4_gated_mosaic_gpu_kernel", "gmm_int4_gated_mosaic_gpu_kernel (no HLO instruction "
+     "of this name)", "experts"),
+    ("body_mosaic_gpu_kernel", "body_mosaic_gpu_kernel (no HLO instruction of this name)",
+     "attention"),
+    ("tree_verify_swap_mosaic_gpu_kernel", "tree_verify_swap_mosaic_gpu_kernel (no HLO "
+     "instruction of this name)", "attention"),
+    ("_merge_kernel_loads_first", "_merge_kernel_loads_first (no HLO instruction of this name)",
+     "attention"),
+    ("input_reduce_fusion_32", "u32[3,128] <- pred[1,16,16] (jit(_verify)/jit(tree_verify_"
+     "attention_mgpu)/reduce_sum) [pad,convert,transpose,iota,shift-left,reduce] @ masks.py:37 "
+     "tree_mask_words <- api.py:84 tree_verify_attention_mgpu", "attention"),
+    ("gemm_fusion_dot_291", "f32[8,16,2112] <- bf16[16,8,896] bf16[2112,8,896] "
+     "(jit(_verify)/dot_general) [dot] @ pack.py:140 dot_t <- mla.py:40 input_dots", "dense dots"),
+    ("nvjet_sm90_tst_192x8_64x8_4x1_v_bz_NNT", "nvjet_sm90_tst_192x8_64x8_4x1_v_bz_NNT (no HLO "
+     "instruction of this name)", "dense dots"),
+    ("input_reduce_fusion_160", "bf16[7168] <- bf16[7168,1024] bf16[8,128] (jit(_verify)/"
+     "dot_general) [multiply,convert,reduce] @ pack.py:140 dot_t <- mla.py:165 out_proj",
+     "dense dots"),
+    ("loop_reduce_fusion_32", "bf16[16,2112] <- f32[8,16,2112] (jit(_verify)/dot_general) "
+     "[reduce,convert] @ pack.py:140 dot_t <- mla.py:40 input_dots", "split-K sums"),
+    ("loop_reduce_fusion_31", "bf16[1,2112] <- f32[8,1,2112] () [reduce,convert]",
+     "split-K sums"),
+    ("input_reduce_fusion_93", "f32[] <- bf16[7168] bf16[1,7168] bf16[7168] bf16[20480,7168] "
+     "s32[1] (jit(_verify)/reduce_sum) [compare,add,select,dynamic-slice,convert,multiply,"
+     "reduce] @ norm.py:19 inv_rms <- norm.py:10 rms_norm", "glue"),
+    ("input_reduce_fusion_63", "s32[224] <- s32[16,8] (jit(_verify)/reduce_sum) [compare,and,"
+     "select,multiply,iota,add,concatenate,convert,reduce] @ experts.py:68 _pair_counts", "glue"),
+    ("loop_convert_fusion", "bf16[128,2048] <- bf16[2,128,2048] bf16[2,128,2048] "
+     "bf16[2,128,2048] bf16[2,128,2048] s32[224] (jit(_verify)/convert_element_type) [convert,"
+     "add,iota,slice,compare,select,gather,negate,exponential,divide,multiply]", "glue"),
+    ("_route_kernel", "_route_kernel (no HLO instruction of this name)", "glue"),
+    ("draft_ctx_attention", "draft_ctx_attention (no HLO instruction of this name)", "draft"),
+]
+
+
+def test_kernel_group_of_real_listing_rows():
+  for example, key, group in _LISTING_ROWS:
+    assert profiling_hlo.kernel_group(example, key) == group, (example, key)
+
+
+def test_group_totals_sum_the_listing_by_group():
+  rows = [(10.0 * (i + 1), 2.0, 1, example, key) for i, (example, key, _) in
+          enumerate(_LISTING_ROWS)]
+  totals = profiling_hlo.group_totals(rows)
+  want = {}
+  for (us, n, _, _, _), (_, _, group) in zip(rows, _LISTING_ROWS):
+    want[group] = (want.get(group, (0.0, 0.0))[0] + us, want.get(group, (0.0, 0.0))[1] + n)
+  assert totals == want
+  assert list(totals) == [g for g in profiling_hlo.KERNEL_GROUPS if g in want]
+  line = profiling_hlo.format_groups(rows, "kernels of verify by group")
+  assert line.startswith("kernels of verify by group: ms (launches) experts 0.010 (2), ")

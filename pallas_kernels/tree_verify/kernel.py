@@ -459,6 +459,7 @@ def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning,
       body, out_type=out_types(b, m, r, t, q_rows.dtype),
       scratch_types=_scratch(t, c, r, q_rows.dtype),
       **launch_grid(t, tiles, b), num_threads=3, thread_name="wg",
+      kernel_name="tree_verify",  # CUPTI: tree_verify_mosaic_gpu_kernel
       compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
   return fn(lengths, q_rows, cache, words)

@@ -270,6 +270,7 @@ def attention_kernel(q_rows, cache, lengths, words, *, n, scale, tuning: Tuning,
       body, out_type=k.out_types(b, m, r, t, q_rows.dtype),
       scratch_types=_scratch(t, m, c, r, q_rows.dtype),
       grid=(1, t.num_splits, b), grid_names=("m", "s", "b"), num_threads=3, thread_name="wg",
+      kernel_name="tree_verify_swap",  # CUPTI: tree_verify_swap_mosaic_gpu_kernel
       compiler_params=plgpu.CompilerParams(approx_math=True,
                                            reduction_scratch_bytes=reduction_scratch_bytes(m)),
       interpret=plgpu.InterpretGPUParams() if interpret else None)
