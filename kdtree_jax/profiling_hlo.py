@@ -339,11 +339,15 @@ _DTYPE_BYTES = {"pred": 1, "bf16": 2}
 GEMV_MIN_BYTES = 1 << 20  # a reduce fusion reading an operand this big is a matmul (a GEMV)
 
 
+def _operands(key: str) -> str:
+  """The operand shapes of a listing description ('out <- operands (op_name) [...] @ ...')."""
+  return key.split(" <- ", 1)[1].split(" (", 1)[0] if " <- " in key else ""
+
+
 def _operand_bytes(key: str) -> list[int]:
-  """Bytes of each operand shape in a listing description ('out <- operands (...) [...] @ ...')."""
-  operands = key.split(" <- ", 1)[1].split(" (", 1)[0].split(" [", 1)[0] if " <- " in key else ""
+  """Bytes of each operand shape in a listing description."""
   sizes = []
-  for dtype, dims in _SHAPE.findall(operands):
+  for dtype, dims in _SHAPE.findall(_operands(key)):
     item = _DTYPE_BYTES.get(dtype) or max(int(dtype[1:]) // 8, 1)
     sizes.append(item * math.prod(int(d) for d in dims.split(",") if d))
   return sizes
@@ -370,8 +374,7 @@ def kernel_group(example: str, key: str) -> str:
   if example.startswith(_DENSE_PREFIXES):
     return "dense dots"
   if "reduce_fusion" in example:
-    operands = key.split(" <- ", 1)[1].split(" (", 1)[0] if " <- " in key else ""
-    if _fused_ops(key) <= {"reduce", "convert"} and operands.startswith("f32["):
+    if _fused_ops(key) <= {"reduce", "convert"} and _operands(key).startswith("f32["):
       return "split-K sums"
     lookup = _fused_ops(key) & {"gather", "dynamic-slice"}  # e.g. an embedding row + its norm
     if not lookup and any(b >= GEMV_MIN_BYTES for b in _operand_bytes(key)):
