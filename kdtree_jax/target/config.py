@@ -137,8 +137,10 @@ class TargetConfig:
   # (`moe._one_token_moe`): the normalise then has the broadcast as its only consumer and fuses
   # into it, where the normalise and the broadcast were two kernels (H100 s26 ar step: the
   # broadcast alone 2.6 us a MoE layer). The same values, so the same routing. Runtime (no
-  # pack-time change). Until s27 part of fold_norm_weights.
-  one_token_rows_first: bool = False
+  # pack-time change). Until s27 part of fold_norm_weights. Default since s29 (H100 s28, the
+  # 32-layer ar graph loop, paired rounds: 3.084 -> 3.072 ms/step, ratio 0.9950 [0.9847,
+  # 0.9988], faster in 8 of 8; results/h100/2026-12-07/s27_rows_first_cmd.sh).
+  one_token_rows_first: bool = True
   # mosaic_pdl: decode's Mosaic kernels (tree-verify attention, both INT4 expert calls) whose
   # tuning their API picks are built with Tuning.pdl (programmatic dependent launch:
   # griddepcontrol.wait before the first input read, launch_dependents after the last load;

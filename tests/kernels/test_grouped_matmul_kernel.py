@@ -403,15 +403,15 @@ def test_default_variants_promote_per_row_count():
   """default_tuning gives INT4 calls DEFAULT_VARIANTS' entry for their M, the gated and the down
   call their own half of a 'GATED|DOWN' name: T=1 (M 8) fixed-cost options, gate|up in 8 splits
   of K 128 with interleaved stacks and two accumulator chains, down in 4 splits; T=2..32 (M
-  9..263, R = 8 since s27: the T=13..32 class's R 16 merged into the T=9 class) gate|up in 2 K
-  splits with il+a2, down unsplit at block_n 128 in 9 slot columns of its 56 N tiles (~4 CTAs
+  9..263, R = 8 since s27: the T=13..32 class's R 16 merged into the T=9 class) gate|up unsplit
+  (since s28; SiLU in the kernel) with il+a2 in 8 slot columns, down unsplit at block_n 128 in 9 slot columns of its 56 N tiles (~4 CTAs
   per SM) with two chains; T=33..65 (M 264..520) R = 8 in a persistent grid, gate|up on 3
   stages, down on 2 with two chains; larger M (prefill) the base; bf16 calls and
   variant='default' the base."""
   d, f = 7168, 2048
   base = lambda m, k, n, **kw: default_tuning(m, 48, k, n, True, variant="default", **kw)
   t1 = ("once+ismem+cat+il+a2+k128+p8", "once+ismem+cat+a2+p4")
-  t9 = ("once+ismem+p2c4+s2+cat+il+a2+r8", "once+ismem+cat+n128+s2+r8+w4+a2")
+  t9 = ("once+ismem+s2+cat+il+a2+r8+w2", "once+ismem+cat+n128+s2+r8+w4+a2")
   t65 = ("once+ismem+r8+s3+w16+cat", "once+ismem+r8+s2+w16+cat+a2")
   want = {8: t1, 9: t9, 72: t9, 96: t9, 97: t9, 128: t9, 263: t9, 264: t65, 520: t65,
           521: ("default",) * 2, 4096: ("default",) * 2}
@@ -426,7 +426,7 @@ def test_default_variants_promote_per_row_count():
   assert g1.int4_interleave_stacks and g1.int4_acc_chains == 2 and d1.int4_acc_chains == 2
   assert g1.int4_scale_concat and not g1.int4_k_packed  # kp follows the weights (api k_packed)
   g16, d16 = default_tuning(128, 48, d, f, True, gated=True), default_tuning(128, 48, f, d, True)
-  assert (g16.splits, g16.slots, g16.stages, g16.rows) == (2, 8, 2, 8)
+  assert (g16.splits, g16.slots, g16.stages, g16.rows) == (1, 8, 2, 8)
   assert (d16.splits, d16.slots, d16.stages, d16.rows, d16.block_n) == (1, 9, 2, 8, 128)
   assert default_tuning(8, 48, f, d, True).splits == 4
   g65 = default_tuning(520, 48, d, f, True, gated=True)
@@ -685,8 +685,8 @@ def test_k_packed_stacks_follow_into_the_tuning_and_the_reference():
 @pytest.mark.parametrize("t,touched", [(9, 8), (16, 4), (65, 36)])
 def test_expert_mlp_gpu_promoted_tunings_k26(t, touched, k_packed):
   """expert_mlp at K2.6's INT4 shapes (48 local experts, D 7168, F 2048) with the promoted
-  default tunings of the T=2..32 class at T=9 on 8 experts and T=16 on 4 (p2c4+s2+il+a2+r8:
-  gated split-K partials through the slots loop; down at block_n 128) and the T=65 class
+  default tunings of the T=2..32 class at T=9 on 8 experts and T=16 on 4 (s2+il+a2+r8+w2:
+  gate|up unsplit with the SiLU in its epilogue, 8 slot columns; down at block_n 128) and the T=65 class
   (R = 8, 2 stages), on plain or K-packed stacks (int4.pack_k, as the decode layout holds
   them) == the f32 dequantise-first XLA path on the plain stacks within bf16
   rounding (T=1's is test_expert_ffn_gpu_k26_ar_token_both_glues). K-packed stacks with

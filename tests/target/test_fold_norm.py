@@ -177,6 +177,7 @@ def test_one_token_moe_f32_routes_as_xla_routing_unfolded():
   every MoE layer. The router logits are the same f32 dot of the same normalised row; only
   where the row comes from changes. fold_norm_weights alone does not take the path."""
   cfg, params = _kernel_routed_model()
+  cfg = cfg.replace(one_token_rows_first=False)  # the default since s29: both sides explicit
   plain_cfg = cfg.replace(router_impl="xla")
   plain = pack.pack_for_decode(plain_cfg, params)
   rcfg = cfg.replace(one_token_rows_first=True)
