@@ -12,24 +12,19 @@ from kdtree_jax.target import config as C
 from kdtree_jax.target import experts, pair_layout_kernel
 from pallas_kernels.grouped_matmul import work
 from test_lean_glue import _assert_same_layer_on_the_kernel, _routing  # its neighbour's
+from work_reference import items_brute_force  # tests/work_reference.py
 
 
 def _numpy_layout(idx, e_l, e0, rows, n_items):
-  """(rank, sizes, ends, order, items [4, n_items]) from numpy: pairs of other experts last."""
+  """(rank, sizes, ends, order, items [4, n_items]) from numpy: pairs of other experts last; the
+  items by walking each expert's rows in R-row windows from its 8-aligned first row."""
   local = idx.reshape(-1) - e0
   key = np.where((local >= 0) & (local < e_l), local, e_l)
   order = np.argsort(key, kind="stable")
   rank = np.argsort(order)
   sizes = np.bincount(key, minlength=e_l + 1)[:e_l]
   ends = np.cumsum(sizes)
-  items, start = [], 0
-  for e, s in enumerate(sizes):
-    win = start - start % 8
-    while s and win < start + s:
-      lo, hi = max(start, win), min(start + s, win + rows)
-      items.append([e, win, lo - win, hi - lo])
-      win += rows
-    start += s
+  items = items_brute_force([int(v) for v in sizes], rows)
   table = np.zeros((4, n_items), np.int64)
   table[:, :len(items)] = np.asarray(items, np.int64).reshape(-1, 4).T
   return rank, sizes, ends, order, table
