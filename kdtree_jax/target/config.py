@@ -118,14 +118,6 @@ class TargetConfig:
   # H200 (s6_moe_layer.log): one MoE layer T=1 42.8 vs 46.8 us, T=16 240.1 vs 248.9; H100
   # (s20_route65.log) T=65 427.4 vs 443.2.
   router_impl: str = "auto"
-  # pair_layout_impl: above one token with lean_glue, where the expert calls run on the kernel
-  # with the packed layout and M = T x K <= 128 pairs: the sorted pair layout and the work list
-  # from "xla" (three dependent masked reductions: `experts._pair_counts`,
-  # `_order_and_item_ends`, `work.work_list`) or "pallas" (ONE Pallas Triton launch,
-  # `target/pair_layout_kernel.py`: the same integers), or "auto" ("pallas" on a GPU). Runtime
-  # (no pack-time change). Default "xla" until its paired A/B in the step:
-  # `bench_k26_full --ab_loop_bench=target.pair_layout_impl=pallas`.
-  pair_layout_impl: str = "xla"
   # shared_intermediate_size: the shared experts' FFN width held here (None = all of it,
   # moe_intermediate_size * n_shared_experts; a 1/S slice for one GPU's share in benchmarks).
   shared_intermediate_size: int | None = None
@@ -185,8 +177,6 @@ class TargetConfig:
       raise ValueError(f"{self.moe_glue=} must be 'auto', 'sorted' or 'dense'")
     if self.router_impl not in ("auto", "xla", "pallas"):
       raise ValueError(f"{self.router_impl=} must be 'auto', 'xla' or 'pallas'")
-    if self.pair_layout_impl not in ("auto", "xla", "pallas"):
-      raise ValueError(f"{self.pair_layout_impl=} must be 'auto', 'xla' or 'pallas'")
 
   # ---- derived shapes -------------------------------------------------------------------
   @property

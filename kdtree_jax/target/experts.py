@@ -5,7 +5,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kdtree_jax.target import pair_layout_kernel
 from kdtree_jax.target.grouped_matmul import expert_mlp, work_rows
 from pallas_kernels.grouped_matmul import work
 
@@ -15,7 +14,7 @@ COMPARE_SORT_MAX_PAIRS = 2048
 
 
 def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto", lean=False,
-               aligned=False, layout_kernel=False):
+               aligned=False):
   """Experts [e0, e0 + E_l) on the (token, slot) pairs routed to them, dropless -> [T, D] f32.
 
   Pairs are sorted by expert (pairs for other experts go last and contribute 0), run through
@@ -24,13 +23,9 @@ def expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0=0, impl="auto"
   lean: `_lean_expert_ffn` (TargetConfig.lean_glue), the same values in fewer launches and bytes.
   aligned (with lean, on the kernel at R 8; TargetConfig.align_expert_rows_from): each expert's
   sorted rows start 8-aligned (`aligned_rows`), so no expert's rows straddle a work window.
-  layout_kernel (with lean; TargetConfig.pair_layout_impl): where the packed layout runs on the
-  kernel and `pair_layout_kernel.supports` the pairs, the pair layout and the work list come
-  from that ONE kernel launch instead of three XLA reductions (the same integers).
   """
   if lean and idx_tk.size <= COMPARE_SORT_MAX_PAIRS:
-    return _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl, aligned,
-                            layout_kernel)
+    return _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl, aligned)
   order, rank, sizes, ends, mine = sorted_pair_layout(idx_tk, gate_edf.shape[0], e0)
   y = expert_mlp(x_td[order // idx_tk.shape[1]], gate_edf, up_edf, down_efd, sizes, impl,
                  group_ends=ends)
@@ -106,8 +101,7 @@ def aligned_rows(key, rank, sizes, ends):
   return jnp.where(local, rank + shift[jnp.minimum(key, e_l - 1)], bound), starts + sizes
 
 
-def _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl, aligned=False,
-                     layout_kernel=False):
+def _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl, aligned=False):
   """`expert_ffn` (same kernels, same values) with less glue around the two kernel calls:
   - the pairs' order and the work list's items-per-expert cumsum are ONE masked reduction
     (`_order_and_item_ends`: 3 dependent index reductions before the kernels, not 4);
@@ -118,23 +112,16 @@ def _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl, a
   t, k = idx_tk.shape
   m, e_l = t * k, gate_edf.shape[0]
   key, mine = _pair_keys(idx_tk, e_l, e0)
+  rank, sizes, ends = _pair_counts(key, e_l)
   x_rows = jax.ShapeDtypeStruct((m, x_td.shape[1]), x_td.dtype)
-  rows = work_rows(x_rows, gate_edf, up_edf, down_efd, jax.ShapeDtypeStruct((e_l,), jnp.int32),
-                   impl)
-  aligned = aligned and rows == work.ALIGN  # R 8 windows on the kernel (XLA's are contiguous)
-  m_rows = aligned_row_bound(m, e_l) if aligned else m
-  if layout_kernel and rows is not None and not aligned and pair_layout_kernel.supports(m):
-    rank, sizes, ends, order, items = pair_layout_kernel.pair_layout(
-        idx_tk, e_l, e0, rows, work.num_items(m, e_l, rows))
-  else:
-    rank, sizes, ends = _pair_counts(key, e_l)
-    n_items = None
-    if aligned:
-      rank, ends = aligned_rows(key, rank, sizes, ends)
-      n_items = work.num_items_aligned(m, e_l, rows)
-    order, upto = _order_and_item_ends(rank, sizes, ends, rows, m_rows)
-    items = None if rows is None else work.work_list(sizes, m_rows, rows, ends,
-                                                     items_upto=upto, max_items=n_items)
+  rows = work_rows(x_rows, gate_edf, up_edf, down_efd, sizes, impl)
+  m_rows, n_items = m, None
+  if aligned and rows == work.ALIGN:  # R 8 windows on the kernel (XLA's groups are contiguous)
+    rank, ends = aligned_rows(key, rank, sizes, ends)
+    m_rows, n_items = aligned_row_bound(m, e_l), work.num_items_aligned(m, e_l, rows)
+  order, upto = _order_and_item_ends(rank, sizes, ends, rows, m_rows)
+  items = None if rows is None else work.work_list(sizes, m_rows, rows, ends, items_upto=upto,
+                                                   max_items=n_items)
   row = jnp.arange(m_rows, dtype=jnp.int32)
   y = expert_mlp(x_td[order // k], gate_edf, up_edf, down_efd, sizes, impl, group_ends=ends,
                  items=None if items is None else lambda r: _same_rows(items, r, rows),

@@ -137,15 +137,7 @@ def _limit_groups(choice_te, n_group, topk_group):
 def routed_experts(p, cfg: TargetConfig, x_td, idx_tk, w_tk):
   """The routed experts this device holds (all, or cfg.num_local_experts of them)."""
   return expert_ffn(x_td, idx_tk, w_tk, p["gate"], p["up"], p["down"], impl=cfg.expert_backend,
-                    lean=cfg.lean_glue, aligned=_aligns_expert_rows(cfg, x_td.shape[0]),
-                    layout_kernel=_pair_layout_kernel(cfg))
-
-
-def _pair_layout_kernel(cfg: TargetConfig) -> bool:
-  """Whether the pair layout and work list may come from one kernel (pair_layout_impl "pallas",
-  or "auto" on a GPU); `experts.expert_ffn` checks the shapes."""
-  return cfg.pair_layout_impl == "pallas" or (cfg.pair_layout_impl == "auto"
-                                              and jax.default_backend() == "gpu")
+                    lean=cfg.lean_glue, aligned=_aligns_expert_rows(cfg, x_td.shape[0]))
 
 
 def _aligns_expert_rows(cfg: TargetConfig, t: int) -> bool:
