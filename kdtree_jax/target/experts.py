@@ -108,7 +108,9 @@ def _lean_expert_ffn(x_td, idx_tk, w_tk, gate_edf, up_edf, down_efd, e0, impl, a
   - the pass that sums the gated call's K-split partials reads the live rows only (rows past
     the live count take row 0: the down call computes them but stores none);
   - the combine's gathers of non-local pairs read row 0 (masked to 0 as before), so it reads
-    ~the live rows of the down partials instead of all T*K rows of each split."""
+    ~the live rows of the down partials instead of all T*K rows of each split.
+  The three index reductions (pair counts, order + item ends, work list) as ONE single-program
+  Triton launch was built twice and measured slower both times (notes/moe.md "Tried again")."""
   t, k = idx_tk.shape
   m, e_l = t * k, gate_edf.shape[0]
   key, mine = _pair_keys(idx_tk, e_l, e0)
