@@ -92,7 +92,7 @@ SPEC_AB_KEYS = ("tree_impl",)  # bench keys bench_spec reads that leave the loop
 # pack-time field such as fold_norm_weights or int4_k_interleaved would read unpacked weights
 # as packed ones: same shapes, wrong values)
 TARGET_AB_FIELDS = ("mosaic_pdl", "moe_glue", "lean_glue", "router_impl", "expert_backend",
-                    "align_expert_rows_from", "one_token_rows_first")
+                    "align_expert_rows_from", "one_token_rows_first", "expert_variants")
 runtime.define_flags()
 
 

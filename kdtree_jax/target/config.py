@@ -147,6 +147,12 @@ class TargetConfig:
   # pallas_kernels/pdl.py). Same values. Default off until a GPU A/B (notes/runtime.md, "PDL:
   # who waits": in XLA's graph the custom call is a traced child node, which may void it).
   mosaic_pdl: bool = False
+  # expert_variants: overrides of the INT4 expert calls' promoted tunings in decode, by class:
+  # 'BOUND=GATED|DOWN;...' with BOUND a `tuning.DEFAULT_VARIANTS` max_rows (8: T=1, 263: T=2..32,
+  # 520: T=33..65, none: prefill) and the variants `tuning.apply_variant` names ('': none).
+  # Runtime (no pack-time change): the in-step A/B of an expert-call form, e.g.
+  # `bench_k26_full --ab_loop_bench='target.expert_variants=8=once+ismem+cat+il+a2+k128+p8|...'`.
+  expert_variants: str = ""
   # int4_k_interleaved: target/pack.py's decode layout stores the INT4 routed stacks
   # pair-interleaved ("kpairs", `kpairs.pack_int4_k_pairs`) instead of K-packed ("kpack"), and
   # the expert calls then run the kernel's PRMT-free dequantise (Tuning.int4_k_interleaved,
@@ -177,6 +183,12 @@ class TargetConfig:
       raise ValueError(f"{self.moe_glue=} must be 'auto', 'sorted' or 'dense'")
     if self.router_impl not in ("auto", "xla", "pallas"):
       raise ValueError(f"{self.router_impl=} must be 'auto', 'xla' or 'pallas'")
+    if self.expert_variants:  # a typo fails here, not at the first trace on a GPU
+      from pallas_kernels.grouped_matmul import tuning  # pylint: disable=import-outside-toplevel
+      try:
+        tuning.parse_overrides(self.expert_variants)
+      except ValueError as ex:
+        raise ValueError(f"{self.expert_variants=}: {ex}") from ex
 
   # ---- derived shapes -------------------------------------------------------------------
   @property

@@ -18,6 +18,7 @@ from kdtree_jax.target import mlp
 from kdtree_jax.target.moe import moe
 from kdtree_jax.target.norm import inv_rms, rms_norm
 from pallas_kernels import pdl
+from pallas_kernels.grouped_matmul.tuning import variant_overrides
 
 
 def _ffn(lp, cfg: TargetConfig, x, routes):
@@ -96,7 +97,8 @@ def decode(cfg: TargetConfig, params, cache: LatentCache, tokens_bn, positions_b
   x = params["embed"][tokens_bn]
   taps = {}
   latent = list(cache.latent)
-  with pdl.model_default(cfg.mosaic_pdl):  # the layers' Mosaic kernels (pallas_kernels/pdl.py)
+  # The layers' Mosaic kernels: PDL (pallas_kernels/pdl.py) and the expert calls' variants.
+  with pdl.model_default(cfg.mosaic_pdl), variant_overrides(cfg.expert_variants):
     for i, lp in enumerate(params["layers"]):
       h, latent[i] = mla.absorbed_attention(
           lp["attn"], cfg, _attn_input(lp, cfg, x), positions_bn, latent[i],

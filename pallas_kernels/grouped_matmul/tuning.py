@@ -1,5 +1,7 @@
 """Tuning knobs of the grouped expert matmul and the shape heuristic that picks them."""
 
+import contextlib
+import contextvars
 import dataclasses
 import re
 
@@ -53,12 +55,48 @@ DEFAULT_VARIANTS = (
 )
 
 
+# The innermost `variant_overrides` scope's {class bound: variant} (TargetConfig.expert_variants).
+_OVERRIDES = contextvars.ContextVar("grouped_matmul_variant_overrides", default=None)
+
+
 def promoted_variant(m: int, gated: bool = False) -> str:
-  """DEFAULT_VARIANTS' variant for an INT4 call of M rows (gated: the gate|up call)."""
+  """DEFAULT_VARIANTS' variant for an INT4 call of M rows (gated: the gate|up call), or the
+  innermost `variant_overrides` scope's for that class."""
+  overrides = _OVERRIDES.get() or {}
   for max_rows, name, _ in DEFAULT_VARIANTS:
     if max_rows is None or m <= max_rows:
-      return call_variant(name, gated)
+      return call_variant(overrides.get(max_rows, name), gated)
   raise ValueError(f"DEFAULT_VARIANTS has no entry for M={m}: its last bound must be None")
+
+
+def parse_overrides(spec: str) -> dict:
+  """'BOUND=VARIANT;...' -> {bound: variant}: BOUND one of DEFAULT_VARIANTS' max_rows (8, 263,
+  520, or 'none' for the last class), VARIANT a 'GATED|DOWN' or one `apply_variant` name.
+  Each name is applied to a K2.6-share call of its class here, so a typo fails now."""
+  bounds = {str(b).lower(): b for b, _, _ in DEFAULT_VARIANTS}
+  out = {}
+  for entry in (e.strip() for e in spec.split(";") if e.strip()):
+    bound, eq, name = (part.strip() for part in entry.partition("="))
+    if not eq or bound.lower() not in bounds or not name:
+      raise ValueError(f"expert variant override {entry!r}: want BOUND=VARIANT with BOUND one "
+                       f"of {sorted(bounds)}")
+    rows = bounds[bound.lower()] or 4096
+    default_tuning(rows, 48, 7168, 2048, True, gated=True, variant=name)
+    default_tuning(rows, 48, 2048, 7168, True, variant=name)
+    out[bounds[bound.lower()]] = name
+  return out
+
+
+@contextlib.contextmanager
+def variant_overrides(spec: str):
+  """Within: INT4 calls with an API-picked tuning take `parse_overrides(spec)`'s variant for
+  their class instead of DEFAULT_VARIANTS' ('': none). Read at trace time, as pdl.model_default:
+  the chosen Tuning is a static argument of the kernel's jit."""
+  token = _OVERRIDES.set(parse_overrides(spec))
+  try:
+    yield
+  finally:
+    _OVERRIDES.reset(token)
 
 
 def call_variant(name: str, gated: bool) -> str:
