@@ -147,9 +147,10 @@ class TargetConfig:
   # pallas_kernels/pdl.py). Same values. Default off until a GPU A/B (notes/runtime.md, "PDL:
   # who waits": in XLA's graph the custom call is a traced child node, which may void it).
   mosaic_pdl: bool = False
-  # expert_variants: overrides of the INT4 expert calls' promoted tunings in decode, by class:
-  # 'BOUND=GATED|DOWN;...' with BOUND a `tuning.DEFAULT_VARIANTS` max_rows (8: T=1, 263: T=2..32,
-  # 520: T=33..65, none: prefill) and the variants `tuning.apply_variant` names ('': none).
+  # expert_variants: overrides of the INT4 expert calls' promoted tunings in decode (verify and
+  # ar steps; prefill keeps the defaults), by class: 'BOUND=GATED|DOWN;...' with BOUND a
+  # `tuning.DEFAULT_VARIANTS` max_rows (8: T=1, 263: T=2..32, 520: T=33..65, none: more) and
+  # the variants `tuning.apply_variant` names ('': none).
   # Runtime (no pack-time change): the in-step A/B of an expert-call form, e.g.
   # `bench_k26_full --ab_loop_bench='target.expert_variants=8=once+ismem+cat+il+a2+k128+p8|...'`.
   expert_variants: str = ""

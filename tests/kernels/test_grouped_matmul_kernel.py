@@ -404,10 +404,10 @@ def test_default_variants_promote_per_row_count():
   call their own half of a 'GATED|DOWN' name: T=1 (M 8) fixed-cost options, gate|up in 8 splits
   of K 128 with interleaved stacks and two accumulator chains, down in 4 splits; T=2..32 (M
   9..263, R = 8 since s27: the T=13..32 class's R 16 merged into the T=9 class) gate|up unsplit
-  (since s28; SiLU in the kernel) with il+a2 in 8 slot columns, down unsplit at block_n 128 in 9 slot columns of its 56 N tiles (~4 CTAs
-  per SM) with two chains; T=33..65 (M 264..520) R = 8 in a persistent grid, gate|up on 3
-  stages, down on 2 with two chains; larger M (prefill) the base; bf16 calls and
-  variant='default' the base."""
+  (since s29; SiLU in the kernel) with il+a2 in 8 slot columns, down unsplit at block_n 128 in
+  9 slot columns of its 56 N tiles (~4 CTAs per SM) with two chains; T=33..65 (M 264..520)
+  R = 8 in a persistent grid, gate|up on 3 stages, down on 2 with two chains; larger M
+  (prefill) the base; bf16 calls and variant='default' the base."""
   d, f = 7168, 2048
   base = lambda m, k, n, **kw: default_tuning(m, 48, k, n, True, variant="default", **kw)
   t1 = ("once+ismem+cat+il+a2+k128+p8", "once+ismem+cat+a2+p4")
@@ -686,8 +686,8 @@ def test_k_packed_stacks_follow_into_the_tuning_and_the_reference():
 def test_expert_mlp_gpu_promoted_tunings_k26(t, touched, k_packed):
   """expert_mlp at K2.6's INT4 shapes (48 local experts, D 7168, F 2048) with the promoted
   default tunings of the T=2..32 class at T=9 on 8 experts and T=16 on 4 (s2+il+a2+r8+w2:
-  gate|up unsplit with the SiLU in its epilogue, 8 slot columns; down at block_n 128) and the T=65 class
-  (R = 8, 2 stages), on plain or K-packed stacks (int4.pack_k, as the decode layout holds
+  gate|up unsplit with the SiLU in its epilogue, 8 slot columns; down at block_n 128) and the
+  T=65 class (R = 8, 2 stages), on plain or K-packed stacks (int4.pack_k, as the decode layout holds
   them) == the f32 dequantise-first XLA path on the plain stacks within bf16
   rounding (T=1's is test_expert_ffn_gpu_k26_ar_token_both_glues). K-packed stacks with
   --gpu-full-grid (the same tunings; kpack's and kpairs' loads: test_grouped_matmul_small_t)."""

@@ -46,7 +46,7 @@ def test_bad_overrides_fail_at_config_time(spec, match):
 
 def _int4_tunings(cfg, monkeypatch):
   """The INT4 tunings `api` picks while one decode step of a tiny INT4 model on the kernel (GPU
-  interpret mode, D 512) is traced: [(M, K, N, Tuning)]."""
+  interpret mode, D 512) is traced: [(M, K, N, gated, Tuning)]."""
   seen = []
   real = _API_DEFAULT_TUNING
 
