@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -202,8 +203,13 @@ def test_ab_loop_bench_times_a_second_spec_in_the_same_process(tmp_path):
   paired = [r for r in rows if r["kind"] == "paired_ab"]  # the interleaved decision row
   assert [(r["mode"], r["variant"], r["ctx"]) for r in paired] == [("ddtree", "_spec", 64)]
   rounds = paired[0]["rounds"]
-  assert len(paired[0]["base_slopes_ms"]) == len(paired[0]["variant_slopes_ms"]) == rounds == 8
-  assert min(paired[0]["base_slopes_ms"] + paired[0]["variant_slopes_ms"]) > 0
+  base, variant = paired[0]["base_slopes_ms"], paired[0]["variant_slopes_ms"]
+  assert len(base) == len(variant) == rounds == 8
+  # No timing asserted (a host stall inside a round's short chunk reads as a negative slope on
+  # a CPU, where the tiny loop's step is < 1 ms): the row is the summary of its own rounds.
+  assert all(np.isfinite(base + variant))
+  assert paired[0]["variant_faster"] == sum(v < b for b, v in zip(base, variant))
+  assert paired[0]["base_ms"] == pytest.approx(float(np.median(base)))
   summary = stdout[stdout.index("==== summary"):]
   assert "paired A/B (interleaved rounds" in summary
   assert f"_spec faster in {paired[0]['variant_faster']} of 8 rounds" in summary
