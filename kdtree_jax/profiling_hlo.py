@@ -341,7 +341,9 @@ GEMV_MIN_BYTES = 1 << 20  # a reduce fusion reading an operand this big is a mat
 
 def _operands(key: str) -> str:
   """The operand shapes of a listing description ('out <- operands (op_name) [...] @ ...')."""
-  return key.split(" <- ", 1)[1].split(" (", 1)[0] if " <- " in key else ""
+  if " <- " not in key:
+    return ""
+  return key.split(" <- ", 1)[1].split(" (", 1)[0].split(" [", 1)[0]
 
 
 def _operand_bytes(key: str) -> list[int]:

@@ -687,10 +687,10 @@ def test_expert_mlp_gpu_promoted_tunings_k26(t, touched, k_packed):
   """expert_mlp at K2.6's INT4 shapes (48 local experts, D 7168, F 2048) with the promoted
   default tunings of the T=2..32 class at T=9 on 8 experts and T=16 on 4 (s2+il+a2+r8+w2:
   gate|up unsplit with the SiLU in its epilogue, 8 slot columns; down at block_n 128) and the
-  T=65 class (R = 8, 2 stages), on plain or K-packed stacks (int4.pack_k, as the decode layout holds
-  them) == the f32 dequantise-first XLA path on the plain stacks within bf16
-  rounding (T=1's is test_expert_ffn_gpu_k26_ar_token_both_glues). K-packed stacks with
-  --gpu-full-grid (the same tunings; kpack's and kpairs' loads: test_grouped_matmul_small_t)."""
+  T=65 class (R = 8, 2 stages), on plain or K-packed stacks (int4.pack_k, as the decode layout
+  holds them) == the f32 dequantise-first XLA path on the plain stacks within bf16 rounding
+  (T=1's is test_expert_ffn_gpu_k26_ar_token_both_glues). K-packed stacks with --gpu-full-grid
+  (the same tunings; kpack's and kpairs' loads: test_grouped_matmul_small_t)."""
   e_l, d, f, m = 48, 7168, 2048, 8 * t
   gs = _class_sizes(t, touched)
   ks = jax.random.split(jax.random.key(t), 4)
